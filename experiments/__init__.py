@@ -1,0 +1,10 @@
+"""Named experiments: the paper's 30 runs (`paper.py`), small CPU runs (`tiny.py`),
+and the settings of the paper's analysis tables (`analysis.py`).
+
+    python -m mlra_jax.info --list        # every experiment with a one-line description
+"""
+
+from experiments import paper, tiny  # noqa: F401  (registration)
+from experiments.registry import all_experiments, experiment_names, get_experiment, register
+
+__all__ = ["all_experiments", "experiment_names", "get_experiment", "register"]

@@ -1,0 +1,122 @@
+"""The one interface every attention variant implements.
+
+A variant computes, per token, exactly what the paper says it caches
+(`cache_entry`), and attends from the queries of x over such entries (`attend`).
+Training runs both on the same sequence; decoding (mlra_jax.decode) runs
+`cache_entry` on new tokens and `attend` over the cache. The gate and the output
+projection are shared here. `cache_layout` declares the cached tensors per token:
+each has `units` interchangeable slices along axis 2 (KV heads, latent blocks, ...)
+that tensor parallelism may split across devices, and `unit_shape` elements each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+from flax import nnx
+
+from mlra_jax.config import ModelConfig
+from mlra_jax.layers import dense_init, make_param, output_init, project
+
+KVCache = dict[str, jax.Array]  # name -> [B, T, units, *unit_shape]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheComponent:
+    """One cached tensor per token: `units` slices of `unit_shape` elements each."""
+
+    name: str
+    units: int
+    unit_shape: tuple[int, ...]
+    unit_axis: str | None  # logical axis name of the units (None: one unit, replicated under TP)
+
+    @property
+    def unit_elements(self) -> int:
+        return math.prod(self.unit_shape)
+
+    @property
+    def elements(self) -> int:
+        return self.units * self.unit_elements
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+    """The per-device decode attention of the paper's Table 2 at the variant's native TP.
+
+    heads: query heads per device; qk_dim / v_dim: widths each head attends with
+    (after weight absorption for the latent family); cache_elements: elements per
+    token read per device; tp: the TP degree this describes.
+    """
+
+    tp: int
+    heads: int
+    qk_dim: int
+    v_dim: int
+    cache_elements: int
+    flops_override: int | None = None  # FLOPs per context token where the paper counts otherwise (TPA)
+
+    @property
+    def flops_per_token(self) -> int:
+        if self.flops_override is not None:
+            return self.flops_override
+        return self.heads * (2 * self.qk_dim + 2 * self.v_dim)
+
+    def arithmetic_intensity(self, bytes_per_element: int = 2) -> float:
+        return self.flops_per_token / (bytes_per_element * self.cache_elements)
+
+
+class Attention(nnx.Module):
+    """Base class: subclasses define q/k/v; this owns the gate and the output projection."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.dtype = cfg.dtype
+        self.impl = cfg.attention_impl
+        self.theta = cfg.rope_theta
+        self.n_head = cfg.n_head
+        dv = cfg.value_head_dim
+        self.o_proj = make_param(rngs, (cfg.n_head, dv, cfg.n_embd), ("q_heads", "head_dim", "embed"),
+                                 output_init(cfg), cfg)
+        self.gate_proj = (make_param(rngs, (cfg.n_embd, cfg.n_head, dv), ("embed", "q_heads", "head_dim"),
+                                     dense_init(cfg), cfg) if cfg.gated else None)
+
+    # -- what subclasses implement -------------------------------------------
+    @staticmethod
+    def cache_layout(cfg: ModelConfig) -> list[CacheComponent]:
+        raise NotImplementedError
+
+    @staticmethod
+    def decode_shape(cfg: ModelConfig) -> DecodeShape:
+        raise NotImplementedError
+
+    def cache_entry(self, x: jax.Array, positions: jax.Array) -> KVCache:
+        raise NotImplementedError
+
+    def attend(self, x: jax.Array, positions: jax.Array, kv: KVCache, mask: jax.Array | None) -> jax.Array:
+        """[B, T, n_head, d_v] attention output of the queries of x over kv."""
+        raise NotImplementedError
+
+    # -- shared --------------------------------------------------------------
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        """Self-attention over the sequence x [B, T, d] (causal when mask is None)."""
+        return self.output(x, self.attend(x, positions, self.cache_entry(x, positions), mask))
+
+    def output(self, x: jax.Array, heads_out: jax.Array) -> jax.Array:
+        """Optional sigmoid gate computed from x (the attention's input), then the output projection."""
+        heads_out = heads_out.astype(self.dtype)
+        if self.gate_proj is not None:
+            heads_out = heads_out * jax.nn.sigmoid(project(x, self.gate_proj, "btd,dhk->bthk", self.dtype))
+        return project(heads_out, self.o_proj, "bthk,hkd->btd", self.dtype)
+
+
+def check_cache_entry(layout: list[CacheComponent], entry: KVCache) -> None:
+    """Assert that an entry holds exactly the declared components (used by tests and decoding)."""
+    names = {c.name for c in layout}
+    if set(entry) != names:
+        raise ValueError(f"cache entry has {sorted(entry)}, layout declares {sorted(names)}")
+    for c in layout:
+        got = entry[c.name].shape[2:]
+        if got != (c.units, *c.unit_shape):
+            raise ValueError(f"cache component {c.name!r} has per-token shape {got}, layout declares "
+                             f"{(c.units, *c.unit_shape)}")

@@ -1,0 +1,82 @@
+"""The shared scaled dot-product attention, with an explicit implementation choice.
+
+Shapes: q [B, T, Hq, Dk], k [B, S, Hkv, Dk], v [B, S, Hkv, Dv] with Hq a multiple of
+Hkv; query head i reads KV head i // (Hq // Hkv) (torch repeat_interleave). Dk may
+differ from Dv (the latent variants attend with 192-wide keys and 128-wide values).
+Logits and softmax are float32 whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+def causal_mask(q_positions: jax.Array, kv_positions: jax.Array, kv_valid: jax.Array | None = None) -> jax.Array:
+    """[B, T, S] bool: a query sees keys at positions <= its own (and only valid keys)."""
+    mask = kv_positions[:, None, :] <= q_positions[:, :, None]
+    if kv_valid is not None:
+        mask = mask & kv_valid[:, None, :]
+    return mask
+
+
+def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array) -> int:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"attention expects 4-D q, k, v; got {q.shape}, {k.shape}, {v.shape}")
+    if q.shape[-1] != k.shape[-1] or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0]:
+        raise ValueError(f"incompatible attention shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} KV heads")
+    return q.shape[2] // k.shape[2]
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, mask: jax.Array | None) -> jax.Array:
+    """Plain einsum attention; mask is [B, T, S] bool or None (no masking)."""
+    groups = _check_shapes(q, k, v)
+    b, t, hq, dk = q.shape
+    q = q.reshape(b, t, hq // groups, groups, dk)
+    logits = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    if mask is not None:
+        logits = jnp.where(mask[:, None, None], logits, _MASKED)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, hq, v.shape[-1]).astype(v.dtype)
+
+
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, causal: bool) -> jax.Array:
+    """cuDNN flash attention through jax.nn.dot_product_attention (NVIDIA GPUs).
+
+    cuDNN wants one head width for q, k and v: the narrower side is zero-padded,
+    which leaves every dot product unchanged, and the output is sliced back.
+    """
+    _check_shapes(q, k, v)
+    dk, dv = q.shape[-1], v.shape[-1]
+    width = max(dk, dv)
+    pad = lambda x, d: x if d == width else jnp.pad(x, [(0, 0)] * 3 + [(0, width - d)])
+    out = jax.nn.dot_product_attention(pad(q, dk), pad(k, dk), pad(v, dv), scale=scale, is_causal=causal,
+                                       implementation="cudnn")
+    return out[..., :dv]
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, impl: str = "xla",
+              mask: jax.Array | None = None) -> jax.Array:
+    """Causal attention over a full sequence (mask=None) or under an explicit [B, T, S] mask."""
+    if impl == "xla":
+        if mask is None:
+            positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
+            mask = causal_mask(positions, positions)
+        return xla_attention(q, k, v, scale=scale, mask=mask)
+    if impl == "cudnn":
+        if jax.default_backend() != "gpu":
+            raise ValueError(f"attention_impl='cudnn' needs an NVIDIA GPU, but the JAX backend is "
+                             f"{jax.default_backend()!r}; use attention_impl='xla'")
+        if mask is not None:
+            raise ValueError("attention_impl='cudnn' supports the plain causal mask only; use attention_impl='xla' "
+                             "for padded or cached attention")
+        return cudnn_attention(q, k, v, scale=scale, causal=True)
+    if impl == "pallas":
+        raise ValueError("attention_impl='pallas' is implemented for decoding only (pallas_kernels); "
+                         "train and prefill with attention_impl='xla' or 'cudnn'")
+    raise ValueError(f"attention_impl={impl!r} is not valid; allowed values: xla, cudnn, pallas")

@@ -1,0 +1,111 @@
+"""The latent family: MLA, GLA-2, GLA-4, MLRA-2 and MLRA-4 in one module.
+
+All five share MLA's query path and one down-projection to a latent of d_c
+channels plus a shared RoPE key of d_h^R. They differ only in how the latent is
+split and who reads each piece (`ModelConfig.latent_layout`):
+
+    variant  blocks  branches  heads per block   block b serves
+    MLA         1        1        h               all heads
+    GLA-2       2        1        h/2             heads of group b
+    GLA-4       4        1        h/4             heads of group b
+    MLRA-2      4        2        h/2             branch b // 2, heads of group b % 2
+    MLRA-4      4        4        h               branch b, all heads
+
+Each block has its RMSNorm and its up-projection to k_nope || v for the heads it
+serves (paper Sec. 3, Eq. 1-2). Within a branch the heads are concatenated; the
+branches are attention outputs summed and scaled by 1/sqrt(branches) (paper Sec.
+3.3; the no-scale ablation drops this factor with alpha_q and alpha_kv). The cache
+holds the normalized, scaled latent blocks and the roped key (REFERENCE.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mlra_jax.attention.base import Attention, CacheComponent, DecodeShape, KVCache
+from mlra_jax.attention.core import attention
+from mlra_jax.attention.rope import apply_rope
+from mlra_jax.config import ModelConfig
+from mlra_jax.layers import RMSNorm, dense_init, make_param, project
+
+
+class LatentAttention(Attention):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        d, h = cfg.n_embd, cfg.n_head
+        dq, dh, dr = cfg.q_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.blocks, self.branches = cfg.latent_layout
+        self.block_rank = cfg.kv_lora_rank // self.blocks
+        self.block_heads = h * self.branches // self.blocks
+        self.nope_dim, self.rope_dim = dh, dr
+        init = dense_init(cfg)
+        self.q_down = make_param(rngs, (d, dq), ("embed", "q_lora"), init, cfg)
+        self.q_norm = RMSNorm((dq,), ("q_lora",), cfg, rngs=rngs)
+        self.q_up = make_param(rngs, (dq, h, dh + dr), ("q_lora", "q_heads", "qk_head_dim"), init, cfg)
+        self.kv_down = make_param(rngs, (d, self.blocks, self.block_rank), ("embed", "latent_blocks", "latent"),
+                                  init, cfg)
+        self.k_rope_proj = make_param(rngs, (d, dr), ("embed", "rope_dim"), init, cfg)
+        self.kv_norm = RMSNorm((self.blocks, self.block_rank), ("latent_blocks", "latent"), cfg, rngs=rngs)
+        self.kv_up = make_param(rngs, (self.blocks, self.block_rank, self.block_heads, 2 * dh),
+                                ("latent_blocks", "latent", "block_heads", "kv_head_dim"), init, cfg)
+        self.q_scale = math.sqrt(d / dq) if cfg.latent_scale else 1.0
+        self.kv_scale = math.sqrt(d / self.block_rank) if cfg.latent_scale else 1.0
+        self.softmax_scale = (dh + dr) ** -0.5
+        # The reference mlra_2_no_scale.py drops the 1/sqrt(branches) output scale together with
+        # the latent scales (its logits show it; REFERENCE.md's note that it stays is wrong).
+        self.branch_scale = self.branches ** -0.5 if cfg.latent_scale else 1.0
+
+    @staticmethod
+    def cache_layout(cfg: ModelConfig) -> list[CacheComponent]:
+        blocks, _ = cfg.latent_layout
+        return [CacheComponent("latent", blocks, (cfg.kv_lora_rank // blocks,), "latent_blocks"),
+                CacheComponent("k_rope", 1, (cfg.qk_rope_head_dim,), None)]
+
+    @staticmethod
+    def decode_shape(cfg: ModelConfig) -> DecodeShape:
+        """One device per latent block: h * branches / blocks heads over one block plus the RoPE key."""
+        blocks, branches = cfg.latent_layout
+        rank = cfg.kv_lora_rank // blocks
+        return DecodeShape(tp=blocks, heads=cfg.n_head * branches // blocks, qk_dim=rank + cfg.qk_rope_head_dim,
+                           v_dim=rank, cache_elements=rank + cfg.qk_rope_head_dim)
+
+    def cache_entry(self, x: jax.Array, positions: jax.Array) -> KVCache:
+        latent = self.kv_norm(project(x, self.kv_down, "btd,dnr->btnr", self.dtype)) * self.kv_scale
+        k_rope = apply_rope(project(x, self.k_rope_proj, "btd,dr->btr", self.dtype), positions, self.theta)
+        return {"latent": latent.astype(self.dtype), "k_rope": k_rope[:, :, None, :]}
+
+    def queries(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """q_nope [B, T, h, d_h] and roped q_rope [B, T, h, d_h^R]."""
+        c_q = self.q_norm(project(x, self.q_down, "btd,dq->btq", self.dtype)) * self.q_scale
+        q = project(c_q.astype(self.dtype), self.q_up, "btq,qhk->bthk", self.dtype)
+        return q[..., : self.nope_dim], apply_rope(q[..., self.nope_dim:], positions, self.theta)
+
+    def per_block(self, x: jax.Array) -> jax.Array:
+        """[B, T, h, D] -> [B, T, blocks, block_heads, D]: the heads that block b serves."""
+        b, t, _, dim = x.shape
+        groups = self.blocks // self.branches
+        x = x.reshape(b, t, 1, groups, self.block_heads, dim)
+        return jnp.broadcast_to(x, (b, t, self.branches, groups, self.block_heads, dim)).reshape(
+            b, t, self.blocks, self.block_heads, dim)
+
+    def merge_branches(self, out: jax.Array) -> jax.Array:
+        """[B, T, blocks, block_heads, d_h] -> [B, T, h, d_h], summing the branches."""
+        b, t = out.shape[:2]
+        out = out.reshape(b, t, self.branches, self.n_head, out.shape[-1]).astype(jnp.float32)
+        return (out.sum(axis=2) * self.branch_scale).astype(self.dtype)
+
+    def attend(self, x: jax.Array, positions: jax.Array, kv: KVCache, mask: jax.Array | None) -> jax.Array:
+        """Up-projects the latent to per-head keys and values (training and prefill)."""
+        q_nope, q_rope = self.queries(x, positions)
+        q = self.per_block(jnp.concatenate([q_nope, q_rope], axis=-1))
+        kv_heads = project(kv["latent"], self.kv_up, "bsnr,nrhk->bsnhk", self.dtype)
+        k_nope, v = kv_heads[..., : self.nope_dim], kv_heads[..., self.nope_dim:]
+        k_rope = jnp.broadcast_to(kv["k_rope"][:, :, :, None, :], k_nope.shape[:-1] + (self.rope_dim,))
+        k = jnp.concatenate([k_nope, k_rope], axis=-1)
+        flat = lambda a: a.reshape(a.shape[:2] + (self.blocks * self.block_heads, a.shape[-1]))
+        out = attention(flat(q), flat(k), flat(v), scale=self.softmax_scale, impl=self.impl, mask=mask)
+        return self.merge_branches(out.reshape(q.shape[:-1] + (self.nope_dim,)))

@@ -1,0 +1,227 @@
+"""Frozen, validated configuration dataclasses.
+
+A bad value fails at construction with a `ConfigError` that names the field and
+the values it accepts, so a typo never reaches a compiled program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+# Attention variants of the paper. MHA and MQA are GQA with group_size 1 and n_head.
+VARIANTS = ("mha", "mqa", "gqa", "mla", "mfa", "tpa", "gla2", "gla4", "gta", "mlra2", "mlra4")
+
+# (latent blocks, branches) of the latent family: MLA is one block serving every
+# head; GLA-g splits the latent into g blocks, each serving h/g heads; MLRA-4 has
+# four blocks, each serving all heads in its own branch; MLRA-2 has four blocks in
+# two branches, each block serving half of the heads.
+LATENT_LAYOUTS = {"mla": (1, 1), "gla2": (2, 1), "gla4": (4, 1), "mlra2": (4, 2), "mlra4": (4, 4)}
+
+_LATENT_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
+_REQUIRED_FIELDS = {
+    "mha": ("head_dim",),
+    "mqa": ("head_dim",),
+    "gqa": ("head_dim", "group_size"),
+    "gta": ("head_dim", "group_size"),
+    "mfa": ("head_dim", "q_lora_rank"),
+    "tpa": ("head_dim", "tpa_rank", "tpa_q_rank"),
+    **{name: _LATENT_FIELDS for name in LATENT_LAYOUTS},
+}
+_OPTIONAL_FIELDS = ("head_dim", "group_size", "tpa_rank", "tpa_q_rank", *_LATENT_FIELDS)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ATTENTION_IMPLS = ("xla", "cudnn", "pallas")
+REMAT_POLICIES = ("none", "full", "dots")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _check_choice(field: str, value: Any, allowed: tuple | list) -> None:
+    _require(value in allowed, f"{field}={value!r} is not valid; allowed values: {', '.join(map(str, allowed))}")
+
+
+def _check_positive(obj: Any, *fields: str) -> None:
+    for name in fields:
+        value = getattr(obj, name)
+        if value is not None:
+            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                     f"{name}={value!r} must be a positive integer")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A Llama-3 decoder with one of the paper's attention variants.
+
+    Field names follow the reference GPTConfig where one exists (REFERENCE.md);
+    `d_h` is `head_dim` for MHA/GQA/MQA/MFA/TPA/GTA and `qk_nope_head_dim` for the
+    latent family (MLA, GLA, MLRA), whose RoPE width is `qk_rope_head_dim`.
+    """
+
+    variant: str
+    n_layer: int
+    n_head: int
+    n_embd: int
+    intermediate_size: int
+    vocab_size: int = 50304
+    head_dim: int | None = None
+    group_size: int | None = None  # query heads per KV head (GQA, GTA); MQA: n_head
+    q_lora_rank: int | None = None  # d_c' (latent family); share_q_dim (MFA)
+    kv_lora_rank: int | None = None  # d_c
+    qk_nope_head_dim: int | None = None  # d_h of the latent family
+    qk_rope_head_dim: int | None = None  # d_h^R
+    tpa_rank: int | None = None  # beta_kv
+    tpa_q_rank: int | None = None  # beta_q
+    gated: bool = False  # sigmoid gate before the output projection
+    # The sqrt(d/d_c') and sqrt(d/d_c) latent scales and MLRA's 1/sqrt(branches) output scale;
+    # False is the no-scale ablation (as the reference *_no_scale.py files compute it).
+    latent_scale: bool = True
+    output_init: Literal["zero", "normal"] = "zero"  # init of the two output projections
+    init_std: float = 0.02
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    max_seq_len: int = 2048
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    attention_impl: str = "xla"
+    scan_layers: bool = True
+    remat: str = "none"
+
+    def __post_init__(self) -> None:
+        _check_choice("variant", self.variant, VARIANTS)
+        _check_positive(self, "n_layer", "n_head", "n_embd", "intermediate_size", "vocab_size",
+                        "max_seq_len", *_OPTIONAL_FIELDS)
+        _check_choice("output_init", self.output_init, ("zero", "normal"))
+        _check_choice("param_dtype", self.param_dtype, tuple(DTYPES))
+        _check_choice("compute_dtype", self.compute_dtype, tuple(DTYPES))
+        _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _check_choice("remat", self.remat, REMAT_POLICIES)
+        _require(self.init_std > 0, f"init_std={self.init_std} must be positive")
+        _require(self.norm_eps > 0, f"norm_eps={self.norm_eps} must be positive")
+        self._check_variant_fields()
+        self._check_divisibility()
+
+    # -- validation ---------------------------------------------------------
+    def _check_variant_fields(self) -> None:
+        required = _REQUIRED_FIELDS[self.variant]
+        missing = [name for name in required if getattr(self, name) is None]
+        _require(not missing, f"variant {self.variant!r} needs {', '.join(missing)} (required: {', '.join(required)})")
+        # MHA and MQA fix their group size; accept it only when it agrees.
+        fixed_group = {"mha": 1, "mqa": self.n_head}.get(self.variant)
+        if fixed_group is not None and self.group_size is not None:
+            _require(self.group_size == fixed_group,
+                     f"group_size={self.group_size} contradicts variant {self.variant!r}, whose group_size is "
+                     f"{fixed_group}; leave group_size unset")
+            required = required + ("group_size",)
+        unused = [name for name in _OPTIONAL_FIELDS if name not in required and getattr(self, name) is not None]
+        _require(not unused, f"{', '.join(unused)} do not apply to variant {self.variant!r}; leave them unset "
+                             f"(it uses: {', '.join(required)})")
+
+    def _check_divisibility(self) -> None:
+        v = self.variant
+        if v in ("gqa", "gta"):
+            _require(self.n_head % self.group_size == 0,
+                     f"n_head={self.n_head} is not divisible by group_size={self.group_size}; choose a group_size "
+                     f"among the divisors of n_head: {_divisors(self.n_head)}")
+        if v in LATENT_LAYOUTS:
+            blocks, branches = LATENT_LAYOUTS[v]
+            _require(self.kv_lora_rank % blocks == 0,
+                     f"kv_lora_rank={self.kv_lora_rank} is not divisible by the {blocks} latent blocks of "
+                     f"{v!r}; use a multiple of {blocks}")
+            head_groups = blocks // branches
+            _require(self.n_head % head_groups == 0,
+                     f"n_head={self.n_head} is not divisible by the {head_groups} latent groups of {v!r}; use a "
+                     f"multiple of {head_groups}")
+            _require(self.qk_rope_head_dim % 2 == 0,
+                     f"qk_rope_head_dim={self.qk_rope_head_dim} is odd; RoPE rotates pairs, use an even width")
+        elif v == "gta":
+            _require(self.head_dim % 4 == 0,
+                     f"head_dim={self.head_dim}: GTA applies RoPE to head_dim/2 channels, which must be even; "
+                     f"use a multiple of 4")
+        else:
+            _require(self.head_dim % 2 == 0,
+                     f"head_dim={self.head_dim} is odd; RoPE rotates pairs, use an even head_dim")
+
+    # -- derived quantities ---------------------------------------------------
+    @property
+    def n_kv_head(self) -> int:
+        """KV heads of the GQA family and GTA (1 for MQA/MFA)."""
+        if self.variant == "mha":
+            return self.n_head
+        if self.variant in ("mqa", "mfa"):
+            return 1
+        if self.variant in ("gqa", "gta"):
+            return self.n_head // self.group_size
+        raise AttributeError(f"variant {self.variant!r} has no KV heads")
+
+    @property
+    def latent_layout(self) -> tuple[int, int]:
+        """(latent blocks, branches) for the latent family."""
+        return LATENT_LAYOUTS[self.variant]
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.qk_nope_head_dim if self.variant in LATENT_LAYOUTS else self.head_dim
+
+    @property
+    def dtype(self) -> Any:
+        return DTYPES[self.compute_dtype]
+
+    @property
+    def weight_dtype(self) -> Any:
+        return DTYPES[self.param_dtype]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The optimization recipe; defaults are the paper's (REFERENCE.md)."""
+
+    seq_len: int = 2048
+    global_batch_size: int = 480  # sequences per optimizer step
+    total_steps: int = 100_000
+    warmup_steps: int = 2000
+    peak_lr: float = 1.6e-4
+    min_lr_ratio: float = 0.1  # cosine decays to min_lr_ratio * peak_lr at total_steps
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # applied to all parameters, as the reference does
+    grad_clip: float = 1.0  # global norm
+    seed: int = 5000
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "seq_len", "global_batch_size", "total_steps")
+        _require(0 <= self.warmup_steps <= self.total_steps,
+                 f"warmup_steps={self.warmup_steps} must lie in [0, total_steps={self.total_steps}]")
+        _require(self.peak_lr > 0, f"peak_lr={self.peak_lr} must be positive")
+        _require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"beta1={self.beta1}, beta2={self.beta2} must lie in [0, 1)")
+        _require(self.grad_clip > 0, f"grad_clip={self.grad_clip} must be positive")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Experiment:
+    """A named experiment: the model, the recipe and where it comes from."""
+
+    name: str
+    description: str
+    model: ModelConfig
+    train: TrainConfig = TrainConfig()
+    reference_key: str | None = None  # key in paper_experiments.json, for the paper's runs
+
+    def __post_init__(self) -> None:
+        _require(self.train.seq_len <= self.model.max_seq_len,
+                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

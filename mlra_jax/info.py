@@ -1,0 +1,105 @@
+"""Describe experiments without allocating weights.
+
+    python -m mlra_jax.info --list                      # every experiment
+    python -m mlra_jax.info --experiment=mlra4_2p9b     # parameters, KV cache, TP loading, decode AI
+    python -m mlra_jax.info --paper-tables              # Tables 1 and 2 at the paper's analysis settings
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from experiments import all_experiments, get_experiment
+from experiments.analysis import TABLE_VARIANTS, TP_DEGREES, analysis_config
+from experiments.paper import VARIANT_NAMES
+from mlra_jax.analysis import cache_report
+from mlra_jax.config import ConfigError, Experiment, ModelConfig
+from mlra_jax.model import abstract_model, count_params
+
+
+def _fmt_d_h(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:g} d_h"
+
+
+def describe(experiment: Experiment) -> dict[str, Any]:
+    cfg = experiment.model
+    report = cache_report(cfg, TP_DEGREES)
+    decode = report.decode
+    return {
+        "experiment": experiment.name,
+        "description": experiment.description,
+        "variant": cfg.variant,
+        "num_params": count_params(abstract_model(cfg)),
+        "d_h": report.d_h,
+        "kv_cache_elements_per_token_per_layer": report.kv_cache_elements,
+        "kv_cache_elements_per_token": report.kv_cache_elements * cfg.n_layer,
+        "kv_cache_d_h": report.in_d_h(report.kv_cache_elements),
+        "per_device_kv_elements": {str(tp): n for tp, n in report.per_device.items()},
+        "per_device_kv_d_h": {str(tp): report.in_d_h(n) for tp, n in report.per_device.items()},
+        "decode_tp": decode.tp,
+        "decode_arithmetic_intensity": decode.arithmetic_intensity(),
+    }
+
+
+def format_description(info: dict[str, Any], cfg: ModelConfig) -> str:
+    bytes_per_token = info["kv_cache_elements_per_token"] * 2
+    per_device = "   ".join(f"TP={tp}: {_fmt_d_h(v)}" for tp, v in info["per_device_kv_d_h"].items())
+    return "\n".join([
+        f"{info['experiment']}: {info['description']}",
+        f"  model        {VARIANT_NAMES[cfg.variant]}, {cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head} heads, "
+        f"FFN {cfg.intermediate_size}, vocab {cfg.vocab_size}, {cfg.compute_dtype} compute",
+        f"  parameters   {info['num_params']:,} ({info['num_params'] / 1e6:.2f}M; tied embedding counted once)",
+        f"  KV cache     {info['kv_cache_elements_per_token_per_layer']} elements per token per layer = "
+        f"{_fmt_d_h(info['kv_cache_d_h'])} (d_h={info['d_h']}); {info['kv_cache_elements_per_token']:,} per token "
+        f"over {cfg.n_layer} layers = {bytes_per_token / 1024:.1f} KiB in 16-bit",
+        f"  per device   {per_device}   (KV cache loaded per token per layer)",
+        f"  decode AI    {info['decode_arithmetic_intensity']:.1f} FLOP/byte per device at TP={info['decode_tp']} "
+        f"(attention over the cache, 16-bit)",
+    ])
+
+
+def paper_tables() -> str:
+    """Table 1 (KV cache and per-device loading) and Table 2 (decode arithmetic intensity)."""
+    rows = [f"{'Method':8} {'KV cache':>9} " + " ".join(f"{f'TP={tp}':>8}" for tp in TP_DEGREES) + f" {'AI':>8}"]
+    for variant in TABLE_VARIANTS:
+        report = cache_report(analysis_config(variant), TP_DEGREES)
+        cells = " ".join(f"{_fmt_d_h(report.in_d_h(report.per_device[tp])):>8}" for tp in TP_DEGREES)
+        rows.append(f"{VARIANT_NAMES[variant]:8} {_fmt_d_h(report.in_d_h(report.kv_cache_elements)):>9} {cells} "
+                    f"{report.decode.arithmetic_intensity():8.2f}")
+    header = ("Paper Tables 1-2 at the analysis settings (64 heads, d_h=128, g=8, d_c=4d_h, d_h^R=d_h/2, "
+              "beta_kv=2):\nKV cache per token, loading per token per device under TP, and decode arithmetic "
+              "intensity (FLOP/byte, per device at the native TP)")
+    return header + "\n" + "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlra_jax.info", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--experiment", help="an experiment name (see --list)")
+    group.add_argument("--list", action="store_true", help="list every experiment")
+    group.add_argument("--paper-tables", action="store_true", help="print paper Tables 1 and 2")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    args = parser.parse_args(argv)
+    if args.list:
+        for exp in all_experiments():
+            print(f"{exp.name:28} {exp.description}")
+        return 0
+    if args.paper_tables:
+        print(paper_tables())
+        return 0
+    try:
+        experiment = get_experiment(args.experiment)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    info = describe(experiment)
+    print(json.dumps(info, indent=1) if args.json else format_description(info, experiment.model))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The reference GPTConfig fields and model file <-> our ModelConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import PurePosixPath
+from typing import Any, Mapping
+
+from mlra_jax.config import ConfigError, ModelConfig
+
+# reference model file stem -> our variant
+_FILE_VARIANTS = {"mha": "mha", "gqa": "gqa", "mla": "mla", "mfa": "mfa", "tpa": "tpa", "gla_2": "gla2",
+                  "gla_4": "gla4", "gta": "gta", "mlra_2": "mlra2", "mlra_4": "mlra4"}
+_VARIANT_FILES = {v: f for f, v in _FILE_VARIANTS.items()} | {"mqa": "gqa"}
+# reference GPTConfig field -> ModelConfig field
+_FIELDS = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "intermediate_size": "intermediate_size",
+           "vocab_size": "vocab_size", "block_size": "max_seq_len", "head_dim": "head_dim",
+           "group_size": "group_size", "q_lora_rank": "q_lora_rank", "share_q_dim": "q_lora_rank",
+           "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
+           "qk_rope_head_dim": "qk_rope_head_dim", "rank": "tpa_rank", "q_rank": "tpa_q_rank"}
+_SUFFIXES = {"_gated": {"gated": True}, "_no_scale": {"latent_scale": False},
+             "_normal_initialization": {"output_init": "normal"}}
+
+
+def config_from_reference(fields: Mapping[str, Any], reference_model: str, **overrides: Any) -> ModelConfig:
+    """ModelConfig from reference GPTConfig fields and its model file (e.g. 'model/mlra_4_gated.py')."""
+    stem, options = PurePosixPath(reference_model).stem, {}
+    for suffix, option in _SUFFIXES.items():
+        if stem.endswith(suffix):
+            stem, options = stem.removesuffix(suffix), options | option
+    if stem not in _FILE_VARIANTS:
+        raise ConfigError(f"reference model file {reference_model!r} is not one of the paper's variants "
+                          f"({', '.join(f'model/{f}.py' for f in _FILE_VARIANTS)}, with _gated, _no_scale or "
+                          f"_normal_initialization)")
+    kwargs = {_FIELDS[k]: v for k, v in fields.items() if k in _FIELDS}
+    variant = _FILE_VARIANTS[stem]
+    if variant == "gqa" and kwargs.get("group_size") == kwargs.get("n_head"):
+        variant = "mqa"  # the reference runs MQA through gqa.py with group_size = n_head
+    if variant not in ("gqa", "gta", "mqa"):
+        kwargs.pop("group_size", None)
+    return ModelConfig(variant=variant, **kwargs, **options, **overrides)
+
+
+def reference_config(cfg: ModelConfig) -> tuple[dict[str, Any], str]:
+    """(reference GPTConfig fields, reference model file) for a ModelConfig."""
+    ref_names = {ours: ref for ref, ours in _FIELDS.items() if ref != "share_q_dim"}
+    if cfg.variant == "mfa":
+        ref_names["q_lora_rank"] = "share_q_dim"
+    fields = {ref_names[f.name]: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+              if f.name in ref_names and getattr(cfg, f.name) is not None}
+    if cfg.variant == "mqa":
+        fields["group_size"] = cfg.n_head
+    suffix = "".join(s for s, option in _SUFFIXES.items()
+                     if all(getattr(cfg, k) == v for k, v in option.items()))
+    return fields, f"model/{_VARIANT_FILES[cfg.variant]}{suffix}.py"

@@ -1,0 +1,118 @@
+"""Building blocks shared by every variant: parameters, RMSNorm, SwiGLU MLP, embedding.
+
+Weights are stored in float32 (`param_dtype`) with the logical axis names that
+`sharding.py` maps onto the mesh. As under torch autocast in the reference, the
+residual stream and the norms stay in float32 and every matmul runs in the compute
+dtype. Kernels are laid out [in..., out...] (y = x @ W), heads on their own axis.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mlra_jax.config import ModelConfig
+
+Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+
+
+def normal_init(std: float) -> Initializer:
+    return lambda key, shape, dtype: std * jax.random.normal(key, shape, dtype)
+
+
+def zeros_init(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+    del key
+    return jnp.zeros(shape, dtype)
+
+
+def ones_init(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+    del key
+    return jnp.ones(shape, dtype)
+
+
+def xavier_uniform_torch_view(view_shape: tuple[int, ...]) -> Initializer:
+    """torch.nn.init.xavier_uniform_ applied to a tensor viewed as `view_shape`.
+
+    torch takes fan_in = view[1] * prod(view[2:]) and fan_out = view[0] * prod(view[2:]);
+    the draw is i.i.d. uniform, so only the bound depends on the view.
+    """
+    receptive = math.prod(view_shape[2:])
+    bound = math.sqrt(6.0 / (view_shape[1] * receptive + view_shape[0] * receptive))
+    return lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def make_param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], init: Initializer,
+               cfg: ModelConfig) -> nnx.Param:
+    """A parameter with its logical axis names (one per dimension)."""
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {axes} do not match shape {shape}")
+    return nnx.Param(init(rngs.params(), shape, cfg.weight_dtype), logical_axes=tuple(axes))
+
+
+def dense_init(cfg: ModelConfig) -> Initializer:
+    return normal_init(cfg.init_std)
+
+
+def output_init(cfg: ModelConfig) -> Initializer:
+    """The two output projections: zero (the paper's default) or N(0, init_std)."""
+    return zeros_init if cfg.output_init == "zero" else normal_init(cfg.init_std)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm as the reference computes it: in float32, cast back to x's dtype, then
+    times the (float32) weight, which promotes the result to float32 as torch does."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return normed.astype(x.dtype) * scale
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis; `shape` may have leading block axes (one norm per block)."""
+
+    def __init__(self, shape: tuple[int, ...], axes: tuple[str | None, ...], cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.scale = make_param(rngs, shape, axes, ones_init, cfg)
+        self.eps = cfg.norm_eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+def project(x: jax.Array, kernel: nnx.Param, spec: str, dtype: jnp.dtype) -> jax.Array:
+    """einsum(spec, x, W) in the compute dtype."""
+    return jnp.einsum(spec, x.astype(dtype), kernel[...].astype(dtype))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); reference c_fc1, c_fc2, c_proj."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = cfg.n_embd, cfg.intermediate_size
+        self.gate_proj = make_param(rngs, (d, f), ("embed", "mlp"), dense_init(cfg), cfg)
+        self.up_proj = make_param(rngs, (d, f), ("embed", "mlp"), dense_init(cfg), cfg)
+        self.down_proj = make_param(rngs, (f, d), ("mlp", "embed"), output_init(cfg), cfg)
+        self.dtype = cfg.dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = project(x, self.gate_proj, "btd,df->btf", self.dtype)
+        up = project(x, self.up_proj, "btd,df->btf", self.dtype)
+        return project(jax.nn.silu(gate) * up, self.down_proj, "btf,fd->btd", self.dtype)
+
+
+class Embed(nnx.Module):
+    """Token embedding, tied with the output head (reference wte / lm_head)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.embedding = make_param(rngs, (cfg.vocab_size, cfg.n_embd), ("vocab", "embed"), dense_init(cfg), cfg)
+        self.dtype = cfg.dtype
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], tokens, axis=0)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Logits against the tied embedding, accumulated and returned in float32."""
+        return jnp.einsum("btd,vd->btv", x.astype(self.dtype), self.embedding[...].astype(self.dtype),
+                          preferred_element_type=jnp.float32)

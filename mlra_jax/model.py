@@ -1,0 +1,92 @@
+"""The Llama-3 decoder (paper App. D): pre-norm blocks, SwiGLU, tied embeddings.
+
+The layers' parameters are stacked on a leading axis of size n_layer, whether the
+forward pass scans over them (`scan_layers=True`: compile time flat in depth) or
+unrolls a Python loop: one parameter layout for both.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mlra_jax.attention import attention_class
+from mlra_jax.config import ModelConfig
+from mlra_jax.layers import MLP, Embed, RMSNorm
+
+_REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
+    "full": None,  # save nothing, recompute the whole block
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projections, recompute attention
+}
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm((cfg.n_embd,), ("embed",), cfg, rngs=rngs)
+        self.attn = attention_class(cfg.variant)(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm((cfg.n_embd,), ("embed",), cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), positions, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def stacked_blocks(cfg: ModelConfig, key: jax.Array) -> Block:
+    """n_layer independently initialized blocks whose parameters share a leading layer axis."""
+    graphdef = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))[0]
+    states = jax.vmap(lambda k: nnx.state(Block(cfg, rngs=nnx.Rngs(params=k))))(jax.random.split(key, cfg.n_layer))
+    return nnx.merge(graphdef, states)
+
+
+def default_positions(tokens: jax.Array) -> jax.Array:
+    return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed = Embed(cfg, rngs=rngs)
+        self.blocks = stacked_blocks(cfg, rngs.params())
+        self.final_norm = RMSNorm((cfg.n_embd,), ("embed",), cfg, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 mask: jax.Array | None = None) -> jax.Array:
+        """Float32 logits [B, T, vocab] for tokens [B, T] (causal when mask is None)."""
+        if positions is None:
+            positions = default_positions(tokens)
+        x = self.embed(tokens)
+        x = self.run_layers(x, lambda block, h: block(h, positions, mask))
+        return self.embed.attend(self.final_norm(x))
+
+    def run_layers(self, x: jax.Array, apply: Callable[[Block, jax.Array], jax.Array]) -> jax.Array:
+        """Thread x through the layers, `apply(block, x)` at each, scanned or unrolled."""
+        graphdef, state = nnx.split(self.blocks)
+
+        def layer(h: jax.Array, layer_state: Any) -> jax.Array:
+            return apply(nnx.merge(graphdef, layer_state), h)
+
+        if self.config.remat != "none":
+            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.config.remat])
+        if self.config.scan_layers:
+            return jax.lax.scan(lambda h, s: (layer(h, s), None), x, state)[0]
+        for i in range(self.config.n_layer):
+            x = layer(x, jax.tree.map(lambda a: a[i], state))
+        return x
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model with ShapeDtypeStruct leaves: shapes and counts without allocating weights."""
+    return nnx.eval_shape(lambda: init_model(cfg))
+
+
+def count_params(model: nnx.Module) -> int:
+    """Parameters of a (possibly abstract) model; the tied head counts once."""
+    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -1,0 +1,1 @@
+"""Pallas kernels as pure functions (no Flax), each beside its jnp reference."""
