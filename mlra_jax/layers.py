@@ -81,9 +81,16 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.scale[...], self.eps)
 
 
+def einsum(spec: str, *operands: jax.Array, **kwargs) -> jax.Array:
+    """jnp.einsum that keeps float32 products in full float32, as torch does by default
+    (JAX would otherwise use TF32 on NVIDIA GPUs); lower precisions are unaffected."""
+    full = any(x.dtype == jnp.float32 for x in operands)
+    return jnp.einsum(spec, *operands, precision=jax.lax.Precision.HIGHEST if full else None, **kwargs)
+
+
 def project(x: jax.Array, kernel: nnx.Param, spec: str, dtype: jnp.dtype) -> jax.Array:
     """einsum(spec, x, W) in the compute dtype."""
-    return jnp.einsum(spec, x.astype(dtype), kernel[...].astype(dtype))
+    return einsum(spec, x.astype(dtype), kernel[...].astype(dtype))
 
 
 class MLP(nnx.Module):
@@ -114,5 +121,5 @@ class Embed(nnx.Module):
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Logits against the tied embedding, accumulated and returned in float32."""
-        return jnp.einsum("btd,vd->btv", x.astype(self.dtype), self.embedding[...].astype(self.dtype),
+        return einsum("btd,vd->btv", x.astype(self.dtype), self.embedding[...].astype(self.dtype),
                           preferred_element_type=jnp.float32)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mlra_jax.layers import einsum
+
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
 
@@ -37,11 +39,11 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, mas
     groups = _check_shapes(q, k, v)
     b, t, hq, dk = q.shape
     q = q.reshape(b, t, hq // groups, groups, dk)
-    logits = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    logits = einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
     if mask is not None:
         logits = jnp.where(mask[:, None, None], logits, _MASKED)
     probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, hq, v.shape[-1]).astype(v.dtype)
 
 

@@ -5,14 +5,13 @@ on B_q and B_k. The cache holds A_k, A_v, B_k (roped) and B_v."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from mlra_jax.attention.base import Attention, CacheComponent, DecodeShape, KVCache
 from mlra_jax.attention.core import attention
 from mlra_jax.attention.rope import apply_rope
 from mlra_jax.config import ModelConfig
-from mlra_jax.layers import make_param, project, xavier_uniform_torch_view
+from mlra_jax.layers import einsum, make_param, project, xavier_uniform_torch_view
 
 
 class TensorProductAttention(Attention):
@@ -57,7 +56,7 @@ class TensorProductAttention(Attention):
     def attend(self, x: jax.Array, positions: jax.Array, kv: KVCache, mask: jax.Array | None) -> jax.Array:
         a_q = project(x, self.a_q, "btd,dhr->bthr", self.dtype)
         b_q = apply_rope(project(x, self.b_q, "btd,drk->btrk", self.dtype), positions, self.theta)
-        q = jnp.einsum("bthr,btrk->bthk", a_q, b_q) / self.q_rank
-        k = jnp.einsum("bthr,btrk->bthk", kv["a_k"], kv["b_k"][:, :, 0]) / self.rank
-        v = jnp.einsum("bthr,btrk->bthk", kv["a_v"], kv["b_v"][:, :, 0]) / self.rank
+        q = einsum("bthr,btrk->bthk", a_q, b_q) / self.q_rank
+        k = einsum("bthr,btrk->bthk", kv["a_k"], kv["b_k"][:, :, 0]) / self.rank
+        v = einsum("bthr,btrk->bthk", kv["a_v"], kv["b_v"][:, :, 0]) / self.rank
         return attention(q, k, v, scale=self.scale, impl=self.impl, mask=mask)
