@@ -11,9 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from experiments.registry import register
-from mlra_jax.config import Experiment, ModelConfig, TrainConfig
+from mlra_jax.config import Experiment, MeshConfig, ModelConfig, TrainConfig
 
-_COMMON = dict(n_layer=24, n_head=24, n_embd=3072, vocab_size=50304, max_seq_len=2048, compute_dtype="bfloat16")
+_COMMON = dict(n_layer=24, n_head=24, n_embd=3072, vocab_size=50304, max_seq_len=2048, compute_dtype="bfloat16",
+               remat="dots")
+# 480 sequences per step in 5 micro-batches of 96; weights and optimizer state sharded over all devices (FSDP).
+_TRAIN = TrainConfig(micro_batch_size=96)
+_MESH = MeshConfig(data=1, fsdp=-1, tensor=1)
 _LATENT = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64)
 
 # variant -> (attention fields, FFN width) of the main runs
@@ -41,7 +45,7 @@ def _model(variant: str, intermediate_size: int | None = None, **changes: Any) -
 
 
 def _add(name: str, description: str, model: ModelConfig, reference_key: str) -> None:
-    register(Experiment(name=name, description=description, model=model, train=TrainConfig(),
+    register(Experiment(name=name, description=description, model=model, train=_TRAIN, mesh=_MESH,
                         reference_key=reference_key))
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from experiments.paper import VARIANT_NAMES
 from experiments.registry import register
-from mlra_jax.config import Experiment, ModelConfig, TrainConfig
+from mlra_jax.config import CheckpointConfig, DataConfig, Experiment, ModelConfig, TrainConfig
 
 _LATENT = dict(q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16)
 _ATTENTION: dict[str, dict[str, Any]] = {
@@ -26,7 +26,8 @@ _ATTENTION: dict[str, dict[str, Any]] = {
     "mlra2": _LATENT,
     "mlra4": _LATENT,
 }
-TINY_TRAIN = TrainConfig(seq_len=128, global_batch_size=16, total_steps=300, warmup_steps=30, peak_lr=3e-3, seed=0)
+TINY_TRAIN = TrainConfig(seq_len=128, global_batch_size=8, total_steps=200, warmup_steps=20, peak_lr=3e-3, seed=0,
+                         log_every=10, eval_every=100, eval_batches=4)
 
 
 def tiny_model(variant: str, **changes: Any) -> ModelConfig:
@@ -37,4 +38,5 @@ def tiny_model(variant: str, **changes: Any) -> ModelConfig:
 
 for _v in _ATTENTION:
     register(Experiment(name=f"{_v}_tiny", description=f"{VARIANT_NAMES[_v]}, 4 layers, d=128: trains on a CPU "
-                        f"in minutes", model=tiny_model(_v), train=TINY_TRAIN))
+                        f"in minutes on the built-in corpus", model=tiny_model(_v), train=TINY_TRAIN,
+                        data=DataConfig(dataset="builtin"), checkpoint=CheckpointConfig(every=100, keep=2)))

@@ -187,6 +187,7 @@ class TrainConfig:
 
     seq_len: int = 2048
     global_batch_size: int = 480  # sequences per optimizer step
+    micro_batch_size: int | None = None  # sequences per forward/backward (gradient accumulation); None: global
     total_steps: int = 100_000
     warmup_steps: int = 2000
     peak_lr: float = 1.6e-4
@@ -197,25 +198,82 @@ class TrainConfig:
     weight_decay: float = 0.1  # applied to all parameters, as the reference does
     grad_clip: float = 1.0  # global norm
     seed: int = 5000
+    log_every: int = 10  # steps between metric lines
+    eval_every: int = 1000  # steps between validation losses (0: never)
+    eval_batches: int = 20  # global batches per validation
 
     def __post_init__(self) -> None:
-        _check_positive(self, "seq_len", "global_batch_size", "total_steps")
-        _require(0 <= self.warmup_steps <= self.total_steps,
-                 f"warmup_steps={self.warmup_steps} must lie in [0, total_steps={self.total_steps}]")
+        _check_positive(self, "seq_len", "global_batch_size", "total_steps", "micro_batch_size", "log_every",
+                        "eval_batches")
+        _require(self.eval_every >= 0, f"eval_every={self.eval_every} must be >= 0")
+        if self.micro_batch_size is not None:
+            _require(self.global_batch_size % self.micro_batch_size == 0,
+                     f"micro_batch_size={self.micro_batch_size} must divide global_batch_size="
+                     f"{self.global_batch_size}")
+        _require(0 <= self.warmup_steps < self.total_steps,
+                 f"warmup_steps={self.warmup_steps} must lie in [0, total_steps={self.total_steps}) so the cosine "
+                 f"phase has at least one step")
         _require(self.peak_lr > 0, f"peak_lr={self.peak_lr} must be positive")
         _require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
-        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"beta1={self.beta1}, beta2={self.beta2} must lie in [0, 1)")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
+                 f"beta1={self.beta1}, beta2={self.beta2} must lie in [0, 1)")
         _require(self.grad_clip > 0, f"grad_clip={self.grad_clip} must be positive")
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size or self.global_batch_size)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Token data: 'builtin' (the shipped corpus) or a folder of llm.c shards."""
+
+    dataset: str = "data/fineweb_edu"
+    train_pattern: str = "*_train_*.bin"
+    val_pattern: str = "*_val_*.bin"
+    read_threads: int = 4  # grain threads reading windows
+    prefetch: int = 4  # batches read ahead
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "read_threads", "prefetch")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Device mesh axes; one -1 takes the remaining devices."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        sizes = (self.data, self.fsdp, self.tensor)
+        _require(all(s == -1 or (isinstance(s, int) and s > 0) for s in sizes) and sizes.count(-1) <= 1,
+                 f"mesh sizes data={self.data}, fsdp={self.fsdp}, tensor={self.tensor} must be positive, with at "
+                 f"most one -1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every: int = 1000  # steps between checkpoints (also on SIGTERM and at the end)
+    keep: int = 3  # most recent checkpoints kept
+    async_save: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "every", "keep")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Experiment:
-    """A named experiment: the model, the recipe and where it comes from."""
+    """A named experiment: the model, the recipe, the data, the mesh and the checkpoints."""
 
     name: str
     description: str
     model: ModelConfig
     train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
+    mesh: MeshConfig = MeshConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     reference_key: str | None = None  # key in paper_experiments.json, for the paper's runs
 
     def __post_init__(self) -> None:

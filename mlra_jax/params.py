@@ -45,7 +45,7 @@ def logical_axes(model: nnx.Module) -> dict[str, tuple[str | None, ...]]:
     axes = {}
     for path, var in nnx.to_flat_state(state):
         names = tuple(var.get_metadata().get("logical_axes", ()))
-        if len(names) == var.value.ndim - 1:
+        if len(names) == len(var.get_value().shape) - 1:
             names = ("layers",) + names
         axes[".".join(map(str, path))] = names
     return axes

@@ -1,49 +1,103 @@
-"""Train an experiment: `python -m mlra_jax.train --experiment=mlra4_tiny`.
+"""Train an experiment: `python -m mlra_jax.train --experiment=NAME [--section.field=value ...]`.
 
-This first version takes optimizer steps on a fixed synthetic batch (a smoke run
-of the recipe); data, checkpoints and meshes come with the training pipeline.
+    python -m mlra_jax.train --experiment=mlra4_tiny
+    python -m mlra_jax.train --experiment=mlra4_2p9b --data.dataset=data/fineweb_edu --workdir=runs/mlra4
+    python -m mlra_jax.train --experiment=mlra4_2p9b --dry_run      # config, parameters, mesh, memory; no training
+
+A run lives in --workdir (default runs/NAME): checkpoints/ (Orbax), metrics.jsonl,
+tensorboard/ and experiment.json. Running the same command again resumes from the
+latest complete checkpoint; SIGTERM saves a checkpoint and exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import logging
 import sys
-import time
+from pathlib import Path
 
 import jax
-from flax import nnx
 
-from experiments import get_experiment
-from mlra_jax.config import ConfigError
-from mlra_jax.model import count_params, init_model
-from mlra_jax.optim import make_optimizer
-from mlra_jax.train_step import make_train_step
+from experiments import all_experiments, get_experiment
+from mlra_jax.cli import apply_overrides, fields_help
+from mlra_jax.config import ConfigError, Experiment
+from mlra_jax.data.shards import DataError
+
+
+def _parser() -> argparse.ArgumentParser:
+    experiments = "\n".join(f"  {e.name:28} {e.description}" for e in all_experiments())
+    epilog = f"experiments:\n{experiments}\n\noverridable fields (--SECTION.FIELD=VALUE):\n{fields_help()}"
+    parser = argparse.ArgumentParser(prog="python -m mlra_jax.train", description=__doc__, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--experiment", required=True, help="experiment name (listed below)")
+    parser.add_argument("--workdir", type=Path, help="run directory (default runs/EXPERIMENT)")
+    parser.add_argument("--dry_run", action="store_true",
+                        help="print the resolved config, parameter count, mesh and per-device memory, then exit "
+                             "(simulate N CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    parser.add_argument("--compile", action="store_true", help="with --dry_run: also compile the train step and "
+                        "report XLA's memory analysis (activations included)")
+    parser.add_argument("--distributed", action="store_true",
+                        help="call jax.distributed.initialize() first (multi-host; see launch/); the coordinator is "
+                             "found automatically on TPU pods, SLURM, Open MPI and Kubernetes, or given below")
+    parser.add_argument("--coordinator", help="with --distributed: coordinator host:port")
+    parser.add_argument("--num_processes", type=int, help="with --distributed: number of processes")
+    parser.add_argument("--process_id", type=int, help="with --distributed: this process's index")
+    return parser
+
+
+def initialize_distributed(args: argparse.Namespace) -> None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk over TCP; GPUs/TPUs unaffected
+    jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id)
+
+
+def dry_run(experiment: Experiment, compile_step: bool) -> None:
+    from mlra_jax.trainer import build_setup, compiled_memory, memory_estimate
+
+    setup = build_setup(experiment)
+    print(json.dumps(dataclasses.asdict(experiment), indent=1))
+    print(f"parameters: {setup.num_params:,}")
+    print(f"mesh: {dict(setup.mesh.shape)} over {setup.mesh.size} {setup.mesh.devices.flat[0].device_kind} "
+          f"devices; {experiment.train.accumulation_steps} micro-batch(es) of "
+          f"{experiment.train.global_batch_size // experiment.train.accumulation_steps} sequences per step")
+    estimate = memory_estimate(setup)
+    parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in estimate.items())
+    print(f"per-device memory: {parts}; total {sum(estimate.values()) / 2**30:.2f} GiB before activations")
+    if compile_step:
+        analysis = compiled_memory(setup)
+        if analysis:
+            print("compiled train step per device: " + ", ".join(f"{k} {v / 2**30:.2f} GiB"
+                                                                for k, v in analysis.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlra_jax.train", description=__doc__)
-    parser.add_argument("--experiment", required=True, help="experiment name (python -m mlra_jax.info --list)")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps to take")
-    parser.add_argument("--batch_size", type=int, default=4)
-    args = parser.parse_args(argv)
+    args, overrides = _parser().parse_known_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
+    logging.getLogger("mlra_jax").setLevel(logging.INFO)  # orbax and grain stay at WARNING
+    if args.distributed:
+        initialize_distributed(args)
     try:
-        experiment = get_experiment(args.experiment)
-    except ConfigError as err:
+        experiment = apply_overrides(get_experiment(args.experiment), overrides)
+        if args.dry_run:
+            dry_run(experiment, args.compile)
+            return 0
+        from mlra_jax.trainer import TrainingDiverged, train
+
+        workdir = args.workdir or Path("runs") / experiment.name
+        result = train(experiment, workdir)
+    except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    cfg, train = experiment.model, experiment.train
-    model = init_model(cfg, seed=train.seed)
-    print(f"{experiment.name}: {count_params(model):,} parameters on {jax.devices()[0].platform}")
-    graphdef, params = nnx.split(model, nnx.Param)
-    optimizer = make_optimizer(train)
-    opt_state = optimizer.init(params)
-    step = jax.jit(make_train_step(graphdef, optimizer))
-    tokens = jax.random.randint(jax.random.key(train.seed), (args.batch_size, train.seq_len + 1), 0, cfg.vocab_size)
-    start = time.time()
-    for i in range(args.steps):
-        params, opt_state, metrics = step(params, opt_state, tokens)
-        print(f"step {i + 1:4d}  loss {float(metrics['loss']):.4f}  grad_norm {float(metrics['grad_norm']):.3f}  "
-              f"{time.time() - start:.1f}s")
+    except TrainingDiverged as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
+    where = workdir.absolute()
+    print(f"{'stopped' if result.stopped_by_signal else 'finished'} at step {result.step}"
+          f"{f' (last step loss {result.last_loss:.4f})' if result.last_loss is not None else ''}. Checkpoints: "
+          f"{where / 'checkpoints'}; metrics: {where / 'metrics.jsonl'} and TensorBoard logs in "
+          f"{where / 'tensorboard'} (tensorboard --logdir {where / 'tensorboard'})")
     return 0
 
 

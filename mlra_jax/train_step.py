@@ -1,7 +1,8 @@
-"""The pure training step: next-token cross-entropy, gradients, one optimizer update.
+"""The pure training step: next-token cross-entropy, gradient accumulation, one update.
 
-Parameters travel as an `nnx.State` of Params; the model is rebuilt from its
-graphdef inside the step, so the step is a plain function of arrays.
+Parameters travel as a nested dict of arrays; the model is rebuilt from its graphdef
+inside the step (`nnx.merge`), so the step is a plain function of arrays that jit,
+shardings and checkpoints handle directly.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+Params = dict[str, Any]
 
 
 def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -19,23 +23,51 @@ def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
 
-def global_norm(tree: Any) -> jax.Array:
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
-
-
-def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array) -> jax.Array:
+def loss_fn(graphdef: nnx.GraphDef, params: Params, tokens: jax.Array) -> jax.Array:
     """Loss of the model on tokens [B, T + 1] (inputs tokens[:, :-1], targets tokens[:, 1:])."""
     model = nnx.merge(graphdef, params)
     return next_token_loss(model(tokens[:, :-1]), tokens[:, 1:])
 
 
-def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
-    """(params, opt_state, tokens) -> (params, opt_state, metrics), un-jitted."""
+def global_norm(tree: Any) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
-    def step(params: nnx.State, opt_state: Any, tokens: jax.Array):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, tokens))(params)
+
+def micro_batches(tokens: jax.Array, steps: int, sharding: NamedSharding | None) -> jax.Array:
+    """[B, T + 1] -> [steps, B / steps, T + 1], taking rows i, i + steps, ... for micro-batch i so
+    that every micro-batch stays spread over the data-parallel devices."""
+    batch = tokens.shape[0]
+    micro = tokens.reshape(batch // steps, steps, -1).swapaxes(0, 1)
+    return micro if sharding is None else jax.lax.with_sharding_constraint(micro, sharding)
+
+
+def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, accumulation_steps: int = 1,
+                    micro_sharding: NamedSharding | None = None) -> Callable[..., Any]:
+    """(params, opt_state, tokens [B, T + 1]) -> (params, opt_state, metrics), un-jitted.
+
+    With accumulation_steps > 1 the batch is split into micro-batches whose gradients
+    are averaged in float32 (a scan, so memory holds one micro-batch of activations)."""
+    value_and_grad = jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t))
+
+    def step(params: Params, opt_state: Any, tokens: jax.Array):
+        if accumulation_steps == 1:
+            loss, grads = value_and_grad(params, tokens)
+        else:
+            def accumulate(carry, micro):
+                loss_sum, grad_sum = carry
+                loss, grads = value_and_grad(params, micro)
+                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
+                                            micro_batches(tokens, accumulation_steps, micro_sharding))
+            loss, grads = loss / accumulation_steps, jax.tree.map(lambda g: g / accumulation_steps, grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, "grad_norm": global_norm(grads)}
 
     return step
+
+
+def micro_batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None))

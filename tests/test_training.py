@@ -51,3 +51,20 @@ def test_schedule_is_the_papers():
     assert float(schedule(2000)) == pytest.approx(1.6e-4)
     assert float(schedule(51000)) == pytest.approx(0.55 * 1.6e-4, rel=1e-4)  # cosine midpoint
     assert float(schedule(100_000)) == pytest.approx(1.6e-5)
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    cfg = tiny_model("mlra4", n_layer=2, n_embd=64, intermediate_size=128, vocab_size=256)
+    graphdef, params = nnx.split(init_model(cfg, seed=0), nnx.Param)
+    optimizer = make_optimizer(TrainConfig(total_steps=10, warmup_steps=1, peak_lr=1e-2, seq_len=16))
+    tokens = jax.random.randint(jax.random.key(2), (8, 17), 0, 256)
+    results = []
+    for steps in (1, 4):
+        step = jax.jit(make_train_step(graphdef, optimizer, accumulation_steps=steps))
+        new_params, _, metrics = step(params, optimizer.init(params), tokens)
+        results.append((jax.tree.leaves(new_params), metrics))
+    (one, m1), (four, m4) = results
+    np.testing.assert_allclose(float(m4["loss"]), float(m1["loss"]), rtol=1e-6)
+    np.testing.assert_allclose(float(m4["grad_norm"]), float(m1["grad_norm"]), rtol=1e-5)
+    for a, b in zip(four, one):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)

@@ -90,6 +90,16 @@ class Attention(nnx.Module):
     def decode_shape(cfg: ModelConfig) -> DecodeShape:
         raise NotImplementedError
 
+    @staticmethod
+    def core_shape(cfg: ModelConfig) -> tuple[int, int, int]:
+        """(heads, query/key width, value width) of the attention as trained, for FLOP counts."""
+        return cfg.n_head, cfg.head_dim, cfg.head_dim
+
+    @staticmethod
+    def extra_flops_per_token(cfg: ModelConfig) -> int:
+        """Forward FLOPs per token beyond the weight matmuls and the attention core."""
+        return 0
+
     def cache_entry(self, x: jax.Array, positions: jax.Array) -> KVCache:
         raise NotImplementedError
 

@@ -73,6 +73,12 @@ class LatentAttention(Attention):
         return DecodeShape(tp=blocks, heads=cfg.n_head * branches // blocks, qk_dim=rank + cfg.qk_rope_head_dim,
                            v_dim=rank, cache_elements=rank + cfg.qk_rope_head_dim)
 
+    @staticmethod
+    def core_shape(cfg: ModelConfig) -> tuple[int, int, int]:
+        """Every branch attends with all of its heads: branches * h heads of d_h + d_h^R."""
+        _, branches = cfg.latent_layout
+        return branches * cfg.n_head, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+
     def cache_entry(self, x: jax.Array, positions: jax.Array) -> KVCache:
         latent = self.kv_norm(project(x, self.kv_down, "btd,dnr->btnr", self.dtype)) * self.kv_scale
         k_rope = apply_rope(project(x, self.k_rope_proj, "btd,dr->btr", self.dtype), positions, self.theta)

@@ -47,6 +47,11 @@ class TensorProductAttention(Attention):
         return DecodeShape(tp=1, heads=h, qk_dim=dh, v_dim=dh, cache_elements=2 * rank * (h + dh),
                            flops_override=4 * h * rank * dh + 4 * h * dh)
 
+    @staticmethod
+    def extra_flops_per_token(cfg: ModelConfig) -> int:
+        """The tensor products A B forming q, k and v."""
+        return 2 * cfg.n_head * cfg.head_dim * (cfg.tpa_q_rank + 2 * cfg.tpa_rank)
+
     def cache_entry(self, x: jax.Array, positions: jax.Array) -> KVCache:
         b_k = apply_rope(project(x, self.b_k, "btd,drk->btrk", self.dtype), positions, self.theta)
         return {"a_k": project(x, self.a_k, "btd,dhr->bthr", self.dtype),

@@ -1,0 +1,84 @@
+"""Command-line overrides of experiment fields: `--model.n_layer=4 --train.peak_lr=3e-4`.
+
+Values are parsed by the field's type and validated by the config's own checks, so
+an error names the field and the values it accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from mlra_jax.config import CheckpointConfig, ConfigError, DataConfig, Experiment, MeshConfig, ModelConfig, TrainConfig
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "mesh": MeshConfig,
+                             "checkpoint": CheckpointConfig}
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def _parse(name: str, text: str, annotation: Any) -> Any:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if text.lower() in ("none", "null"):
+            return None
+        return _parse(name, text, next(a for a in args if a is not type(None)))
+    if origin is typing.Literal:
+        return text
+    try:
+        if annotation is bool:
+            if text.lower() not in _TRUE | _FALSE:
+                raise ValueError
+            return text.lower() in _TRUE
+        return annotation(text)
+    except ValueError:
+        raise ConfigError(f"--{name}={text!r} is not a valid {getattr(annotation, '__name__', annotation)}") from None
+
+
+def _split(args: list[str]) -> list[tuple[str, str]]:
+    """['--a.b=1', '--c.d', '2'] -> [('a.b', '1'), ('c.d', '2')]."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.field=value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif i + 1 < len(args):
+            key, value = arg[2:], args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(f"{arg} needs a value")
+        pairs.append((key, value))
+        i += 1
+    return pairs
+
+
+def apply_overrides(experiment: Experiment, args: list[str]) -> Experiment:
+    """The experiment with `--section.field=value` overrides applied (validated)."""
+    changes: dict[str, dict[str, Any]] = {}
+    for key, text in _split(args):
+        section, _, field = key.partition(".")
+        if section not in SECTIONS or not field:
+            raise ConfigError(f"unknown option --{key}; overrides are --SECTION.FIELD=VALUE with SECTION one of "
+                              f"{', '.join(SECTIONS)}")
+        hints = typing.get_type_hints(SECTIONS[section])
+        if field not in hints:
+            raise ConfigError(f"{section} has no field {field!r}; its fields are: {', '.join(hints)}")
+        changes.setdefault(section, {})[field] = _parse(key, text, hints[field])
+    replaced = {section: dataclasses.replace(getattr(experiment, section), **fields)
+                for section, fields in changes.items()}
+    return dataclasses.replace(experiment, **replaced)
+
+
+def fields_help() -> str:
+    """Every overridable field with its type and its default in the base config."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = "(required)" if f.default is dataclasses.MISSING else repr(f.default)
+            kind = getattr(hints[f.name], "__name__", str(hints[f.name]).replace("typing.", ""))
+            lines.append(f"  --{section}.{f.name}={kind}  default {default}")
+    return "\n".join(lines)

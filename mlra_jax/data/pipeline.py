@@ -1,0 +1,79 @@
+"""grain pipelines over llm.c shards.
+
+An example is a window of seq_len + 1 tokens (inputs and shifted targets) at a
+multiple of seq_len inside one shard. Training shuffles the windows with a seed,
+reshuffles every epoch, and gives process p of P the examples p, p + P, ... so that
+the P local batches of step s together form global batch s; batch s is a pure
+function of (seed, s), and the iterator's state is saved with each checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grain
+import numpy as np
+
+from mlra_jax.config import DataConfig
+from mlra_jax.data.builtin import builtin_shards
+from mlra_jax.data.shards import DataError, find_shards, open_shard
+
+
+class TokenWindows:
+    """Random-access source of [seq_len + 1] int32 windows over llm.c shards."""
+
+    def __init__(self, paths: list[Path], seq_len: int, vocab_size: int):
+        self.paths, self.seq_len, self.vocab_size = list(paths), seq_len, vocab_size
+        self.shards = [open_shard(p) for p in self.paths]
+        counts = [max(0, (s.size - 1) // seq_len) for s in self.shards]
+        if sum(counts) == 0:
+            raise DataError(f"shards {', '.join(map(str, self.paths))} hold fewer than {seq_len + 1} tokens each; "
+                            f"no window of seq_len={seq_len} fits")
+        self.starts = np.cumsum([0] + counts)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        shard = int(np.searchsorted(self.starts, index, side="right")) - 1
+        offset = (index - int(self.starts[shard])) * self.seq_len
+        window = np.asarray(self.shards[shard][offset: offset + self.seq_len + 1], dtype=np.int32)
+        if window.max(initial=0) >= self.vocab_size:
+            position = offset + int(window.argmax())
+            raise DataError(f"{self.paths[shard]}: token id {window.max()} at position {position} is >= the model's "
+                            f"vocab_size {self.vocab_size}; the shard was made with another tokenizer, or raise "
+                            f"vocab_size")
+        return window
+
+    def __repr__(self) -> str:  # grain logs the source
+        return f"TokenWindows({len(self.paths)} shards, {len(self)} windows of {self.seq_len + 1})"
+
+
+def data_directory(cfg: DataConfig) -> Path:
+    return builtin_shards() if cfg.dataset == "builtin" else Path(cfg.dataset)
+
+
+def train_dataset(cfg: DataConfig, seq_len: int, vocab_size: int, seed: int, local_batch: int,
+                  process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
+    """Local batches [local_batch, seq_len + 1]; element s feeds optimizer step s + 1."""
+    windows = TokenWindows(find_shards(data_directory(cfg), cfg.train_pattern), seq_len, vocab_size)
+    examples = grain.MapDataset.source(windows).shuffle(seed=seed).repeat()
+    return examples[process_index::process_count].batch(local_batch, drop_remainder=True)
+
+
+def train_iterator(dataset: grain.MapDataset, cfg: DataConfig) -> grain.DatasetIterator:
+    options = grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=cfg.prefetch)
+    return iter(dataset.to_iter_dataset(options))
+
+
+def validation_batches(cfg: DataConfig, seq_len: int, vocab_size: int, local_batch: int, batches: int,
+                       process_index: int = 0, process_count: int = 1) -> list[np.ndarray]:
+    """The first `batches` batches of validation windows, in order (the same every evaluation)."""
+    windows = TokenWindows(find_shards(data_directory(cfg), cfg.val_pattern), seq_len, vocab_size)
+    examples = grain.MapDataset.source(windows)[process_index::process_count]
+    available = len(examples) // local_batch
+    if available == 0:
+        raise DataError(f"the validation shards hold {len(windows)} windows of {seq_len + 1} tokens, fewer than one "
+                        f"batch of {local_batch * process_count}; add validation data or lower eval_batches")
+    batched = examples.batch(local_batch, drop_remainder=True)
+    return [batched[i] for i in range(min(batches, available))]

@@ -1,0 +1,64 @@
+"""llm.c token shards: a 256 x int32 header (magic 20240520, version 1, token count),
+then the tokens as uint16. The official preprocessed data and llm.c's FineWeb scripts
+write this format."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+MAGIC, VERSION = 20240520, 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+
+
+class DataError(ValueError):
+    """Token data is missing or malformed; the message names the file and the fix."""
+
+
+def write_shard(path: Path, tokens: np.ndarray) -> None:
+    """Write tokens atomically (a partial file never carries the final name)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise DataError(f"token ids must lie in [0, 65535] to fit uint16 shards; got [{tokens.min()}, {tokens.max()}]")
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = (MAGIC, VERSION, tokens.size)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(np.uint16).tobytes())
+    os.replace(tmp, path)
+
+
+def open_shard(path: Path) -> np.ndarray:
+    """The tokens of a shard as a read-only uint16 memmap, after checking header and size."""
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise DataError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte llm.c header; the file is "
+                        f"truncated or not a token shard (re-create it with python -m mlra_jax.data.prepare)")
+    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
+    if header[0] != MAGIC:
+        raise DataError(f"{path}: magic number {header[0]} is not llm.c's {MAGIC}; this is not a token shard "
+                        f"(re-create it with python -m mlra_jax.data.prepare)")
+    if header[1] != VERSION:
+        raise DataError(f"{path}: shard version {header[1]} is not supported (expected {VERSION}: uint16 tokens)")
+    count = int(header[2])
+    if size != HEADER_BYTES + 2 * count:
+        raise DataError(f"{path}: the header promises {count} tokens ({HEADER_BYTES + 2 * count} bytes) but the "
+                        f"file has {size} bytes; it is truncated or corrupt (re-create it)")
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def find_shards(directory: Path, pattern: str) -> list[Path]:
+    if not directory.is_dir():
+        raise DataError(f"data directory {directory} does not exist; create it with "
+                        f"`python -m mlra_jax.data.prepare --input <text files or dataset> --output {directory}` "
+                        f"or train on the shipped corpus with --data.dataset=builtin")
+    paths = sorted(directory.glob(pattern))
+    if not paths:
+        present = ", ".join(sorted(p.name for p in directory.iterdir())[:8]) or "nothing"
+        raise DataError(f"no file in {directory} matches {pattern!r} (it holds: {present}); set "
+                        f"--data.train_pattern / --data.val_pattern")
+    return paths

@@ -1,0 +1,115 @@
+"""Training metrics: model FLOPs and MFU, and the writers (stdout, JSONL, TensorBoard)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from mlra_jax.attention import attention_class
+from mlra_jax.config import ModelConfig
+from mlra_jax.model import abstract_model
+from mlra_jax.params import flat_params
+
+log = logging.getLogger(__name__)
+
+# Dense bfloat16 peak FLOP/s per chip (vendor datasheets), matched against jax's device_kind.
+PEAK_FLOPS = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "H20": 148e12,
+    "A100": 312e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+    "TPU7x": 2307e12,
+}
+
+
+def peak_flops(device: jax.Device) -> float | None:
+    """The chip's dense bf16 peak, or None when unknown (CPUs): MFU is then not reported."""
+    for name in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if name.lower() in device.device_kind.lower():
+            return PEAK_FLOPS[name]
+    return None
+
+
+def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs per trained token: 3 x forward (forward + backward), causal attention.
+
+    Weight matmuls count 2 FLOPs per parameter (the tied embedding once, as the output
+    head; norms excluded); the attention core counts 2 (d_qk + d_v) per head per visible
+    key, with (seq_len + 1) / 2 keys visible on average under the causal mask.
+    """
+    params = flat_params(abstract_model(cfg))
+    matmul_params = sum(math.prod(p.shape) for name, p in params.items() if not name.endswith("norm.scale"))
+    attn = attention_class(cfg.variant)
+    heads, qk_dim, v_dim = attn.core_shape(cfg)
+    per_layer = 2 * heads * (qk_dim + v_dim) * (seq_len + 1) / 2 + attn.extra_flops_per_token(cfg)
+    return 3 * (2 * matmul_params + cfg.n_layer * per_layer)
+
+
+class MetricWriter:
+    """One record per call, to a JSONL file, TensorBoard (when tensorboardX is installed) and stdout."""
+
+    def __init__(self, workdir: Path, enabled: bool = True):
+        self.enabled = enabled
+        self.jsonl_path = workdir / "metrics.jsonl"
+        self.tensorboard = None
+        if enabled:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                log.warning("tensorboardX is not installed: no TensorBoard logs (pip install tensorboardX)")
+            else:
+                self.tensorboard = SummaryWriter(str(workdir / "tensorboard"))
+
+    def truncate_after(self, step: int) -> None:
+        """Forget records past `step` (a resumed run logs those steps again)."""
+        if not self.enabled or not self.jsonl_path.exists():
+            return
+        lines = self.jsonl_path.read_text().splitlines()
+        kept = [line for line in lines if json.loads(line)["step"] <= step]
+        self.jsonl_path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.jsonl_path, "a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+        if self.tensorboard is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and value is not None:
+                    self.tensorboard.add_scalar(key, value, step)
+            self.tensorboard.flush()
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def format_line(step: int, total: int, values: dict[str, Any]) -> str:
+    parts = [f"step {step}/{total}"]
+    for key, fmt in (("loss", ".4f"), ("val_loss", ".4f"), ("grad_norm", ".3f"), ("lr", ".3e"),
+                     ("tokens_per_s", ",.0f"), ("step_time_s", ".3f"), ("mfu", ".1%")):
+        if values.get(key) is not None:
+            parts.append(f"{key} {values[key]:{fmt}}")
+    return "  ".join(parts)
+
+
+def progress_bar(total: int, initial: int):
+    """A tqdm bar on interactive terminals; None in logs and CI (the metric lines suffice)."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)

@@ -1,0 +1,114 @@
+"""The device mesh and the one table that maps logical axes onto it.
+
+Parameters carry logical axis names (layers.make_param); `LOGICAL_RULES` says which
+mesh axes each may be split over. A dimension is split only where the mesh axes
+divide it and no other dimension of the same array already uses them, so every
+rule is safe for any shape (a dimension that cannot be split stays replicated).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from mlra_jax.config import ConfigError, MeshConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axes it may be split over, in order of preference
+LOGICAL_RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp"),
+    "embed": ("fsdp",),
+    "vocab": ("tensor",),
+    "mlp": ("tensor",),
+    "q_heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "latent_blocks": ("tensor",),
+    "block_heads": ("tensor",),
+}
+
+
+def mesh_shape(cfg: MeshConfig, device_count: int) -> tuple[int, int, int]:
+    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if device_count % known:
+            raise ConfigError(f"mesh {dict(zip(MESH_AXES, sizes))}: {device_count} devices are not divisible by "
+                              f"{known}; choose mesh sizes whose product divides the device count")
+        sizes[sizes.index(-1)] = device_count // known
+    if math.prod(sizes) != device_count:
+        raise ConfigError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices but "
+                          f"{device_count} are available; set one axis to -1 to use the rest")
+    return tuple(sizes)
+
+
+def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh with automatic (GSPMD) sharding propagation."""
+    devices = devices if devices is not None else jax.devices()
+    shape = mesh_shape(cfg, len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
+                    fsdp_everything: bool = True) -> PartitionSpec:
+    """PartitionSpec for an array with these logical axes, under LOGICAL_RULES.
+
+    With `fsdp_everything` (parameters and optimizer state), an array that the rules
+    leave unsplit over 'fsdp' is split over it along its largest dimension that
+    divides, so that FSDP stores 1/fsdp of every tensor (ZeRO-3)."""
+    used: set[str] = set()
+    chosen: list[list[str]] = []
+    for name, size in zip(axes, shape):
+        picked: list[str] = []
+        for mesh_axis in LOGICAL_RULES.get(name, ()):
+            n = mesh.shape[mesh_axis]
+            if n > 1 and mesh_axis not in used and size % (math.prod(mesh.shape[a] for a in picked) * n) == 0:
+                picked.append(mesh_axis)
+        used.update(picked)
+        chosen.append(picked)
+    fsdp = mesh.shape["fsdp"]
+    if fsdp_everything and fsdp > 1 and "fsdp" not in used:
+        sizes = [size // math.prod(mesh.shape[a] for a in picked) for size, picked in zip(shape, chosen)]
+        fits = [i for i, size in enumerate(sizes) if size % fsdp == 0]
+        if fits:
+            chosen[max(fits, key=lambda i: sizes[i])].append("fsdp")
+    return PartitionSpec(*(None if not p else p[0] if len(p) == 1 else tuple(p) for p in chosen))
+
+
+def tree_shardings(tree: Mapping[str, Any], axes: Mapping[str, tuple[str | None, ...]], mesh: Mesh,
+                   prefix: str = "") -> dict[str, Any]:
+    """NamedShardings for a nested dict of arrays whose dotted paths index `axes`."""
+    out = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out[key] = tree_shardings(value, axes, mesh, path + ".")
+        else:
+            out[key] = NamedSharding(mesh, logical_to_spec(axes[path], value.shape, mesh))
+    return out
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Sequences split over every data-parallel axis."""
+    return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def bytes_per_device(tree: Any, shardings: Any) -> int:
+    """Bytes one device holds of a tree of (abstract) arrays under these shardings (the largest shard)."""
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+        shard = sharding.shard_shape(leaf.shape)
+        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+    return total

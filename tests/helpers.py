@@ -1,0 +1,58 @@
+"""Small experiments and subprocess runs for the training tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from experiments import get_experiment
+from mlra_jax.cli import apply_overrides
+
+ROOT = Path(__file__).parent.parent
+
+# A model and run small enough that a step takes milliseconds on a CPU (the vocabulary stays GPT-2's).
+MICRO = ["--model.n_layer=1", "--model.n_embd=64", "--model.intermediate_size=64", "--train.seq_len=32",
+         "--train.global_batch_size=8", "--train.total_steps=12", "--train.warmup_steps=2", "--train.peak_lr=1e-2",
+         "--train.log_every=1", "--train.eval_every=6", "--train.eval_batches=2", "--checkpoint.every=4",
+         "--checkpoint.keep=3"]
+
+
+def micro_experiment(name: str = "mlra4_tiny", *overrides: str):
+    return apply_overrides(get_experiment(name), MICRO + list(overrides))
+
+
+def train_command(workdir: Path, *overrides: str, experiment: str = "mlra4_tiny") -> list[str]:
+    """[python, -m, mlra_jax.train, arguments...]."""
+    return [sys.executable, "-m", "mlra_jax.train", f"--experiment={experiment}", f"--workdir={workdir}",
+            *MICRO, *overrides]
+
+
+def subprocess_env(devices: int = 1) -> dict[str, str]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def run_training(workdir: Path, *overrides: str, devices: int = 1, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(train_command(workdir, *overrides), env=subprocess_env(devices), cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    if check and result.returncode != 0:
+        raise AssertionError(f"training failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def losses(workdir: Path) -> dict[int, float]:
+    """step -> logged loss (each step logged once: a resumed run rewrites what it repeats)."""
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records]
+    assert len(steps) == len(set(steps)), f"steps logged twice: {steps}"
+    return {r["step"]: r["loss"] for r in records}
+
+
+def with_train(experiment, **changes):
+    return dataclasses.replace(experiment, train=dataclasses.replace(experiment.train, **changes))

@@ -1,0 +1,93 @@
+"""Runs in subprocesses: SIGKILL then resume is exact, SIGTERM checkpoints, checkpoints change meshes."""
+
+import shutil
+import sys
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from helpers import ROOT, losses, run_training, subprocess_env, train_command
+
+LONG = ["--train.total_steps=60", "--checkpoint.every=4", "--train.eval_every=20"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    run_training(workdir, *LONG)
+    return losses(workdir)
+
+
+def start_and_wait(workdir, min_step):
+    """Start a run and return it once it has logged `min_step` steps (still running)."""
+    process = subprocess.Popen(train_command(workdir, *LONG), env=subprocess_env(), cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics, deadline = workdir / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= min_step:
+            break
+        if process.poll() is not None:
+            pytest.fail(f"the run ended before step {min_step}:\n{process.stdout.read()[-3000:]}")
+        time.sleep(0.01)
+    assert process.poll() is None, "the run finished before it could be interrupted"
+    return process
+
+
+def test_sigkill_then_resume_gives_the_same_losses_bitwise(tmp_path, uninterrupted):
+    process = start_and_wait(tmp_path, min_step=10)
+    process.kill()  # SIGKILL: no handler runs, an async save may be cut in half
+    process.wait()
+    killed_at = max(losses(tmp_path))
+    assert killed_at < 60
+    run_training(tmp_path, *LONG)
+    resumed = losses(tmp_path)
+    assert sorted(resumed) == sorted(uninterrupted) == list(range(1, 61))
+    assert resumed == uninterrupted  # float equality, step for step
+
+
+def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path, uninterrupted):
+    process = start_and_wait(tmp_path, min_step=10)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    assert "stop signal received: saving a checkpoint at step" in output
+    stopped = int(output.split("stopped at step ")[1].split()[0])
+    assert 10 <= stopped < 60
+    assert (tmp_path / "checkpoints" / str(stopped) / "state").is_dir()
+    result = run_training(tmp_path, *LONG)
+    assert f"resumed from {tmp_path / 'checkpoints' / str(stopped)}" in result.stdout
+    assert losses(tmp_path) == uninterrupted
+
+
+def test_checkpoint_from_8_devices_restores_on_1_and_4(tmp_path):
+    source, run = tmp_path / "eight", ["--train.total_steps=12", "--train.eval_every=0"]
+    mesh8 = ["--mesh.data=2", "--mesh.fsdp=2", "--mesh.tensor=2"]
+    run_training(source, *run, *mesh8, devices=8)
+    shutil.rmtree(source / "checkpoints" / "12")  # as if the 8-device job had stopped after step 8
+    continued = {}
+    for devices, mesh in ((8, mesh8), (1, ["--mesh.data=1"]), (4, ["--mesh.data=1", "--mesh.fsdp=4"])):
+        workdir = tmp_path / f"on{devices}"
+        shutil.copytree(source, workdir)
+        result = run_training(workdir, *run, *mesh, devices=devices)
+        assert f"resumed from {workdir / 'checkpoints' / '8'}" in result.stdout
+        assert f"over {devices} devices" in result.stdout
+        continued[devices] = [losses(workdir)[s] for s in range(9, 13)]
+    for devices in (1, 4):
+        np.testing.assert_allclose(continued[devices], continued[8], rtol=2e-5)
+
+
+def test_two_processes_train_like_one(tmp_path):
+    """launch/local.sh: 2 processes x 4 CPU devices see the same global batches as 1 process x 8."""
+    run = ["--train.total_steps=8", "--train.eval_every=4"]
+    run_training(tmp_path / "one", *run, devices=8)
+    env = dict(subprocess_env(), DEVICES_PER_PROCESS="4", PYTHON=sys.executable)
+    env.pop("XLA_FLAGS")
+    result = subprocess.run(["bash", "launch/local.sh", "2", *train_command(tmp_path / "two", *run)[3:]], env=env,
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(two) == list(range(1, 9))
+    np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=1e-6)

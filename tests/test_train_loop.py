@@ -1,0 +1,103 @@
+"""The training loop in-process: every family trains; NaN, damaged checkpoints, dry run, CLI errors."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import losses, micro_experiment
+from mlra_jax import trainer
+from mlra_jax.checkpoint import Checkpointer
+from mlra_jax.train import main as train_main
+from mlra_jax.trainer import TrainingDiverged, train
+
+ONE_DEVICE = jax.devices()[:1]  # the loop's logic; meshes of several devices are tested in test_resume
+
+
+@pytest.mark.parametrize("name", ["gqa_tiny", "mlra4_tiny", "mfa_tiny", "tpa_tiny", "gta_tiny"])
+def test_each_family_trains_on_the_builtin_corpus(tmp_path, name):
+    experiment = micro_experiment(name, "--train.total_steps=30", "--train.eval_every=15")
+    result = train(experiment, tmp_path, devices=ONE_DEVICE)
+    logged = losses(tmp_path)
+    assert result.step == 30 and sorted(logged) == list(range(1, 31))
+    first, last = np.mean([logged[s] for s in range(1, 6)]), np.mean([logged[s] for s in range(26, 31)])
+    assert first > 10 and last < first - 1.5, (first, last)
+    assert Checkpointer(tmp_path / "checkpoints", experiment.checkpoint).steps() == [24, 28, 30]  # the last 3 kept
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def _poison(monkeypatch, from_step):
+    """Make the train step return NaN parameters and loss from optimizer step `from_step` on."""
+    real = trainer.make_train_step
+
+    def poisoned(*args, **kwargs):
+        step = real(*args, **kwargs)
+
+        def bad(params, opt_state, tokens):
+            params, opt_state, metrics = step(params, opt_state, tokens)
+            count = jax.tree.leaves(opt_state)[0]  # the Adam step counter
+            nan = jnp.where(count >= from_step, jnp.nan, 1.0)
+            return jax.tree.map(lambda p: p * nan, params), opt_state, dict(metrics, loss=metrics["loss"] * nan)
+
+        return bad
+
+    monkeypatch.setattr(trainer, "make_train_step", poisoned)
+
+
+def test_nan_loss_stops_and_never_overwrites_the_last_good_checkpoint(tmp_path, monkeypatch):
+    experiment = micro_experiment("mlra4_tiny", "--train.eval_every=0", "--train.log_every=100")
+    _poison(monkeypatch, from_step=6)  # steps 6.. are NaN; the first check is at the save of step 8
+    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 6.*last good checkpoint is .*checkpoints/4"):
+        train(experiment, tmp_path, devices=ONE_DEVICE)
+    checkpointer = Checkpointer(tmp_path / "checkpoints", experiment.checkpoint)
+    assert checkpointer.steps() == [4]
+    monkeypatch.undo()
+    result = train(experiment, tmp_path, devices=ONE_DEVICE)  # the good checkpoint resumes
+    assert result.step == 12 and np.isfinite(result.last_loss)
+
+
+def test_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, caplog):
+    experiment = micro_experiment("mlra4_tiny", "--train.total_steps=8", "--train.eval_every=0")
+    train(experiment, tmp_path, devices=ONE_DEVICE)
+    first = losses(tmp_path)
+    shutil.rmtree(tmp_path / "checkpoints" / "8" / "state")  # step 8 loses its arrays
+    (tmp_path / "checkpoints" / "12.orbax-checkpoint-tmp-1234").mkdir()  # an interrupted save
+    with caplog.at_level("WARNING"):
+        result = train(experiment, tmp_path, devices=ONE_DEVICE)
+    assert "checkpoints/8 is incomplete or damaged" in caplog.text
+    assert (tmp_path / "checkpoints" / "8.damaged" / "metadata").is_dir()  # set aside, not deleted
+    assert result.step == 8
+    again = losses(tmp_path)
+    assert [again[s] for s in range(5, 9)] == [first[s] for s in range(5, 9)]  # recomputed from step 4, exactly
+
+
+def test_dry_run_of_the_paper_model(capsys):
+    assert train_main(["--experiment=mlra4_2p9b", "--dry_run"]) == 0
+    out = capsys.readouterr().out
+    assert '"variant": "mlra4"' in out and "parameters: 2,873,220,096" in out
+    assert f"mesh: {{'data': 1, 'fsdp': {jax.device_count()}, 'tensor': 1}}" in out
+    params_gib = 2873220096 * 4 / jax.device_count() / 2**30
+    assert f"params {params_gib:.2f} GiB, optimizer_state {2 * params_gib:.2f} GiB" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model.n_layers=3"], "model has no field 'n_layers'; its fields are: variant, n_layer"),
+    (["--train.peak_lr=fast"], "--train.peak_lr='fast' is not a valid float"),
+    (["--model.kv_lora_rank=62"], "kv_lora_rank=62 is not divisible by the 4 latent blocks"),
+    (["--optimizer.lr=1"], "unknown option --optimizer.lr"),
+    (["--data.dataset=/nonexistent/shards"], "data directory /nonexistent/shards does not exist; create it with"),
+    (["--train.global_batch_size=6"], "must split evenly over the 8 data-parallel devices"),
+])
+def test_cli_errors_name_the_problem(tmp_path, capsys, args, message):
+    assert train_main(["--experiment=mlra4_tiny", f"--workdir={tmp_path}", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_lists_experiments_and_fields(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "mlra4_2p9b" in out and "gqa_tiny" in out and "--train.peak_lr=float" in out
