@@ -2,9 +2,10 @@
 
 Everything derives from what each variant declares it caches (`cache_layout`) and
 from its decode shape (`decode_shape`): nothing here is a per-variant formula.
-Under tensor parallelism a cached tensor of `units` slices is split evenly when TP
-divides `units`; when `units` divides TP each device keeps one slice (the others
-replicate it, e.g. MLA's single latent, or GLA-2's two halves over 4 devices).
+Under tensor parallelism a cached tensor is stored as tensor_parallel.UnitPlan says:
+split when TP divides its slices, one slice per device when its slices divide TP
+(MLA's single latent, GLA-2's halves over 4 devices), all slices on every device
+otherwise. The tests measure the same numbers on real sharded caches.
 """
 
 from __future__ import annotations
@@ -14,10 +15,7 @@ import dataclasses
 from mlra_jax.attention import DecodeShape, attention_class
 from mlra_jax.attention.base import CacheComponent
 from mlra_jax.config import LATENT_LAYOUTS, ModelConfig
-
-
-class ShardingError(ValueError):
-    """A cached tensor cannot be divided evenly over the requested tensor-parallel degree."""
+from mlra_jax.tensor_parallel import UnitPlan
 
 
 def cache_layout(cfg: ModelConfig) -> list[CacheComponent]:
@@ -29,18 +27,14 @@ def kv_cache_elements(cfg: ModelConfig) -> int:
     return sum(c.elements for c in cache_layout(cfg))
 
 
-def units_per_device(component: CacheComponent, tp: int) -> int:
-    if component.units % tp == 0:
-        return component.units // tp
-    if tp % component.units == 0:
-        return 1
-    raise ShardingError(f"{component.name}: {component.units} {component.unit_axis or 'slices'} cannot be divided "
-                        f"over {tp} devices; use a TP degree that divides {component.units} or is a multiple of it")
-
-
 def per_device_kv_elements(cfg: ModelConfig, tp: int) -> int:
     """Cached elements per token per layer that each of `tp` devices stores and loads."""
-    return sum(units_per_device(c, tp) * c.unit_elements for c in cache_layout(cfg))
+    return sum(UnitPlan(c.units, tp).per_device * c.unit_elements for c in cache_layout(cfg))
+
+
+def replicated_under(cfg: ModelConfig, tp: int) -> list[str]:
+    """Cached tensors with several slices that TP=tp can neither split nor spread (kept whole everywhere)."""
+    return [c.name for c in cache_layout(cfg) if c.units > 1 and tp > 1 and not UnitPlan(c.units, tp).sharded]
 
 
 def head_dim_unit(cfg: ModelConfig) -> int:
@@ -59,7 +53,8 @@ class CacheReport:
     variant: str
     d_h: int
     kv_cache_elements: int
-    per_device: dict[int, int | None]  # TP degree -> elements per token per device (None: not divisible)
+    per_device: dict[int, int]  # TP degree -> elements per token per device
+    replicated: dict[int, list[str]]  # TP degree -> tensors that fall back to replication
     decode: DecodeShape
 
     def in_d_h(self, elements: int | None) -> float | None:
@@ -67,10 +62,6 @@ class CacheReport:
 
 
 def cache_report(cfg: ModelConfig, tp_degrees: tuple[int, ...] = (1, 2, 4, 8)) -> CacheReport:
-    per_device: dict[int, int | None] = {}
-    for tp in tp_degrees:
-        try:
-            per_device[tp] = per_device_kv_elements(cfg, tp)
-        except ShardingError:
-            per_device[tp] = None
-    return CacheReport(cfg.variant, head_dim_unit(cfg), kv_cache_elements(cfg), per_device, decode_shape(cfg))
+    return CacheReport(cfg.variant, head_dim_unit(cfg), kv_cache_elements(cfg),
+                       {tp: per_device_kv_elements(cfg, tp) for tp in tp_degrees},
+                       {tp: replicated_under(cfg, tp) for tp in tp_degrees}, decode_shape(cfg))

@@ -39,6 +39,7 @@ def describe(experiment: Experiment) -> dict[str, Any]:
         "kv_cache_d_h": report.in_d_h(report.kv_cache_elements),
         "per_device_kv_elements": {str(tp): n for tp, n in report.per_device.items()},
         "per_device_kv_d_h": {str(tp): report.in_d_h(n) for tp, n in report.per_device.items()},
+        "replicated": {str(tp): names for tp, names in report.replicated.items()},
         "decode_tp": decode.tp,
         "decode_arithmetic_intensity": decode.arithmetic_intensity(),
     }
@@ -46,7 +47,8 @@ def describe(experiment: Experiment) -> dict[str, Any]:
 
 def format_description(info: dict[str, Any], cfg: ModelConfig) -> str:
     bytes_per_token = info["kv_cache_elements_per_token"] * 2
-    per_device = "   ".join(f"TP={tp}: {_fmt_d_h(v)}" for tp, v in info["per_device_kv_d_h"].items())
+    per_device = "   ".join(f"TP={tp}: {_fmt_d_h(v)}{' (replicated)' if info['replicated'][tp] else ''}"
+                             for tp, v in info["per_device_kv_d_h"].items())
     return "\n".join([
         f"{info['experiment']}: {info['description']}",
         f"  model        {VARIANT_NAMES[cfg.variant]}, {cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head} heads, "
@@ -83,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--list", action="store_true", help="list every experiment")
     group.add_argument("--paper-tables", action="store_true", help="print paper Tables 1 and 2")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--measure", action="store_true",
+                        help="with --experiment: also build real sharded caches at TP=1,2,4,8 and report the bytes "
+                             "each device holds per token (needs 8 devices; on a CPU set "
+                             "XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     args = parser.parse_args(argv)
     if args.list:
         for exp in all_experiments():
@@ -97,7 +103,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     info = describe(experiment)
-    print(json.dumps(info, indent=1) if args.json else format_description(info, experiment.model))
+    if args.measure:
+        from mlra_jax.decode.cache import measured_kv_bytes_per_token
+
+        info["measured_kv_bytes_per_token_per_device"] = {
+            str(tp): measured_kv_bytes_per_token(experiment.model, tp) for tp in TP_DEGREES}
+    text = format_description(info, experiment.model)
+    if args.measure:
+        text += "\n  measured     " + "   ".join(f"TP={tp}: {b} B" for tp, b in
+                                               info["measured_kv_bytes_per_token_per_device"].items()) + \
+                "   (bytes per token per layer on one device, from sharded caches)"
+    print(json.dumps(info, indent=1) if args.json else text)
     return 0
 
 

@@ -15,6 +15,7 @@ from flax import nnx
 
 from mlra_jax.attention import attention_class
 from mlra_jax.config import ModelConfig
+from mlra_jax.decode.cache import DecodeState, cache_plans, slot_mask, store_entry
 from mlra_jax.layers import MLP, Embed, RMSNorm
 
 _REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
@@ -33,6 +34,17 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         x = x + self.attn(self.attn_norm(x), positions, mask)
         return x + self.mlp(self.mlp_norm(x))
+
+    def cached(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array], mask: jax.Array,
+               index: jax.Array, plans: dict[str, Any], absorbed: bool) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The block on new tokens x [B, T, d]: their cache entries written at `index`, attention over the cache."""
+        h = self.attn_norm(x)
+        entry = store_entry(self.attn.cache_entry(h, positions), plans)
+        cache = {name: jax.lax.dynamic_update_slice_in_dim(cache[name], entry[name].astype(cache[name].dtype),
+                                                           index, axis=1) for name in cache}
+        attend = self.attn.attend_cache if absorbed else self.attn.attend
+        x = x + self.attn.output(h, attend(h, positions, cache, mask))
+        return x + self.mlp(self.mlp_norm(x)), cache
 
 
 def stacked_blocks(cfg: ModelConfig, key: jax.Array) -> Block:
@@ -59,23 +71,42 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = default_positions(tokens)
         x = self.embed(tokens)
-        x = self.run_layers(x, lambda block, h: block(h, positions, mask))
+        x, _ = self.run_layers(x, lambda block, h, _: (block(h, positions, mask), None))
         return self.embed.attend(self.final_norm(x))
 
-    def run_layers(self, x: jax.Array, apply: Callable[[Block, jax.Array], jax.Array]) -> jax.Array:
-        """Thread x through the layers, `apply(block, x)` at each, scanned or unrolled."""
+    def forward_cached(self, tokens: jax.Array, state: DecodeState, absorbed: bool = True
+                       ) -> tuple[jax.Array, DecodeState]:
+        """Logits of new tokens [B, T] written into the cache at state.index (prefill or decode step).
+
+        absorbed: the latent family attends with absorbed weights (decoding); False up-projects
+        per-head keys and values, cheaper for long prefills."""
+        positions, mask = slot_mask(state, tokens.shape[1])
+        plans = cache_plans(self.config)
+        x = self.embed(tokens)
+        x, kv = self.run_layers(x, lambda block, h, layer_kv: block.cached(h, positions, layer_kv, mask,
+                                                                           state.index, plans, absorbed), state.kv)
+        logits = self.embed.attend(self.final_norm(x))
+        return logits, state._replace(kv=kv, index=state.index + tokens.shape[1])
+
+    def run_layers(self, x: jax.Array, apply: Callable[[Block, jax.Array, Any], tuple[jax.Array, Any]],
+                   xs: Any = None) -> tuple[jax.Array, Any]:
+        """Thread x through the layers, `(x, y) = apply(block, x, xs[layer])` at each, scanned or
+        unrolled; returns x and the ys stacked over layers."""
         graphdef, state = nnx.split(self.blocks)
 
-        def layer(h: jax.Array, layer_state: Any) -> jax.Array:
-            return apply(nnx.merge(graphdef, layer_state), h)
+        def layer(h: jax.Array, inputs: Any) -> tuple[jax.Array, Any]:
+            layer_state, layer_xs = inputs
+            return apply(nnx.merge(graphdef, layer_state), h, layer_xs)
 
         if self.config.remat != "none":
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.config.remat])
         if self.config.scan_layers:
-            return jax.lax.scan(lambda h, s: (layer(h, s), None), x, state)[0]
+            return jax.lax.scan(layer, x, (state, xs))
+        ys = []
         for i in range(self.config.n_layer):
-            x = layer(x, jax.tree.map(lambda a: a[i], state))
-        return x
+            x, y = layer(x, jax.tree.map(lambda a: a[i], (state, xs)))
+            ys.append(y)
+        return x, (None if xs is None else jax.tree.map(lambda *a: jnp.stack(a), *ys))
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:

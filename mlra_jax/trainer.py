@@ -91,7 +91,8 @@ def init_state(setup: Setup) -> dict[str, Any]:
         return {"params": params, "opt_state": setup.optimizer.init(params),
                 "rng": jax.random.key_data(jax.random.key(seed))}
 
-    return jax.jit(init, out_shardings=setup.state_shardings)()
+    with jax.set_mesh(setup.mesh):
+        return jax.jit(init, out_shardings=setup.state_shardings)()
 
 
 def memory_estimate(setup: Setup) -> dict[str, int]:
@@ -107,7 +108,8 @@ def compiled_memory(setup: Setup) -> dict[str, int] | None:
     tokens = jax.ShapeDtypeStruct((setup.experiment.train.global_batch_size, setup.experiment.train.seq_len + 1),
                                   jnp.int32, sharding=batch_sharding(setup.mesh))
     state = setup.abstract_state
-    analysis = step.lower(state["params"], state["opt_state"], tokens).compile().memory_analysis()
+    with jax.set_mesh(setup.mesh):
+        analysis = step.lower(state["params"], state["opt_state"], tokens).compile().memory_analysis()
     if analysis is None:
         return None
     return {"arguments": analysis.argument_size_in_bytes, "outputs": analysis.output_size_in_bytes,
@@ -170,8 +172,14 @@ def train(experiment: Experiment, workdir: Path, devices: list[jax.Device] | Non
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     _check_workdir(workdir, experiment)
-    train_cfg, cfg = experiment.train, experiment.model
     setup = build_setup(experiment, devices)
+    with jax.set_mesh(setup.mesh):  # the model reads the TP degree from the mesh in context
+        return _train(setup, workdir)
+
+
+def _train(setup: Setup, workdir: Path) -> TrainResult:
+    experiment = setup.experiment
+    train_cfg, cfg = experiment.train, experiment.model
     log.info("%s: %s parameters, mesh %s over %d devices (%s)", experiment.name, f"{setup.num_params:,}",
              dict(setup.mesh.shape), setup.mesh.size, setup.mesh.devices.flat[0].device_kind)
 

@@ -1,8 +1,10 @@
-"""Shared test helpers. Tests run on CPU; 8 virtual devices serve the sharding tests."""
+"""Shared test helpers. Tests run on CPU; 8 virtual devices serve the sharding tests, and XLA
+compiles with cheap CPU backend passes (the suite is compile-bound; results do not depend on it)."""
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+                                   "--xla_llvm_disable_expensive_passes=true")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402

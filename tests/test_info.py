@@ -6,7 +6,7 @@ import pytest
 
 from experiments.analysis import TABLE_VARIANTS, analysis_config
 from mlra_jax import info
-from mlra_jax.analysis import ShardingError, cache_report, per_device_kv_elements
+from mlra_jax.analysis import cache_report, per_device_kv_elements
 from mlra_jax.model import abstract_model
 from mlra_jax.params import flat_params
 
@@ -77,11 +77,10 @@ def test_table1_parameter_formulas():
     assert attention_params("gta") == d * h * d_h + d * g * d_h + d * d_r + d * h * d_h
 
 
-def test_tp_degree_that_does_not_divide_is_reported():
-    cfg = analysis_config("gqa")  # 8 KV heads
-    with pytest.raises(ShardingError, match="8 kv_heads cannot be divided over 3 devices"):
-        per_device_kv_elements(cfg, 3)
-    assert cache_report(cfg, (3,)).per_device[3] is None
+def test_tp_degree_that_does_not_divide_falls_back_to_replication():
+    cfg = analysis_config("gqa")  # 8 KV heads: TP=3 neither splits nor spreads them
+    assert per_device_kv_elements(cfg, 3) == per_device_kv_elements(cfg, 1)
+    assert cache_report(cfg, (3, 4)).replicated == {3: ["k", "v"], 4: []}
 
 
 def test_cli_experiment(capsys):
@@ -94,6 +93,7 @@ def test_cli_json(capsys):
     assert info.main(["--experiment", "gqa_2p9b", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["num_params"] == 2872593408 and data["per_device_kv_d_h"]["2"] == 6
+    assert data["per_device_kv_d_h"]["4"] == 12 and data["replicated"]["4"] == ["k", "v"]  # 6 KV heads, TP=4
 
 
 def test_cli_paper_tables_and_list(capsys):

@@ -107,6 +107,10 @@ class Attention(nnx.Module):
         """[B, T, n_head, d_v] attention output of the queries of x over kv."""
         raise NotImplementedError
 
+    def attend_cache(self, x: jax.Array, positions: jax.Array, kv: KVCache, mask: jax.Array) -> jax.Array:
+        """Attention over a decode cache; the latent family overrides this with weight absorption."""
+        return self.attend(x, positions, kv, mask)
+
     # -- shared --------------------------------------------------------------
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         """Self-attention over the sequence x [B, T, d] (causal when mask is None)."""

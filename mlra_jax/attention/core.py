@@ -62,6 +62,30 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, c
     return out[..., :dv]
 
 
+def latent_attention(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array, *,
+                     scale: float, mask: jax.Array | None, impl: str = "xla") -> jax.Array:
+    """MQA-style attention over a latent cache with a shared RoPE key (paper Step 2).
+
+    Per latent block n: q = [q_rope || q_latent], k = [k_rope || latent_n], v = latent_n.
+    q_rope [B, T, N, H, Dr], q_latent [B, T, N, H, R], k_rope [B, S, Dr], latent [B, S, N, R]
+    -> [B, T, N, H, R]. No per-head key or value is ever formed. impl 'pallas' runs the
+    decode kernel; 'xla' and 'cudnn' (whose kernels do not cover this shape) run XLA.
+    """
+    if impl == "pallas":
+        from pallas_kernels.latent_decode import latent_decode_attention
+
+        return latent_decode_attention(q_rope, q_latent, k_rope, latent, scale=scale, mask=mask)
+    logits = (einsum("btnhr,bsnr->bnhts", q_latent, latent, preferred_element_type=jnp.float32)
+              + einsum("btnhk,bsk->bnhts", q_rope, k_rope, preferred_element_type=jnp.float32)) * scale
+    if mask is None:
+        positions = jnp.broadcast_to(jnp.arange(q_latent.shape[1]), q_latent.shape[:2])
+        mask = causal_mask(positions, positions)
+    logits = jnp.where(mask[:, None, None], logits, _MASKED)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = einsum("bnhts,bsnr->btnhr", probs.astype(latent.dtype), latent, preferred_element_type=jnp.float32)
+    return out.astype(latent.dtype)
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, impl: str = "xla",
               mask: jax.Array | None = None) -> jax.Array:
     """Causal attention over a full sequence (mask=None) or under an explicit [B, T, S] mask."""

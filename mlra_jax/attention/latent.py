@@ -27,10 +27,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlra_jax.attention.base import Attention, CacheComponent, DecodeShape, KVCache
-from mlra_jax.attention.core import attention
+from mlra_jax.attention.core import attention, latent_attention
 from mlra_jax.attention.rope import apply_rope
 from mlra_jax.config import ModelConfig
-from mlra_jax.layers import RMSNorm, dense_init, make_param, project
+from mlra_jax.layers import RMSNorm, dense_init, einsum, make_param, project
+from mlra_jax.tensor_parallel import LatentPlan, latent_region, tensor_size
 
 
 class LatentAttention(Attention):
@@ -105,13 +106,47 @@ class LatentAttention(Attention):
         return (out.sum(axis=2) * self.branch_scale).astype(self.dtype)
 
     def attend(self, x: jax.Array, positions: jax.Array, kv: KVCache, mask: jax.Array | None) -> jax.Array:
-        """Up-projects the latent to per-head keys and values (training and prefill)."""
+        """Training and prefill: each block's latent up-projected to per-head keys and values."""
+        return self.run_blocks(self.attend_blocks, x, positions, kv, mask)
+
+    def attend_cache(self, x: jax.Array, positions: jax.Array, kv: KVCache, mask: jax.Array) -> jax.Array:
+        """Decoding with absorbed weights (paper Steps 1-3): no per-head key or value is formed."""
+        return self.run_blocks(self.absorbed_blocks, x, positions, kv, mask)
+
+    def run_blocks(self, blocks_fn, x: jax.Array, positions: jax.Array, kv: KVCache,
+                   mask: jax.Array | None) -> jax.Array:
+        """Apply blocks_fn to every latent block locally, or to each device's blocks under TP."""
         q_nope, q_rope = self.queries(x, positions)
-        q = self.per_block(jnp.concatenate([q_nope, q_rope], axis=-1))
-        kv_heads = project(kv["latent"], self.kv_up, "bsnr,nrhk->bsnhk", self.dtype)
+        kv_up = self.kv_up[...].astype(self.dtype)
+        tp = tensor_size()
+        if tp == 1:
+            out = blocks_fn(self.per_block(q_nope), self.per_block(q_rope), kv["latent"], kv["k_rope"], kv_up, mask)
+            return self.merge_branches(out)
+        plan = LatentPlan(self.blocks, self.branches, self.n_head, tp)
+        latent = kv["latent"]
+        if latent.shape[2] == self.blocks:  # a fresh entry (training, prefill): lay it out as the cache
+            latent = plan.units.store(latent, axis=2)
+        return latent_region(plan, blocks_fn, (q_nope, q_rope), (latent, kv["k_rope"]), (2, 2), kv_up, mask,
+                             self.per_block, self.branch_scale, self.dtype,
+                             differentiable=blocks_fn != self.absorbed_blocks)
+
+    def attend_blocks(self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
+                      kv_up: jax.Array, mask: jax.Array | None) -> jax.Array:
+        """q [B, T, n, H, .] over latent [B, S, n, R] of n blocks with kv_up [n, R, H, 2 d_h]."""
+        kv_heads = einsum("bsnr,nrhk->bsnhk", latent, kv_up)
         k_nope, v = kv_heads[..., : self.nope_dim], kv_heads[..., self.nope_dim:]
-        k_rope = jnp.broadcast_to(kv["k_rope"][:, :, :, None, :], k_nope.shape[:-1] + (self.rope_dim,))
+        k_rope = jnp.broadcast_to(k_rope[:, :, :, None, :], k_nope.shape[:-1] + (self.rope_dim,))
         k = jnp.concatenate([k_nope, k_rope], axis=-1)
-        flat = lambda a: a.reshape(a.shape[:2] + (self.blocks * self.block_heads, a.shape[-1]))
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        flat = lambda a: a.reshape(a.shape[:2] + (-1, a.shape[-1]))
         out = attention(flat(q), flat(k), flat(v), scale=self.softmax_scale, impl=self.impl, mask=mask)
-        return self.merge_branches(out.reshape(q.shape[:-1] + (self.nope_dim,)))
+        return out.reshape(q.shape[:-1] + (self.nope_dim,))
+
+    def absorbed_blocks(self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
+                        kv_up: jax.Array, mask: jax.Array | None) -> jax.Array:
+        """Step 1: W_UK into the query; Step 2: MQA over [k_rope || latent]; Step 3: W_UV after."""
+        w_uk, w_uv = kv_up[..., : self.nope_dim], kv_up[..., self.nope_dim:]
+        q_latent = einsum("btnhk,nrhk->btnhr", q_nope, w_uk).astype(self.dtype)
+        z = latent_attention(q_rope, q_latent, k_rope[:, :, 0], latent, scale=self.softmax_scale, mask=mask,
+                             impl=self.impl)
+        return einsum("btnhr,nrhk->btnhk", z, w_uv)

@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that time on the hardware at hand and save JSON (device, command, date)."""

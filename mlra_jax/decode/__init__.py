@@ -1,0 +1,1 @@
+"""Decoding: KV caches, prefill and decode steps, sampling and batched generation."""

@@ -1,0 +1,149 @@
+"""Tensor parallelism on 8 CPU devices: every variant equals its unsharded self in training and
+decoding, per-device caches match paper Table 1, and MLRA-4's TP=4 decode never gathers its cache."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments.analysis import TABLE_VARIANTS, analysis_config
+from experiments.tiny import tiny_model
+from mlra_jax.config import VARIANTS, ConfigError, MeshConfig
+from mlra_jax.decode.cache import init_cache, measured_kv_bytes_per_token
+from mlra_jax.model import init_model
+from mlra_jax.params import logical_axes
+from mlra_jax.sharding import batch_sharding, make_mesh, tree_shardings
+from mlra_jax.tensor_parallel import per_device_bytes
+from mlra_jax.train_step import loss_fn
+from test_info import TABLE1
+
+TP_DEGREES = (2, 4, 8)
+
+
+def small(variant, **changes):
+    return tiny_model(variant, **{"n_layer": 1, "n_head": 8, "vocab_size": 128, "output_init": "normal", **changes})
+
+
+def mesh_for(tp, devices=8):
+    return make_mesh(MeshConfig(data=-1, tensor=tp), jax.devices()[:devices])
+
+
+def shard_params(model, params, mesh):
+    return jax.device_put(params, tree_shardings(params, logical_axes(model), mesh))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_loss_and_gradients_match_unsharded(variant):
+    model = init_model(small(variant), seed=0)
+    graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tokens = jax.random.randint(jax.random.key(0), (8, 9), 0, 128)
+    value_and_grad = jax.jit(jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t)))
+    loss, grads = value_and_grad(params, tokens)
+    for tp in TP_DEGREES:
+        mesh = mesh_for(tp)
+        with jax.set_mesh(mesh):
+            tp_loss, tp_grads = value_and_grad(shard_params(model, params, mesh),
+                                               jax.device_put(tokens, batch_sharding(mesh)))
+        np.testing.assert_allclose(float(tp_loss), float(loss), rtol=1e-6, err_msg=f"TP={tp}")
+        for a, b in zip(jax.tree.leaves(tp_grads), jax.tree.leaves(grads)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=3e-6 * float(jnp.abs(b).max()) + 1e-9,
+                                       err_msg=f"TP={tp}")
+
+
+def decode(model, params, tokens, mesh=None):
+    """Prefill 4 tokens, then decode the rest one at a time; the logits of every position."""
+    graphdef = nnx.split(model)[0]
+    step = jax.jit(lambda p, t, s, absorbed: nnx.merge(graphdef, p).forward_cached(t, s, absorbed),
+                   static_argnums=3)
+    state = init_cache(model.config, tokens.shape[0], 16, mesh=mesh)
+    logits, state = step(params, tokens[:, :4], state, False)
+    outputs = [logits]
+    for i in range(4, tokens.shape[1]):
+        logits, state = step(params, tokens[:, i:i + 1], state, True)
+        outputs.append(logits)
+    return np.asarray(jnp.concatenate(outputs, axis=1)), state
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_with_sharded_cache_matches_unsharded(variant):
+    model = init_model(small(variant), seed=0)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tokens = jax.random.randint(jax.random.key(1), (2, 7), 0, 128)
+    expected, _ = decode(model, params, tokens)
+    for tp in TP_DEGREES:
+        mesh = make_mesh(MeshConfig(data=1, tensor=tp), jax.devices()[:tp])
+        with jax.set_mesh(mesh):
+            logits, state = decode(model, shard_params(model, params, mesh), tokens, mesh)
+        np.testing.assert_allclose(logits, expected, atol=2e-5, err_msg=f"TP={tp}")
+        assert all(a.sharding.mesh.shape["tensor"] == tp for a in state.kv.values())
+
+
+@pytest.mark.parametrize("variant", TABLE_VARIANTS)
+def test_measured_per_device_cache_matches_table1(variant):
+    cfg = analysis_config(variant)
+    measured = tuple(measured_kv_bytes_per_token(cfg, tp) / jnp.dtype(cfg.dtype).itemsize / 128 for tp in (1, 2, 4, 8))
+    assert measured == TABLE1[variant][1]
+
+
+def test_mlra4_tp4_decode_never_gathers_the_latent_cache():
+    cfg = small("mlra4", n_layer=1)
+    model = init_model(cfg, seed=0)
+    graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    mesh = make_mesh(MeshConfig(data=1, tensor=4), jax.devices()[:4])
+    max_len = 96  # a length no other tensor has
+    with jax.set_mesh(mesh):
+        state = init_cache(cfg, 2, max_len, mesh=mesh)
+        step = jax.jit(lambda p, t, s: nnx.merge(graphdef, p).forward_cached(t, s))
+        hlo = step.lower(shard_params(model, params, mesh), jnp.zeros((2, 1), jnp.int32), state).compile().as_text()
+    assert state.kv["latent"].sharding.spec[3] == "tensor"
+    gathers = [line for line in hlo.splitlines() if re.search(r"= \S+ all-gather\(", line)]
+    assert gathers, "expected the query all-gather of MLRA's branches"
+    shapes = [re.search(r"= \w+\[([\d,]*)\]", line).group(1).split(",") for line in gathers]
+    assert all(str(max_len) not in dims for dims in shapes), gathers
+    assert "reduce-scatter(" in hlo  # the branch outputs meet in one reduce-scatter
+
+
+def test_tp_degrees_the_latent_family_cannot_use():
+    model = init_model(small("mlra4", n_head=3, n_layer=1), seed=0)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    mesh = mesh_for(8)
+    with jax.set_mesh(mesh), pytest.raises(ConfigError, match="its 3 heads do not divide among them"):
+        jax.jit(lambda p: nnx.merge(nnx.split(model)[0], p)(jnp.zeros((8, 4), jnp.int32)))(params)
+    gla2 = init_model(small("gla2", n_layer=1), seed=0)
+    mesh3 = make_mesh(MeshConfig(data=1, tensor=3), jax.devices()[:3])
+    with jax.set_mesh(mesh3), pytest.raises(ConfigError, match="TP=3 cannot split 2 latent blocks"):
+        gla2(jnp.zeros((1, 4), jnp.int32))
+
+
+def test_kv_heads_that_do_not_divide_are_replicated(caplog):
+    """GQA with 6 KV heads at TP=4: the cache falls back to replication and decoding stays exact."""
+    model = init_model(small("mha", n_head=6, head_dim=16), seed=0)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tokens = jax.random.randint(jax.random.key(2), (2, 6), 0, 128)
+    expected, _ = decode(model, params, tokens)
+    mesh = make_mesh(MeshConfig(data=1, tensor=4), jax.devices()[:4])
+    with jax.set_mesh(mesh), caplog.at_level("WARNING"):
+        logits, state = decode(model, shard_params(model, params, mesh), tokens, mesh)
+    np.testing.assert_allclose(logits, expected, atol=2e-5)
+    assert "6 slices cannot be divided over TP=4" in caplog.text
+    assert per_device_bytes(state.kv["k"]) == state.kv["k"].nbytes
+
+
+@pytest.mark.parametrize("variant", ["mla", "mlra4"])
+def test_bfloat16_training_under_tp(variant):
+    """bf16 compute through the latent shard_map region, backward included (float32 params)."""
+    model = init_model(small(variant, compute_dtype="bfloat16"), seed=0)
+    graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tokens = jax.random.randint(jax.random.key(0), (8, 9), 0, 128)
+    value_and_grad = jax.jit(jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t)))
+    loss, grads = value_and_grad(params, tokens)
+    mesh = mesh_for(4)
+    with jax.set_mesh(mesh):
+        tp_loss, tp_grads = value_and_grad(shard_params(model, params, mesh), jax.device_put(tokens, batch_sharding(mesh)))
+    np.testing.assert_allclose(float(tp_loss), float(loss), rtol=2e-3)
+    for a, b in zip(jax.tree.leaves(tp_grads), jax.tree.leaves(grads)):
+        assert a.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=0.03 * float(jnp.abs(b).max()) + 1e-6)
