@@ -39,21 +39,24 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
+    def restore_step(self, step: int, abstract_state: Any) -> tuple[int, Any, dict[str, Any]]:
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), metadata=ocp.args.JsonRestore()))
+        return step, restored["state"], restored["metadata"]
+
     def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict[str, Any]] | None:
         """(step, state, metadata) of the newest checkpoint that restores, or None if there is none.
 
         `abstract_state` holds jax.ShapeDtypeStructs with the target shardings."""
         for step in reversed(self.steps()):
             try:
-                restored = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), metadata=ocp.args.JsonRestore()))
+                return self.restore_step(step, abstract_state)
             except Exception as err:  # noqa: BLE001 - any failure means this step is unusable
                 aside = self._set_aside(step)
                 log.warning("checkpoint %s/%d is incomplete or damaged (%s: %s); moved it to %s and trying the "
                             "previous one", self.directory, step, type(err).__name__,
                             str(err).splitlines()[0][:200], aside)
                 continue
-            return step, restored["state"], restored["metadata"]
         return None
 
     def _set_aside(self, step: int) -> Path:

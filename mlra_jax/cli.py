@@ -72,6 +72,13 @@ def apply_overrides(experiment: Experiment, args: list[str]) -> Experiment:
     return dataclasses.replace(experiment, **replaced)
 
 
+def experiment_from_dict(data: dict[str, Any]) -> Experiment:
+    """An Experiment from its dataclasses.asdict form (a run's experiment.json)."""
+    sections = {name: cls(**data[name]) for name, cls in SECTIONS.items() if name in data}
+    rest = {k: v for k, v in data.items() if k not in SECTIONS}
+    return Experiment(**rest, **sections)
+
+
 def fields_help() -> str:
     """Every overridable field with its type and its default in the base config."""
     lines = []

@@ -15,7 +15,7 @@ from flax import nnx
 
 from mlra_jax.attention import attention_class
 from mlra_jax.config import ModelConfig
-from mlra_jax.decode.cache import DecodeState, cache_plans, slot_mask, store_entry
+from mlra_jax.decode.cache import DecodeState, cache_plans, slot_mask
 from mlra_jax.layers import MLP, Embed, RMSNorm
 
 _REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
@@ -39,11 +39,8 @@ class Block(nnx.Module):
                index: jax.Array, plans: dict[str, Any], absorbed: bool) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The block on new tokens x [B, T, d]: their cache entries written at `index`, attention over the cache."""
         h = self.attn_norm(x)
-        entry = store_entry(self.attn.cache_entry(h, positions), plans)
-        cache = {name: jax.lax.dynamic_update_slice_in_dim(cache[name], entry[name].astype(cache[name].dtype),
-                                                           index, axis=1) for name in cache}
-        attend = self.attn.attend_cache if absorbed else self.attn.attend
-        x = x + self.attn.output(h, attend(h, positions, cache, mask))
+        heads, cache = self.attn.write_and_attend(h, positions, cache, mask, index, plans, absorbed)
+        x = x + self.attn.output(h, heads)
         return x + self.mlp(self.mlp_norm(x)), cache
 
 

@@ -116,6 +116,18 @@ class Attention(nnx.Module):
         """Self-attention over the sequence x [B, T, d] (causal when mask is None)."""
         return self.output(x, self.attend(x, positions, self.cache_entry(x, positions), mask))
 
+    def write_and_attend(self, x: jax.Array, positions: jax.Array, cache: KVCache, mask: jax.Array,
+                         index: jax.Array, plans: dict, absorbed: bool) -> tuple[jax.Array, KVCache]:
+        """New tokens x [B, T, d]: their entries stored at slot `index` of this layer's cache
+        ([B, max_len, stored units, ...], laid out by `plans`), then attention over the cache.
+        Returns the heads' output [B, T, h, d_v] (before the output projection) and the cache."""
+        entry = self.cache_entry(x, positions)
+        cache = {name: jax.lax.dynamic_update_slice_in_dim(
+            cache[name], plans[name].store(entry[name], axis=2).astype(cache[name].dtype), index, axis=1)
+            for name in cache}
+        attend = self.attend_cache if absorbed else self.attend
+        return attend(x, positions, cache, mask), cache
+
     def output(self, x: jax.Array, heads_out: jax.Array) -> jax.Array:
         """Optional sigmoid gate computed from x (the attention's input), then the output projection."""
         heads_out = heads_out.astype(self.dtype)

@@ -66,11 +66,6 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, starts: jax.Array | N
     return DecodeState(kv, starts, jnp.zeros((), jnp.int32))
 
 
-def store_entry(entry: dict[str, jax.Array], plans: dict[str, UnitPlan]) -> dict[str, jax.Array]:
-    """A layer's fresh entries [B, T, units, ...] in the storage layout (expanded where planned)."""
-    return {name: plans[name].store(value, axis=2) for name, value in entry.items()}
-
-
 def slot_mask(state: DecodeState, length: int) -> tuple[jax.Array, jax.Array]:
     """(positions [B, T], mask [B, T, max_len]) for `length` new tokens written at state.index."""
     slots = state.index + jnp.arange(length, dtype=jnp.int32)

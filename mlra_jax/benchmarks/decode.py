@@ -1,0 +1,184 @@
+"""Decode benchmarks.
+
+    python -m mlra_jax.benchmarks.decode attention --impls=xla --out=experiments/results/decode_attention.json
+    python -m mlra_jax.benchmarks.decode model --experiments=mlra4_2p9b,mla_2p9b --batch=1,32 --context=4096
+
+`attention`: one decode step of attention on one device at the paper's per-device
+settings (REFERENCE.md): MLRA-4 at TP=4 (64 heads over a 128-wide latent block plus
+a 64-wide RoPE key), GLA-2 at TP=2 (32 heads, 256 + 64), MLA (64 heads, 512 + 64) and
+GQA at TP=8 (8 query heads on one 128-wide KV head); batch 1 at 128K-2M tokens and
+batch 128 at 1K-16K. It reports the median time per call, the ideal time (cache bytes
+over 3.35 TB/s and over the device-to-device copy bandwidth measured in the same run)
+and the achieved bandwidth, for each implementation in --impls.
+
+`model`: per-token latency and throughput of whole-model decode steps (bf16 weights,
+absorbed attention) for experiments at given batch sizes and context lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from mlra_jax.benchmarks.common import median_time, save
+
+H100_BANDWIDTH = 3.35e12  # bytes/s, the paper's ideal-time reference
+BATCH1_CONTEXTS = (131072, 262144, 524288, 1048576, 2097152)
+BATCH128_CONTEXTS = (1024, 2048, 4096, 8192, 16384)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase:
+    name: str
+    heads: int  # query heads on the device
+    latent: int  # latent width (0 for GQA)
+    rope: int  # RoPE key width (0 for GQA)
+    kv_heads: int = 0  # GQA only
+    head_dim: int = 0  # GQA only
+
+    def cache_bytes(self, batch: int, context: int) -> int:
+        per_token = self.latent + self.rope if self.latent else 2 * self.kv_heads * self.head_dim
+        return batch * context * per_token * 2  # bf16
+
+
+CASES = {
+    "mlra4": AttentionCase("MLRA-4 (TP=4)", heads=64, latent=128, rope=64),
+    "gla2": AttentionCase("GLA-2 (TP=2)", heads=32, latent=256, rope=64),
+    "mla": AttentionCase("MLA", heads=64, latent=512, rope=64),
+    "gqa": AttentionCase("GQA (TP=8)", heads=8, latent=0, rope=0, kv_heads=1, head_dim=128),
+}
+
+
+def copy_bandwidth(gigabytes: float) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read plus bytes written)."""
+    n = int(gigabytes * 2**30 / 2)
+    x = jnp.full((n,), 1.5, jnp.bfloat16)
+    copy = jax.jit(lambda a: a + jnp.bfloat16(1))
+    seconds = median_time(lambda: copy(x), repeats=10)
+    return 2 * n * 2 / seconds
+
+
+def attention_fn(case: AttentionCase, impl: str, batch: int, context: int) -> tuple[Callable, tuple]:
+    """A jitted decode-attention call and its random inputs (bf16, a full cache of `context` tokens)."""
+    from mlra_jax.attention.core import attention, latent_attention
+
+    keys = jax.random.split(jax.random.key(1), 4)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    if case.latent:
+        q_rope = jax.random.normal(keys[0], (batch, 1, 1, case.heads, case.rope), jnp.bfloat16)
+        q_latent = jax.random.normal(keys[1], (batch, 1, 1, case.heads, case.latent), jnp.bfloat16)
+        k_rope = jax.random.normal(keys[2], (batch, context, case.rope), jnp.bfloat16)
+        latent = jax.random.normal(keys[3], (batch, context, 1, case.latent), jnp.bfloat16)
+        scale = (case.latent + case.rope) ** -0.5
+
+        def run(q_rope, q_latent, k_rope, latent, lengths):
+            mask = jnp.arange(context)[None, None, :] < lengths[:, None, None]
+            return latent_attention(q_rope, q_latent, k_rope, latent, scale=scale, mask=mask, impl=impl)
+
+        return jax.jit(run), (q_rope, q_latent, k_rope, latent, lengths)
+    q = jax.random.normal(keys[0], (batch, 1, case.heads, case.head_dim), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (batch, context, case.kv_heads, case.head_dim), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (batch, context, case.kv_heads, case.head_dim), jnp.bfloat16)
+
+    def run(q, k, v, lengths):
+        mask = jnp.arange(context)[None, None, :] < lengths[:, None, None]
+        return attention(q, k, v, scale=case.head_dim ** -0.5, impl="xla" if impl == "cudnn" else impl, mask=mask)
+
+    return jax.jit(run), (q, k, v, lengths)
+
+
+def bench_attention(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    bandwidth = copy_bandwidth(args.copy_gb)
+    print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s", flush=True)
+    settings = [(1, c) for c in args.batch1_contexts] + [(128, c) for c in args.batch128_contexts]
+    results = []
+    for variant in args.variants.split(","):
+        case = CASES[variant]
+        for batch, context in settings:
+            for impl in args.impls.split(","):
+                fn, inputs = attention_fn(case, impl, batch, context)
+                seconds = median_time(lambda: fn(*inputs), repeats=args.repeats)
+                moved = case.cache_bytes(batch, context)
+                result = {"variant": variant, "case": case.name, "impl": impl, "batch": batch, "context": context,
+                          "time_s": seconds, "bytes": moved, "achieved_gb_s": moved / seconds / 1e9,
+                          "ideal_time_s_3p35": moved / H100_BANDWIDTH, "ideal_time_s_measured": moved / bandwidth,
+                          "fraction_of_measured_bandwidth": moved / bandwidth / seconds}
+                results.append(result)
+                print(f"{case.name:14} {impl:6} B={batch:<4} ctx={context:<8} {seconds * 1e6:10.1f} us  "
+                      f"{result['achieved_gb_s']:8.0f} GB/s  {result['fraction_of_measured_bandwidth']:6.1%} of copy",
+                      flush=True)
+                del inputs
+    return results, {"copy_bandwidth_bytes_per_s": bandwidth}
+
+
+def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    from flax import nnx
+
+    from experiments import get_experiment
+    from mlra_jax.decode.cache import init_cache
+    from mlra_jax.model import init_model
+
+    results = []
+    for name in args.experiments.split(","):
+        cfg = dataclasses.replace(get_experiment(name).model, param_dtype="bfloat16", compute_dtype="bfloat16",
+                                  attention_impl=args.impl)
+        model = init_model(cfg, seed=0)
+        graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        step = jax.jit(lambda p, t, s: nnx.merge(graphdef, p).forward_cached(t, s), donate_argnums=(2,))
+        for batch in map(int, args.batch.split(",")):
+            for context in map(int, args.context.split(",")):
+                state = init_cache(cfg, batch, context + args.repeats + 8)
+                state = state._replace(kv={k: jax.random.normal(jax.random.key(2), v.shape, v.dtype)
+                                           for k, v in state.kv.items()}, index=jnp.int32(context))
+                tokens = jnp.zeros((batch, 1), jnp.int32)
+                holder = {"state": state}
+
+                def run():
+                    logits, holder["state"] = step(params, tokens, holder["state"])
+                    return logits
+
+                seconds = median_time(run, repeats=args.repeats)
+                result = {"experiment": name, "variant": cfg.variant, "batch": batch, "context": context,
+                          "impl": args.impl, "step_time_s": seconds, "tokens_per_s": batch / seconds}
+                results.append(result)
+                print(f"{name:14} B={batch:<4} ctx={context:<7} {seconds * 1e3:8.2f} ms/token  "
+                      f"{batch / seconds:10.0f} tokens/s", flush=True)
+                del holder
+    return results, {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlra_jax.benchmarks.decode", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    attention = sub.add_parser("attention", help="per-device decode attention at the paper's settings")
+    attention.add_argument("--variants", default="mlra4,mla,gla2,gqa")
+    attention.add_argument("--impls", default="xla", help="comma-separated: xla, pallas, cudnn")
+    attention.add_argument("--batch1_contexts", type=lambda s: [int(x) for x in s.split(",") if x],
+                           default=list(BATCH1_CONTEXTS))
+    attention.add_argument("--batch128_contexts", type=lambda s: [int(x) for x in s.split(",") if x],
+                           default=list(BATCH128_CONTEXTS))
+    attention.add_argument("--repeats", type=int, default=20)
+    attention.add_argument("--copy_gb", type=float, default=4.0, help="size of the bandwidth-reference copy")
+    attention.add_argument("--out", type=Path, default=Path("experiments/results/decode_attention.json"))
+    model = sub.add_parser("model", help="whole-model decode steps")
+    model.add_argument("--experiments", default="gqa_2p9b,mla_2p9b,gla2_2p9b,mlra4_2p9b")
+    model.add_argument("--batch", default="1,32")
+    model.add_argument("--context", default="2048,8192")
+    model.add_argument("--impl", default="xla")
+    model.add_argument("--repeats", type=int, default=20)
+    model.add_argument("--out", type=Path, default=Path("experiments/results/decode_model.json"))
+    args = parser.parse_args(argv)
+    results, extra = bench_attention(args) if args.mode == "attention" else bench_model(args)
+    record = save(args.out, f"decode_{args.mode}", results, **extra)
+    print(f"saved {args.out} ({record['device']})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

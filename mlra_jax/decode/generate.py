@@ -1,0 +1,137 @@
+"""Batched generation: left-padded prompts, prefill, absorbed decode steps, sampling, EOS.
+
+    generator = Generator(model, max_len=512)
+    outputs = generator.generate([[50256, 464, 3290], [50256, 40]], Sampling(temperature=0.8, top_p=0.95))
+
+Prompts of different lengths are left-padded into one batch; every sequence counts
+positions from its own first token (the cache's `starts`), so a prompt gives the same
+logits in a batch as alone (RoPE is translation equivariant, paper App. B).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mlra_jax.decode.cache import DecodeState, init_cache
+from mlra_jax.model import Transformer
+
+
+class GenerationError(ValueError):
+    """A prompt or request that cannot be served; the message says why and what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    eos_id: int | None = 50256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise GenerationError(f"temperature={self.temperature} must be >= 0, top_k={self.top_k} >= 0 and "
+                                  f"top_p={self.top_p} in (0, 1]")
+
+
+def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
+    """Next tokens [B] from logits [B, V]: greedy, or temperature with top-k and nucleus filtering."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        before = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1) - jax.nn.softmax(sorted_logits, -1)
+        sorted_logits = jnp.where(before >= top_p, -jnp.inf, sorted_logits)  # keep the smallest head reaching top_p
+        logits = jnp.full_like(logits, -jnp.inf).at[jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [B, T], starts [B]) with every prompt ending at column T - 1."""
+    width = max(len(p) for p in prompts)
+    tokens = np.full((len(prompts), width), pad_id, np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, width - len(prompt):] = prompt
+    return tokens, np.array([width - len(p) for p in prompts], np.int32)
+
+
+class Generator:
+    """Jitted prefill and decode steps over one model; `mesh` shards the cache and the weights' use."""
+
+    def __init__(self, model: Transformer, max_len: int, mesh: jax.sharding.Mesh | None = None):
+        self.cfg, self.max_len, self.mesh = model.config, max_len, mesh
+        self.graphdef, self.params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+        def forward(params, tokens, state, absorbed):
+            return nnx.merge(self.graphdef, params).forward_cached(tokens, state, absorbed)
+
+        self._prefill = jax.jit(lambda p, t, s: forward(p, t, s, False))
+        self._step = jax.jit(lambda p, t, s: forward(p, t, s, True))
+        self._sample = jax.jit(sample, static_argnums=(2, 3, 4))
+
+    def check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        if not prompts:
+            raise GenerationError("no prompts given")
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise GenerationError(f"prompt {i} is empty; start it with <|endoftext|> (50256) at least")
+            bad = [t for t in prompt if not 0 <= int(t) < self.cfg.vocab_size]
+            if bad:
+                raise GenerationError(f"prompt {i} holds token id {bad[0]}, outside the vocabulary [0, "
+                                      f"{self.cfg.vocab_size})")
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens > self.max_len:
+            raise GenerationError(f"the longest prompt ({longest} tokens) plus max_new_tokens={max_new_tokens} "
+                                  f"exceeds the cache length max_len={self.max_len}; raise max_len or shorten it")
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[jax.Array, DecodeState]:
+        """Logits of every prompt position [B, T, V] and the filled cache."""
+        tokens, starts = left_pad(prompts)
+        state = init_cache(self.cfg, len(prompts), self.max_len, starts, mesh=self.mesh)
+        return self._run(self._prefill, tokens, state)
+
+    def step(self, tokens: jax.Array, state: DecodeState) -> tuple[jax.Array, DecodeState]:
+        """One decode step: logits [B, 1, V] of tokens [B, 1] and the updated cache."""
+        return self._run(self._step, tokens, state)
+
+    def _run(self, fn, tokens, state):
+        if self.mesh is None:
+            return fn(self.params, jnp.asarray(tokens), state)
+        with jax.set_mesh(self.mesh):
+            return fn(self.params, jnp.asarray(tokens), state)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling = Sampling()) -> list[list[int]]:
+        """New tokens per prompt, ending at (and including) EOS or after max_new_tokens."""
+        self.check(prompts, sampling.max_new_tokens)
+        logits, state = self.prefill(prompts)
+        key = jax.random.key(sampling.seed)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        done = np.zeros(len(prompts), bool)
+        for _ in range(sampling.max_new_tokens):
+            key, sub = jax.random.split(key)
+            tokens = self._sample(logits[:, -1], sub, sampling.temperature, sampling.top_k, sampling.top_p)
+            host = np.asarray(tokens)
+            for row in np.flatnonzero(~done):
+                outputs[row].append(int(host[row]))
+            if sampling.eos_id is not None:
+                done |= host == sampling.eos_id
+            if done.all():
+                break
+            logits, state = self.step(tokens[:, None], state)
+        return outputs

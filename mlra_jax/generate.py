@@ -1,0 +1,87 @@
+"""Generate text from a trained run: `python -m mlra_jax.generate --checkpoint runs/mlra4_tiny --prompt "..."`.
+
+    python -m mlra_jax.generate --checkpoint runs/mlra4_tiny --prompt "The return value" --prompt "A list" \\
+        --max_new_tokens 40 --temperature 0.8 --top_p 0.95
+
+--checkpoint is a run directory (experiment.json and checkpoints/); the newest
+complete checkpoint is used unless --step names one. Prompts are batched with left
+padding; decoding stops at <|endoftext|> or after --max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from mlra_jax.checkpoint import Checkpointer
+from mlra_jax.cli import experiment_from_dict
+from mlra_jax.config import CheckpointConfig, ConfigError, MeshConfig
+from mlra_jax.data.tokenizer import EOT, gpt2_tokenizer
+from mlra_jax.decode.generate import GenerationError, Generator, Sampling
+from mlra_jax.model import Transformer, abstract_model
+
+
+def load_model(run_dir: Path, step: int | None = None) -> tuple[Transformer, int]:
+    """The model of a run's newest (or given) checkpoint, on one device; (model, step)."""
+    from mlra_jax.trainer import build_setup
+
+    config_path = run_dir / "experiment.json"
+    if not config_path.exists():
+        raise ConfigError(f"{run_dir} is not a run directory (no experiment.json); pass the --workdir of a "
+                          f"training run")
+    experiment = experiment_from_dict(json.loads(config_path.read_text()))
+    single = experiment.__class__(**{**experiment.__dict__, "mesh": MeshConfig(data=1)})
+    setup = build_setup(single, jax.devices()[:1])
+    checkpointer = Checkpointer(run_dir / "checkpoints", CheckpointConfig())
+    if step is not None and step not in checkpointer.steps():
+        raise ConfigError(f"no checkpoint at step {step} in {checkpointer.directory} (steps: {checkpointer.steps()})")
+    restored = (checkpointer.restore_latest(setup.abstract_state) if step is None else
+                checkpointer.restore_step(step, setup.abstract_state))
+    checkpointer.close()
+    if restored is None:
+        raise ConfigError(f"{run_dir / 'checkpoints'} holds no complete checkpoint")
+    graphdef = nnx.split(abstract_model(experiment.model))[0]
+    return nnx.merge(graphdef, restored[1]["params"]), restored[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlra_jax.generate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, required=True, help="a training run directory")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top_k", type=int, default=0)
+    parser.add_argument("--top_p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max_len", type=int, help="cache length (default: the model's max_seq_len)")
+    parser.add_argument("--json", action="store_true", help="print JSON records")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        model, step = load_model(args.checkpoint, args.step)
+        tokenizer = gpt2_tokenizer()
+        prompts = [[EOT, *tokenizer.encode_ordinary(p)] for p in args.prompt]
+        sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+        generator = Generator(model, args.max_len or model.config.max_seq_len)
+        outputs = generator.generate(prompts, sampling)
+    except (ConfigError, GenerationError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for prompt, tokens in zip(args.prompt, outputs):
+        text = tokenizer.decode([t for t in tokens if t != EOT])
+        print(json.dumps({"prompt": prompt, "completion": text, "tokens": tokens, "step": step})
+              if args.json else f"--- {prompt!r} (checkpoint step {step})\n{prompt}{text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

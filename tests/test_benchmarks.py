@@ -1,0 +1,50 @@
+"""The benchmark scripts run end to end on CPU devices and record device, command and date."""
+
+import json
+
+import jax
+import pytest
+
+from experiments import benchmarks
+from experiments.tiny import tiny_model
+from mlra_jax.benchmarks import decode, decode_throughput, train_tp
+
+
+@pytest.fixture
+def small_throughput_models(monkeypatch):
+    models = {v: tiny_model(v, n_layer=1, n_head=8, vocab_size=128, compute_dtype="bfloat16",
+                            param_dtype="bfloat16") for v in ("gqa", "mla", "gla2", "mlra4")}
+    models["gqa"] = tiny_model("gqa", n_layer=1, n_head=8, group_size=1, vocab_size=128, compute_dtype="bfloat16")
+    monkeypatch.setattr(decode_throughput, "THROUGHPUT_MODELS", models)
+
+
+def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models):
+    assert jax.device_count() == 8
+    out = tmp_path / "throughput.json"
+    decode_throughput.main(["--contexts=16", "--repeats=1", f"--out={out}"])
+    record = json.loads(out.read_text())
+    assert record["device_count"] == 8 and record["command"].startswith("python -m") and record["date"]
+    deployed = {r["variant"]: (r["tp"], r["dp"], r["batch"]) for r in record["results"]}
+    assert deployed == {"gqa": (8, 1, 128), "mla": (1, 8, 128), "gla2": (2, 4, 128), "mlra4": (4, 2, 128)}
+    assert all(r["tokens_per_s"] > 0 for r in record["results"])
+    assert benchmarks.deployment("mlra4", 4) == (4, 1, 64) and benchmarks.deployment("gqa", 2) == (2, 1, 32)
+
+
+def test_decode_attention_and_model_modes(tmp_path):
+    out = tmp_path / "attention.json"
+    decode.main(["attention", "--variants=mlra4,gqa", "--batch1_contexts=256", "--batch128_contexts=",
+                 "--repeats=1", "--copy_gb=0.01", f"--out={out}"])
+    record = json.loads(out.read_text())
+    assert {r["variant"] for r in record["results"]} == {"mlra4", "gqa"}
+    assert record["results"][0]["bytes"] == 256 * (128 + 64) * 2 and record["copy_bandwidth_bytes_per_s"] > 0
+    out = tmp_path / "model.json"
+    decode.main(["model", "--experiments=mlra4_tiny", "--batch=2", "--context=8", "--repeats=1", f"--out={out}"])
+    assert json.loads(out.read_text())["results"][0]["tokens_per_s"] > 0
+
+
+def test_train_tp(tmp_path):
+    out = tmp_path / "train.json"
+    train_tp.main(["--experiments=mlra4_tiny", "--tp=1,4", "--n_layer=1", "--seq_len=16", "--batch_per_replica=1",
+                   "--steps=1", f"--out={out}"])
+    results = json.loads(out.read_text())["results"]
+    assert [(r["tp"], r["mesh"]["data"]) for r in results] == [(1, 8), (4, 2)]
