@@ -84,10 +84,22 @@ def attention_fn(case: AttentionCase, impl: str, batch: int, context: int) -> tu
     q = jax.random.normal(keys[0], (batch, 1, case.heads, case.head_dim), jnp.bfloat16)
     k = jax.random.normal(keys[1], (batch, context, case.kv_heads, case.head_dim), jnp.bfloat16)
     v = jax.random.normal(keys[2], (batch, context, case.kv_heads, case.head_dim), jnp.bfloat16)
+    scale = case.head_dim ** -0.5
+    if impl == "pallas":  # JAX's split-K GQA decode kernel (pallas/ops/gpu/decode_attention.py)
+        from jax.experimental.pallas.ops.gpu.decode_attention import gqa
+
+        from pallas_kernels.latent_decode import choose_splits
+
+        splits = choose_splits(batch * case.kv_heads, context, 128, 132)
+        return jax.jit(lambda q, k, v, lengths: gqa(q[:, 0], k, v, kv_seq_len=lengths, sm_scale=scale,
+                                                    k_splits=splits, block_h=16, block_k=128)), (q, k, v, lengths)
+    if impl == "cudnn":
+        return jax.jit(lambda q, k, v, lengths: jax.nn.dot_product_attention(
+            q, k, v, scale=scale, key_value_seq_lengths=lengths, implementation="cudnn")), (q, k, v, lengths)
 
     def run(q, k, v, lengths):
         mask = jnp.arange(context)[None, None, :] < lengths[:, None, None]
-        return attention(q, k, v, scale=case.head_dim ** -0.5, impl="xla" if impl == "cudnn" else impl, mask=mask)
+        return attention(q, k, v, scale=scale, impl="xla", mask=mask)
 
     return jax.jit(run), (q, k, v, lengths)
 
@@ -101,6 +113,8 @@ def bench_attention(args: argparse.Namespace) -> tuple[list[dict], dict]:
         case = CASES[variant]
         for batch, context in settings:
             for impl in args.impls.split(","):
+                if impl == "cudnn" and case.latent:
+                    continue  # cuDNN has no latent (MQA over a shared latent with a separate RoPE key) decode
                 fn, inputs = attention_fn(case, impl, batch, context)
                 seconds = median_time(lambda: fn(*inputs), repeats=args.repeats)
                 moved = case.cache_bytes(batch, context)

@@ -54,9 +54,14 @@ def cache_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh, batch_axes: tuple
             for c in cache_layout(cfg)}
 
 
+SLOT_MULTIPLE = 8  # caches hold a multiple of 8 slots (TMA tiles rows in 8s in the GPU decode kernel)
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, starts: jax.Array | None = None,
                mesh: jax.sharding.Mesh | None = None) -> DecodeState:
-    """An empty cache in the compute dtype; sharded over `mesh` when given."""
+    """An empty cache of at least `max_len` slots (rounded up to SLOT_MULTIPLE) in the compute
+    dtype; sharded over `mesh` when given."""
+    max_len = -(-max_len // SLOT_MULTIPLE) * SLOT_MULTIPLE
     tp = mesh.shape.get("tensor", 1) if mesh is not None else None
     shapes = cache_shapes(cfg, batch, max_len, tp)
     kv = {name: jnp.zeros(shape, cfg.dtype) for name, shape in shapes.items()}

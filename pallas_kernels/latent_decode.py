@@ -1,0 +1,165 @@
+"""Decode attention over a shared latent cache with a separate RoPE key (MLA, GLA, MLRA).
+
+One query token per sequence; per latent block n the H heads attend MQA-style with
+    q = [q_rope || q_latent],  k = [k_rope || latent_n],  v = latent_n        (paper Step 2)
+over the slots [start_b, end_b) of sequence b (left padding before start_b).
+
+Split-KV (flash-decoding): each sequence's range is cut into `splits` pieces handled
+by different programs, each returning its normalized partial output and log2-sum-exp;
+`combine` merges them. Implementations:
+  * `reference`            plain jnp, the definition the kernels are tested against;
+  * `latent_decode_tpu`    Pallas Mosaic TPU (also run in TPU interpret mode on CPU);
+  * `latent_decode_gpu`    Pallas Mosaic GPU for Hopper (pallas_kernels/latent_decode_gpu.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+LOG2E = math.log2(math.e)
+
+
+def reference(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array, starts: jax.Array,
+              ends: jax.Array, *, scale: float) -> jax.Array:
+    """q_rope [B, N, H, Dr], q_latent [B, N, H, R], k_rope [B, S, Dr], latent [B, S, N, R] -> [B, N, H, R]."""
+    f32 = jnp.float32
+    logits = (jnp.einsum("bnhr,bsnr->bnhs", q_latent.astype(f32), latent.astype(f32))
+              + jnp.einsum("bnhk,bsk->bnhs", q_rope.astype(f32), k_rope.astype(f32))) * scale
+    slots = jnp.arange(latent.shape[1])
+    valid = (slots[None] >= starts[:, None]) & (slots[None] < ends[:, None])
+    logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
+    out = jnp.einsum("bnhs,bsnr->bnhr", jax.nn.softmax(logits, axis=-1), latent.astype(f32))
+    return out.astype(latent.dtype)
+
+
+def combine(partial_out: jax.Array, partial_lse2: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Merge split-KV partials: out [..., splits, H, R] (each normalized), lse2 [..., splits, H] (log2)."""
+    top = jnp.max(partial_lse2, axis=-2, keepdims=True)
+    weights = jnp.exp2(partial_lse2 - jnp.where(jnp.isfinite(top), top, 0.0))  # [..., splits, H]
+    total = jnp.sum(weights, axis=-2)
+    out = jnp.einsum("...sh,...shr->...hr", weights, partial_out.astype(jnp.float32))
+    return (out / total[..., None]).astype(dtype)
+
+
+def ranges_from_mask(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(starts, ends) [B] of the contiguous valid slots of a decode mask [B, 1, S] or [B, S]."""
+    valid = mask.reshape(mask.shape[0], -1)
+    starts = jnp.argmax(valid, axis=-1).astype(jnp.int32)
+    return starts, starts + jnp.sum(valid, axis=-1, dtype=jnp.int32)
+
+
+def choose_splits(batch_programs: int, max_len: int, block_kv: int, cores: int) -> int:
+    """Enough programs to fill `cores`, at least one KV block each."""
+    return max(1, min(cores // max(batch_programs, 1), pl.cdiv(max_len, block_kv)))
+
+
+# ----------------------------------------------------------------------------- TPU
+def latent_decode_tpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array,
+                      starts: jax.Array, ends: jax.Array, *, scale: float, block_kv: int = 128,
+                      splits: int | None = None, interpret: bool = False) -> jax.Array:
+    """Pallas Mosaic TPU kernel; shapes as `reference`. The grid walks (batch, block, split, kv block);
+    KV blocks outside a sequence's range are neither fetched (their index is clamped) nor computed."""
+    b, n, h, dr = q_rope.shape
+    s, r = latent.shape[1], latent.shape[3]
+    splits = splits or choose_splits(b * n, s, block_kv, cores=2)
+    steps = pl.cdiv(pl.cdiv(s, block_kv), splits)  # KV blocks per split
+    padded = splits * steps * block_kv
+    if padded != s:  # whole blocks only; padding is masked
+        k_rope = jnp.pad(k_rope, ((0, 0), (0, padded - s), (0, 0)))
+        latent = jnp.pad(latent, ((0, 0), (0, padded - s), (0, 0), (0, 0)))
+    latent = latent.reshape(b, padded, n * r)
+
+    def kv_block(bi, split, step, starts_ref, ends_ref):
+        first, last = starts_ref[bi] // block_kv, jnp.maximum(ends_ref[bi] - 1, 0) // block_kv
+        return jnp.clip(split * steps + step, first, last)
+
+    def kernel(starts_ref, ends_ref, q_rope_ref, q_lat_ref, k_rope_ref, lat_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc):
+        bi, split, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+        start, end = starts_ref[bi], ends_ref[bi]
+        block = split * steps + step
+
+        @pl.when(step == 0)
+        def _init():
+            m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+            l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+            acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+        @pl.when((block * block_kv < end) & ((block + 1) * block_kv > start))
+        def _compute():
+            dims = (((1,), (1,)), ((), ()))
+            logits = (jax.lax.dot_general(q_rope_ref[0, 0], k_rope_ref[0], dims, preferred_element_type=jnp.float32)
+                      + jax.lax.dot_general(q_lat_ref[0, 0], lat_ref[0], dims, preferred_element_type=jnp.float32))
+            slots = block * block_kv + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+            logits = jnp.where((slots >= start) & (slots < end), logits * (scale * LOG2E), -jnp.inf)
+            m_new = jnp.maximum(m_sc[...], logits.max(axis=1, keepdims=True))
+            alpha = jnp.exp2(m_sc[...] - m_new)
+            p = jnp.exp2(logits - m_new)
+            l_sc[...] = alpha * l_sc[...] + p.sum(axis=1, keepdims=True)
+            acc_sc[...] = alpha * acc_sc[...] + jnp.dot(p.astype(lat_ref.dtype), lat_ref[0],
+                                                        preferred_element_type=jnp.float32)
+            m_sc[...] = m_new
+
+        @pl.when(step == steps - 1)
+        def _finish():
+            l = l_sc[...]
+            o_ref[0, 0, 0] = jnp.where(l > 0, acc_sc[...] / jnp.where(l > 0, l, 1.0), 0.0)
+            lse_ref[0, 0, 0] = (m_sc[...] + jnp.log2(jnp.where(l > 0, l, 1.0))).reshape(1, h)
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(b, n, splits, steps),
+        in_specs=[
+            pl.BlockSpec((1, 1, h, dr), lambda bi, ni, sp, st, *_: (bi, ni, 0, 0)),
+            pl.BlockSpec((1, 1, h, r), lambda bi, ni, sp, st, *_: (bi, ni, 0, 0)),
+            pl.BlockSpec((1, block_kv, dr), lambda bi, ni, sp, st, s0, e0: (bi, kv_block(bi, sp, st, s0, e0), 0)),
+            pl.BlockSpec((1, block_kv, r), lambda bi, ni, sp, st, s0, e0: (bi, kv_block(bi, sp, st, s0, e0), ni)),
+        ],
+        out_specs=[
+            pl.BlockSpec((1, 1, 1, h, r), lambda bi, ni, sp, st, *_: (bi, ni, sp, 0, 0)),
+            pl.BlockSpec((1, 1, 1, 1, h), lambda bi, ni, sp, st, *_: (bi, ni, sp, 0, 0)),
+        ],
+        scratch_shapes=[pltpu.VMEM((h, 1), jnp.float32), pltpu.VMEM((h, 1), jnp.float32),
+                        pltpu.VMEM((h, r), jnp.float32)],
+    )
+    out, lse = pl.pallas_call(
+        kernel, grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((b, n, splits, h, r), jnp.float32),
+                   jax.ShapeDtypeStruct((b, n, splits, 1, h), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+    )(starts.astype(jnp.int32), ends.astype(jnp.int32), q_rope, q_latent, k_rope, latent)
+    return combine(out, lse[:, :, :, 0], latent.dtype)
+
+
+# ----------------------------------------------------------------------------- dispatch
+def latent_decode_attention(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array, *,
+                            scale: float, mask: jax.Array) -> jax.Array:
+    """The model's entry point (attention.core.latent_attention, impl='pallas'): one decode token.
+
+    q_rope [B, 1, N, H, Dr], q_latent [B, 1, N, H, R], k_rope [B, S, Dr], latent [B, S, N, R],
+    mask [B, 1, S] (a contiguous range per sequence) -> [B, 1, N, H, R]."""
+    if q_rope.shape[1] != 1:
+        raise ValueError(f"the Pallas latent kernel decodes one token at a time; got {q_rope.shape[1]} (prefill "
+                         f"runs unabsorbed on XLA)")
+    starts, ends = ranges_from_mask(mask)
+    backend = jax.default_backend()
+    args = (q_rope[:, 0], q_latent[:, 0], k_rope, latent, starts, ends)
+    if backend == "gpu":
+        from pallas_kernels.latent_decode_gpu import latent_decode_gpu
+
+        out = latent_decode_gpu(*args, scale=scale)
+    elif backend == "tpu":
+        out = latent_decode_tpu(*args, scale=scale)
+    else:
+        raise ValueError(f"attention_impl='pallas' needs a GPU or TPU; the backend is {backend!r} (the kernels run "
+                         f"on CPU only in the tests' interpret mode); use attention_impl='xla'")
+    return out[:, None]
+
+
+__all__ = ["combine", "latent_decode_attention", "latent_decode_tpu", "ranges_from_mask", "reference"]

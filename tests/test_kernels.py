@@ -1,0 +1,99 @@
+"""Pallas decode kernels against their jnp reference: TPU kernel in interpret mode on CPU, the Mosaic GPU
+kernel and the model's pallas path on a GPU (run there with JAX_PLATFORMS=cuda)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments.tiny import tiny_model
+from mlra_jax.decode.generate import Generator
+from mlra_jax.model import init_model
+from pallas_kernels.latent_decode import combine, latent_decode_tpu, ranges_from_mask, reference
+
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+# Widths of the paper's per-device decode: MLRA-4 (64 heads, 128 latent), GLA-2 (32, 256), MLA (64, 512).
+SHAPES = [(64, 64, 128, 1), (32, 64, 256, 1), (64, 64, 512, 1), (64, 64, 128, 2)]
+
+
+def inputs(heads, dr, r, blocks, slots, dtype=jnp.bfloat16, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(keys[0], (3, blocks, heads, dr), dtype),
+            jax.random.normal(keys[1], (3, blocks, heads, r), dtype),
+            jax.random.normal(keys[2], (3, slots, dr), dtype),
+            jax.random.normal(keys[3], (3, slots, blocks, r), dtype))
+
+
+@pytest.mark.parametrize("heads,dr,r,blocks", SHAPES)
+def test_tpu_kernel_in_interpret_mode(heads, dr, r, blocks):
+    """Ragged ranges (one of a single token, one left-padded), 200 slots: not a multiple of the block."""
+    args = inputs(heads, dr, r, blocks, 200)
+    starts, ends = jnp.array([0, 37, 150]), jnp.array([200, 120, 151])
+    scale = (dr + r) ** -0.5
+    got = latent_decode_tpu(*args, starts, ends, scale=scale, block_kv=64, splits=3, interpret=True)
+    want = reference(*args, starts, ends, scale=scale)
+    assert got.dtype == jnp.bfloat16 and got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+
+
+def test_split_kv_partials_combine_to_the_whole():
+    q_rope, q_latent, k_rope, latent = inputs(8, 16, 32, 1, 96, jnp.float32)
+    starts, ends = jnp.array([0, 10, 50]), jnp.array([96, 70, 51])
+    whole = reference(q_rope, q_latent, k_rope, latent, starts, ends, scale=0.2)
+    cuts = jnp.array([0, 30, 60, 96])
+    parts, lse = [], []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        lo, hi = jnp.maximum(starts, a), jnp.minimum(ends, b)
+        parts.append(reference(q_rope, q_latent, k_rope, latent, lo, jnp.maximum(hi, lo), scale=0.2))
+        logits = (jnp.einsum("bnhr,bsnr->bnhs", q_latent, latent) + jnp.einsum("bnhk,bsk->bnhs", q_rope, k_rope)) * 0.2
+        slots = jnp.arange(96)
+        valid = (slots[None] >= lo[:, None]) & (slots[None] < hi[:, None])
+        lse.append(jax.nn.logsumexp(jnp.where(valid[:, None, None], logits, -jnp.inf), axis=-1) / np.log(2))
+    merged = combine(jnp.nan_to_num(jnp.stack(parts, axis=2)), jnp.stack(lse, axis=2), jnp.float32)
+    np.testing.assert_allclose(np.asarray(merged), np.asarray(whole), atol=1e-5)
+
+
+def test_ranges_from_mask():
+    mask = jnp.array([[[False, True, True, False]], [[True, True, True, True]]])
+    starts, ends = ranges_from_mask(mask)
+    assert starts.tolist() == [1, 0] and ends.tolist() == [3, 4]
+
+
+def test_pallas_impl_needs_an_accelerator():
+    if jax.default_backend() != "cpu":
+        pytest.skip("checks the CPU error")
+    model = init_model(tiny_model("mlra4", n_layer=1, vocab_size=64, attention_impl="pallas"))
+    with pytest.raises(ValueError, match="attention_impl='pallas' needs a GPU or TPU"):
+        Generator(model, max_len=128).generate([[1, 2]])
+
+
+@on_gpu
+@pytest.mark.parametrize("heads,dr,r,blocks", SHAPES)
+def test_mosaic_gpu_kernel(heads, dr, r, blocks):
+    from pallas_kernels.latent_decode_gpu import latent_decode_gpu
+
+    args = inputs(heads, dr, r, blocks, 4104)  # 4104 = 64 * 64 + 8: a partial last tile
+    starts, ends = jnp.array([0, 37, 2050]), jnp.array([4104, 1200, 2051])
+    for splits in (1, 7, None):
+        got = latent_decode_gpu(*args, starts, ends, scale=(dr + r) ** -0.5, splits=splits)
+        want = reference(*args, starts, ends, scale=(dr + r) ** -0.5)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+
+
+@on_gpu
+@pytest.mark.parametrize("variant", ["mla", "gla2", "mlra4"])
+def test_model_decode_with_the_pallas_kernel(variant):
+    cfg = tiny_model(variant, n_layer=2, n_head=4, n_embd=256, vocab_size=256, q_lora_rank=128, kv_lora_rank=256,
+                     qk_nope_head_dim=64, qk_rope_head_dim=64, compute_dtype="bfloat16", output_init="normal")
+    prompts = [[1, 2, 3, 4, 5], [7, 8]]
+    outputs = {}
+    for impl in ("xla", "pallas"):
+        model = init_model(dataclasses.replace(cfg, attention_impl=impl), seed=0)
+        generator = Generator(model, max_len=64)
+        logits, state = generator.prefill(prompts)
+        steps = [np.asarray(generator.step(jnp.array([[9], [10]]), state)[0], np.float32)]
+        outputs[impl] = steps[0]
+    np.testing.assert_allclose(outputs["pallas"], outputs["xla"], atol=0.05 * np.abs(outputs["xla"]).max())
