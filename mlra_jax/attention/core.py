@@ -8,12 +8,21 @@ Logits and softmax are float32 whatever the compute dtype.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import jax
 import jax.numpy as jnp
 
 from mlra_jax.layers import einsum
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    log.info(message)
 
 
 def causal_mask(q_positions: jax.Array, kv_positions: jax.Array, kv_valid: jax.Array | None = None) -> jax.Array:
@@ -102,7 +111,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, impl: s
             raise ValueError("attention_impl='cudnn' supports the plain causal mask only; use attention_impl='xla' "
                              "for padded or cached attention")
         return cudnn_attention(q, k, v, scale=scale, causal=True)
-    if impl == "pallas":
-        raise ValueError("attention_impl='pallas' is implemented for decoding only (pallas_kernels); "
-                         "train and prefill with attention_impl='xla' or 'cudnn'")
+    if impl == "pallas":  # the Pallas kernels cover decoding; full sequences run on XLA
+        _log_once("attention_impl='pallas' covers decode steps; training and prefill attention run on XLA")
+        return attention(q, k, v, scale=scale, impl="xla", mask=mask)
     raise ValueError(f"attention_impl={impl!r} is not valid; allowed values: xla, cudnn, pallas")
