@@ -115,8 +115,15 @@ def bench_attention(args: argparse.Namespace) -> tuple[list[dict], dict]:
             for impl in args.impls.split(","):
                 if impl == "cudnn" and case.latent:
                     continue  # cuDNN has no latent (MQA over a shared latent with a separate RoPE key) decode
-                fn, inputs = attention_fn(case, impl, batch, context)
-                seconds = median_time(lambda: fn(*inputs), repeats=args.repeats)
+                try:
+                    fn, inputs = attention_fn(case, impl, batch, context)
+                    seconds = median_time(lambda: fn(*inputs), repeats=args.repeats)
+                except Exception as err:  # noqa: BLE001 - record it and go on with the other settings
+                    message = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+                    results.append({"variant": variant, "impl": impl, "batch": batch, "context": context,
+                                    "error": message})
+                    print(f"{case.name:14} {impl:6} B={batch:<4} ctx={context:<8} failed: {message}", flush=True)
+                    continue
                 moved = case.cache_bytes(batch, context)
                 result = {"variant": variant, "case": case.name, "impl": impl, "batch": batch, "context": context,
                           "time_s": seconds, "bytes": moved, "achieved_gb_s": moved / seconds / 1e9,
