@@ -2,14 +2,19 @@
 
 Same contract as latent_decode.reference. Each CTA takes one (sequence, latent block,
 64-head group, KV split). A memory warpgroup streams the query once and then the RoPE
-key and latent tiles of its KV range by TMA through `stages` shared-memory slots; one
-or two compute warpgroups run, per tile, QK^T as wgmma over [q_rope || q_latent] x
+key and latent tiles of its KV range by TMA through `stages` shared-memory slots; two
+compute warpgroups run, per tile, QK^T as wgmma over [q_rope || q_latent] x
 [k_rope || latent]^T, an online softmax in the log2 domain, and PV as wgmma of P
-against the same latent tile (the value is the latent: it is read once). MLA's
-512-wide latent is split by value columns over two compute warpgroups (each also
-computes the scores, as FlashMLA does), keeping each accumulator in registers. The
-split-KV partials (normalized output and log2-sum-exp) are merged by
-latent_decode.combine. Every tile is 64 columns wide (the 128-byte swizzle of bf16).
+against the same latent tile (the value is the latent: it is read once).
+
+  * latent <= 256 ("tiles"): the warpgroups take alternate tiles, each with its own
+    softmax state, so one's softmax overlaps the other's tensor-core work; each writes
+    its own split-KV partial.
+  * latent 512 ("columns", MLA): both take every tile and split the value columns, as
+    FlashMLA does, so that each accumulator fits in registers.
+
+The partials (normalized output and log2-sum-exp) are merged by latent_decode.combine.
+Every SMEM tile is 64 columns wide (the 128-byte swizzle of bf16).
 """
 
 from __future__ import annotations
@@ -31,22 +36,32 @@ SMEM_BYTES = 220 * 1024
 NUM_SMS = 132
 
 
-def _plan(dr: int, r: int, block_kv: int, itemsize: int) -> tuple[int, int, int]:
-    """(compute warpgroups, chunks per warpgroup, pipeline stages)."""
-    wg_cols = min(r, 256)
+COMPUTE_WGS = 2
+
+
+def _plan(dr: int, r: int, itemsize: int, block_kv: int | None = None) -> tuple[bool, int, int]:
+    """(split value columns?, KV tile rows, pipeline stages). The "tiles" mode takes the largest tile
+    that keeps 4 or 6 stages (an even count: slot s always feeds warpgroup s % 2); MLA's 512-wide
+    latent leaves room for two 64-row stages."""
+    by_columns = r > 256
     chunks = (dr + r) // CHUNK
     q_bytes = chunks * HEADS * CHUNK * itemsize
-    stage_bytes = chunks * block_kv * CHUNK * itemsize
-    stages = min(6, (SMEM_BYTES - q_bytes - 4 * HEADS * 4) // stage_bytes)
-    if stages < 2:
-        raise ValueError(f"latent width {r} with RoPE {dr} does not fit two pipeline stages in shared memory")
-    return r // wg_cols, wg_cols // CHUNK, stages
+
+    def stages_for(block_kv: int) -> int:
+        return (SMEM_BYTES - q_bytes - COMPUTE_WGS * HEADS * 4) // (chunks * block_kv * CHUNK * itemsize)
+
+    if by_columns and stages_for(64) >= 2:
+        return True, 64, 2
+    for rows in (block_kv,) if block_kv else (128, 64):
+        if not by_columns and (stages := stages_for(rows)) >= 4:
+            return False, rows, 6 if stages >= 6 else 4
+    raise ValueError(f"latent width {r} with RoPE {dr} does not fit the pipeline in shared memory")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "splits"))
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "block_kv"))
 def latent_decode_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array,
-                      starts: jax.Array, ends: jax.Array, *, scale: float, block_kv: int = 64,
-                      splits: int | None = None) -> jax.Array:
+                      starts: jax.Array, ends: jax.Array, *, scale: float, splits: int | None = None,
+                      block_kv: int | None = None) -> jax.Array:
     """q_rope [B, N, H, Dr], q_latent [B, N, H, R], k_rope [B, S, Dr], latent [B, S, N, R] -> [B, N, H, R]."""
     b, n, h, dr = q_rope.shape
     s, r = latent.shape[1], latent.shape[3]
@@ -61,13 +76,15 @@ def latent_decode_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array,
     if groups * HEADS != h:  # pad the heads to whole warpgroup tiles
         pad = ((0, 0), (0, 0), (0, groups * HEADS - h), (0, 0))
         q_rope, q_latent = jnp.pad(q_rope, pad), jnp.pad(q_latent, pad)
-    compute_wgs, wg_chunks, stages = _plan(dr, r, block_kv, jnp.dtype(dtype).itemsize)
+    by_columns, block_kv, stages = _plan(dr, r, jnp.dtype(dtype).itemsize, block_kv)
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
-    splits = splits or choose_splits(b * n * groups, s, block_kv, NUM_SMS)
+    wg_chunks = lat_chunks // COMPUTE_WGS if by_columns else lat_chunks  # value chunks each warpgroup owns
+    partials = 1 if by_columns else COMPUTE_WGS  # split-KV partials per CTA
+    splits = splits or choose_splits(b * n * groups, s, block_kv * partials, NUM_SMS)
     tile_transforms = (plgpu.TilingTransform((8, CHUNK)), plgpu.SwizzleTransform(128))
 
     def kernel(starts_ref, ends_ref, qr_ref, ql_ref, kr_ref, lat_ref, o_ref, lse_ref, scoped):
-        (qr_smem, ql_smem, kr_smem, lat_smem, lse_smem), (q_barrier, kv_barriers, consumed, done) = scoped
+        (qr_smem, ql_smem, kr_smem, lat_smem, lse_smem), (q_barrier, kv_barriers, consumed, done, stored) = scoped
         split, block_head, bi = lax.axis_index("split"), lax.axis_index("block_head"), lax.axis_index("batch")
         ni, heads = block_head // groups, pl.ds((block_head % groups) * HEADS, HEADS)
         wg = lax.axis_index("wg")
@@ -77,18 +94,18 @@ def latent_decode_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array,
         t0 = first + split * per_split
         steps = jnp.maximum(jnp.minimum(t0 + per_split, last) - t0, 0)
 
-        @pl.when(wg < compute_wgs)
+        @pl.when(wg < COMPUTE_WGS)
         def _compute():
-            if compute_wgs == 2:  # FA3's register split for two compute warpgroups and one memory warpgroup
-                plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(232, action="increase")  # FA3's split: two compute, one memory warpgroup
             plgpu.barrier_wait(q_barrier.at[0])
             m_i = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l_i = plgpu.layout_cast(jnp.full((HEADS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             accs = tuple(plgpu.layout_cast(jnp.full((HEADS, CHUNK), 0, jnp.float32), plgpu.Layout.WGMMA)
                          for _ in range(wg_chunks))
 
-            def kv_step(step, carry):
+            def kv_step(i, carry):
                 accs, m_i, l_i = carry
+                step = i if by_columns else i * COMPUTE_WGS + wg  # "tiles": warpgroup w takes w, w + 2, ...
                 slot = lax.rem(step, jnp.int32(stages))
                 plgpu.barrier_wait(kv_barriers.at[slot])
 
@@ -110,43 +127,56 @@ def latent_decode_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array,
                 accs = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs)
                 p16 = p.astype(dtype)
 
+                first_chunk = wg * wg_chunks if by_columns else 0
+
                 def values(acc_refs):
-                    for i, acc_ref in enumerate(acc_refs):
-                        plgpu.wgmma(acc_ref, p16, lat_smem.at[slot, wg * wg_chunks + i])
+                    for j, acc_ref in enumerate(acc_refs):
+                        plgpu.wgmma(acc_ref, p16, lat_smem.at[slot, first_chunk + j])
 
                 accs = pl.run_state(values)(tuple(plgpu.ACC.init(a) for a in accs))
                 plgpu.barrier_arrive(consumed.at[slot])
                 return accs, m_new, l_i
 
-            accs, m_i, l_i = lax.fori_loop(0, steps, kv_step, (accs, m_i, l_i))
-            # Every compute warpgroup is done reading the query before the outputs overwrite it.
+            my_steps = steps if by_columns else (steps - wg + COMPUTE_WGS - 1) // COMPUTE_WGS
+            accs, m_i, l_i = lax.fori_loop(0, my_steps, kv_step, (accs, m_i, l_i))
+            # Both warpgroups are done reading the query before outputs overwrite its SMEM.
             plgpu.barrier_arrive(done.at[0])
             plgpu.barrier_wait(done.at[0])
             inverse = 1.0 / jnp.maximum(l_i, 1e-30)  # an empty split has l = 0 and a zero output
-            for i, acc in enumerate(accs):
-                chunk = wg * wg_chunks + i
-                ql_smem.at[chunk][...] = (acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(dtype)
+            partial = split if by_columns else split * COMPUTE_WGS + wg
 
-            @pl.when(wg == 0)
-            def _lse():
-                lse_smem[...] = m_i + jnp.log2(jnp.maximum(l_i, 1e-30))
+            def write_out():
+                for j, acc in enumerate(accs):
+                    chunk = (wg * wg_chunks if by_columns else 0) + j
+                    ql_smem.at[chunk][...] = (acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(dtype)
+                lse_smem.at[wg][...] = m_i + jnp.log2(jnp.maximum(l_i, 1e-30))
+                plgpu.commit_smem()
+                for j in range(wg_chunks):
+                    chunk = (wg * wg_chunks if by_columns else 0) + j
+                    plgpu.copy_smem_to_gmem(ql_smem.at[chunk],
+                                            o_ref.at[bi, ni, partial, heads, pl.ds(chunk * CHUNK, CHUNK)])
 
-            plgpu.commit_smem()
-            for i in range(wg_chunks):
-                chunk = wg * wg_chunks + i
-                plgpu.copy_smem_to_gmem(ql_smem.at[chunk],
-                                        o_ref.at[bi, ni, split, heads, pl.ds(chunk * CHUNK, CHUNK)])
+                store_lse = lambda: plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[bi, ni, partial, heads])
+                pl.when(wg == 0)(store_lse) if by_columns else store_lse()
 
-            @pl.when(wg == 0)
-            def _store_lse():
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, ni, split, heads])
+                plgpu.wait_smem_to_gmem(0)
 
-            plgpu.wait_smem_to_gmem(0)
+            if by_columns:  # disjoint column chunks: both write at once
+                write_out()
+            else:  # the same SMEM for both outputs: warpgroup 0, then warpgroup 1
+                @pl.when(wg == 0)
+                def _first():
+                    write_out()
+                    plgpu.barrier_arrive(stored.at[0])
 
-        @pl.when(wg == compute_wgs)
+                @pl.when(wg == 1)
+                def _second():
+                    plgpu.barrier_wait(stored.at[0])
+                    write_out()
+
+        @pl.when(wg == COMPUTE_WGS)
         def _memory():
-            if compute_wgs == 2:
-                plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(40, action="decrease")
             for c in range(rope_chunks):
                 plgpu.copy_gmem_to_smem(qr_ref.at[bi, ni, heads, pl.ds(c * CHUNK, CHUNK)], qr_smem.at[c],
                                         q_barrier.at[0])
@@ -177,29 +207,53 @@ def latent_decode_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array,
                 plgpu.SMEM((lat_chunks, HEADS, CHUNK), dtype, transforms=tile_transforms),
                 plgpu.SMEM((stages, rope_chunks, block_kv, CHUNK), dtype, transforms=tile_transforms),
                 plgpu.SMEM((stages, lat_chunks, block_kv, CHUNK), dtype, transforms=tile_transforms),
-                plgpu.SMEM((HEADS,), jnp.float32))
+                plgpu.SMEM((COMPUTE_WGS, HEADS), jnp.float32))
         copies = rope_chunks + lat_chunks
         barriers = (plgpu.Barrier(num_arrivals=copies, num_barriers=1),
                     plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
-                    plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=stages),
-                    plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=1))
+                    plgpu.Barrier(num_arrivals=COMPUTE_WGS if by_columns else 1, num_barriers=stages),
+                    plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=1),
+                    plgpu.Barrier(num_arrivals=1, num_barriers=1))
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
 
     out, lse = plgpu.kernel(
         entry,
-        out_type=[jax.ShapeDtypeStruct((b, n, splits, groups * HEADS, r), dtype),
-                  jax.ShapeDtypeStruct((b, n, splits, groups * HEADS), jnp.float32)],
+        out_type=[jax.ShapeDtypeStruct((b, n, splits * partials, groups * HEADS, r), dtype),
+                  jax.ShapeDtypeStruct((b, n, splits * partials, groups * HEADS), jnp.float32)],
         grid=(splits, n * groups, b),
         grid_names=("split", "block_head", "batch"),
-        num_threads=compute_wgs + 1,
+        num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(starts.astype(jnp.int32), ends.astype(jnp.int32), q_rope, q_latent, k_rope, latent)
     return combine(out, lse, dtype)[:, :, :h]
 
 
-if __name__ == "__main__":  # a quick check on a GPU: python -m pallas_kernels.latent_decode_gpu
+def _tune() -> None:
+    """Device time of MLRA-4's per-device shape for each tile size (python -m ... tune)."""
+    from mlra_jax.benchmarks.common import device_loop_time
+
+    for batch, slots in ((1, 1 << 20), (1, 1 << 21), (128, 8192), (128, 16384)):
+        keys = jax.random.split(jax.random.key(0), 4)
+        args = (jax.random.normal(keys[0], (batch, 1, 64, 64), jnp.bfloat16),
+                jax.random.normal(keys[1], (batch, 1, 64, 128), jnp.bfloat16),
+                jax.random.normal(keys[2], (batch, slots, 64), jnp.bfloat16),
+                jax.random.normal(keys[3], (batch, slots, 1, 128), jnp.bfloat16),
+                jnp.zeros((batch,), jnp.int32), jnp.full((batch,), slots, jnp.int32))
+        for rows in (64, 128):
+            seconds = device_loop_time(functools.partial(latent_decode_gpu, scale=0.07, block_kv=rows), args, 5)
+            print(f"MLRA-4 B={batch} S={slots} tile {rows}: {seconds * 1e6:.1f} us, "
+                  f"{batch * slots * 192 * 2 / seconds / 1e9:.0f} GB/s", flush=True)
+
+
+if __name__ == "__main__":  # a quick check on a GPU: python -m pallas_kernels.latent_decode_gpu [tune]
+    import sys
+
     from pallas_kernels.latent_decode import reference
+
+    if sys.argv[1:] == ["tune"]:
+        _tune()
+        raise SystemExit
 
     for heads, dr, r, n, s in ((64, 64, 128, 1, 5000), (32, 64, 256, 1, 3000), (64, 64, 512, 1, 4000),
                                (64, 64, 128, 2, 704)):
