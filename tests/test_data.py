@@ -60,13 +60,16 @@ def test_missing_directory_and_pattern(tmp_path):
 
 def test_token_ids_beyond_vocab_stop_training(tmp_path, capsys):
     tokens = np.arange(4000) % 1000
-    tokens[1234] = 50400
+    tokens[1234::16] = 50400  # in every window: the first batch already fails
     write_shard(tmp_path / "d_train_000001.bin", tokens)
     write_shard(tmp_path / "d_val_000000.bin", np.arange(4000) % 1000)
     assert train_main(["--experiment=mlra4_tiny", f"--workdir={tmp_path / 'run'}", f"--data.dataset={tmp_path}",
                        "--train.seq_len=32", "--train.global_batch_size=8", "--train.total_steps=20", "--train.warmup_steps=2",
                        "--train.eval_every=0"]) == 2
-    assert "token id 50400 at position 1234 is >= the model's vocab_size 50304" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "d_train_000001.bin: token id 50400 at position" in error and "is >= the model's vocab_size 50304" in error
+    position = int(error.split("at position ")[1].split()[0])
+    assert tokens[position] == 50400  # the position named is the offending token
 
 
 def test_windows_shuffle_and_processes(tmp_path):

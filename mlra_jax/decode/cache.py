@@ -93,4 +93,4 @@ def measured_kv_bytes_per_token(cfg: ModelConfig, tp: int, devices: list[jax.Dev
         raise ValueError(f"measuring TP={tp} needs {tp} devices, {len(devices)} are present (on a CPU, set "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={tp})")
     state = init_cache(cfg, batch=1, max_len=2, mesh=make_mesh(MeshConfig(data=1, tensor=tp), devices))
-    return sum(per_device_bytes(a) for a in state.kv.values()) // (cfg.n_layer * 2)
+    return sum(per_device_bytes(a) for a in state.kv.values()) // (cfg.n_layer * state.max_len)
