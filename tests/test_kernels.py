@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from experiments.tiny import tiny_model
 from mlra_jax.decode.generate import Generator

@@ -1,7 +1,6 @@
 """The logical-axis table, the mesh, sharded initialization and the FLOP count."""
 
 import jax
-import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 

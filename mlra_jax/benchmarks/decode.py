@@ -137,7 +137,6 @@ def bench_attention(args: argparse.Namespace) -> tuple[list[dict], dict]:
                       f"(wall {wall * 1e6:7.1f})  "
                       f"{result['achieved_gb_s']:8.0f} GB/s  {result['fraction_of_measured_bandwidth']:6.1%} of copy",
                       flush=True)
-                del inputs
     return results, {"copy_bandwidth_bytes_per_s": bandwidth}
 
 
@@ -173,7 +172,6 @@ def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
                 results.append(result)
                 print(f"{name:14} B={batch:<4} ctx={context:<7} {seconds * 1e3:8.2f} ms/token  "
                       f"{batch / seconds:10.0f} tokens/s", flush=True)
-                del holder
     return results, {}
 
 

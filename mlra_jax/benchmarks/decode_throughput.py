@@ -63,7 +63,6 @@ def measure(variant: str, contexts: list[int], repeats: int) -> list[dict]:
                             "context": context, "step_time_s": seconds, "tokens_per_s": batch / seconds})
             print(f"{variant:6} TP={tp} DP={dp} B={batch:<4} ctx={context:<6} {seconds * 1e3:8.3f} ms  "
                   f"{batch / seconds:12,.0f} tokens/s", flush=True)
-            del holder
     return results
 
 
