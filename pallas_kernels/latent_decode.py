@@ -140,28 +140,55 @@ def latent_decode_tpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array,
 
 
 # ----------------------------------------------------------------------------- dispatch
+def kernel_for_backend():
+    """The kernel for the default backend (GPU: Mosaic GPU, TPU: Mosaic TPU)."""
+    backend = jax.default_backend()
+    if backend == "gpu":
+        from pallas_kernels.latent_decode_gpu import latent_decode_gpu
+
+        return latent_decode_gpu
+    if backend == "tpu":
+        return latent_decode_tpu
+    raise ValueError(f"attention_impl='pallas' needs a GPU or TPU; the backend is {backend!r} (the kernels run on "
+                     f"CPU only in the tests' interpret mode); use attention_impl='xla'")
+
+
+def _automatic_batch_axes() -> tuple[str, ...]:
+    """Data-parallel mesh axes still under GSPMD here (a kernel cannot be partitioned by it)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    manual = jax.sharding.AxisType.Manual
+    return tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                 if name in ("data", "fsdp") and kind != manual and mesh.shape[name] > 1)
+
+
 def latent_decode_attention(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array, *,
                             scale: float, mask: jax.Array) -> jax.Array:
     """The model's entry point (attention.core.latent_attention, impl='pallas'): one decode token.
 
     q_rope [B, 1, N, H, Dr], q_latent [B, 1, N, H, R], k_rope [B, S, Dr], latent [B, S, N, R],
-    mask [B, 1, S] (a contiguous range per sequence) -> [B, 1, N, H, R]."""
+    mask [B, 1, S] (a contiguous range per sequence) -> [B, 1, N, H, R]. Under a mesh, each
+    data-parallel shard of the batch runs the kernel on its own sequences."""
     if q_rope.shape[1] != 1:
         raise ValueError(f"the Pallas latent kernel decodes one token at a time; got {q_rope.shape[1]} (prefill "
                          f"runs unabsorbed on XLA)")
+    kernel = kernel_for_backend()
     starts, ends = ranges_from_mask(mask)
-    backend = jax.default_backend()
-    args = (q_rope[:, 0], q_latent[:, 0], k_rope, latent, starts, ends)
-    if backend == "gpu":
-        from pallas_kernels.latent_decode_gpu import latent_decode_gpu
 
-        out = latent_decode_gpu(*args, scale=scale)
-    elif backend == "tpu":
-        out = latent_decode_tpu(*args, scale=scale)
-    else:
-        raise ValueError(f"attention_impl='pallas' needs a GPU or TPU; the backend is {backend!r} (the kernels run "
-                         f"on CPU only in the tests' interpret mode); use attention_impl='xla'")
-    return out[:, None]
+    def run(q_rope, q_latent, k_rope, latent, starts, ends):
+        return kernel(q_rope, q_latent, k_rope, latent, starts, ends, scale=scale)
+
+    axes = _automatic_batch_axes()
+    if axes:
+        shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+        if q_rope.shape[0] % shards:
+            raise ValueError(f"a batch of {q_rope.shape[0]} cannot be split over the {shards} data-parallel devices "
+                             f"{axes}; use a batch that is a multiple of {shards}")
+        batch = jax.sharding.PartitionSpec(axes)
+        run = jax.shard_map(run, in_specs=(batch,) * 6, out_specs=batch, axis_names=set(axes), check_vma=False)
+    return run(q_rope[:, 0], q_latent[:, 0], k_rope, latent, starts, ends)[:, None]
 
 
-__all__ = ["combine", "latent_decode_attention", "latent_decode_tpu", "ranges_from_mask", "reference"]
+__all__ = ["combine", "kernel_for_backend", "latent_decode_attention", "latent_decode_tpu", "ranges_from_mask",
+           "reference"]

@@ -11,6 +11,7 @@ weights for the latent family) for the whole batch: tokens/s = batch / step time
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -21,14 +22,16 @@ from flax import nnx
 from experiments.benchmarks import THROUGHPUT_CONTEXTS, THROUGHPUT_MODELS, deployment
 from mlra_jax.attention import attention_class
 from mlra_jax.benchmarks.common import median_time, save
-from mlra_jax.config import MeshConfig
+from mlra_jax.config import LATENT_LAYOUTS, MeshConfig
 from mlra_jax.decode.cache import cache_plans, cache_shardings, init_cache, slot_mask
 from mlra_jax.params import logical_axes
 from mlra_jax.sharding import batch_sharding, make_mesh, tree_shardings
 
 
-def measure(variant: str, contexts: list[int], repeats: int) -> list[dict]:
+def measure(variant: str, contexts: list[int], repeats: int, impl: str = "xla") -> list[dict]:
     cfg = THROUGHPUT_MODELS[variant]
+    if impl != "xla" and variant in LATENT_LAYOUTS:  # the Pallas kernels cover the latent family's decode
+        cfg = dataclasses.replace(cfg, attention_impl=impl)
     tp, dp, batch = deployment(variant, jax.device_count())
     mesh = make_mesh(MeshConfig(data=dp, tensor=tp))
     attn = attention_class(variant)(cfg, rngs=nnx.Rngs(params=0))
@@ -60,7 +63,8 @@ def measure(variant: str, contexts: list[int], repeats: int) -> list[dict]:
 
             seconds = median_time(run, repeats=repeats)
             results.append({"variant": variant, "tp": tp, "dp": dp, "devices": jax.device_count(), "batch": batch,
-                            "context": context, "step_time_s": seconds, "tokens_per_s": batch / seconds})
+                            "context": context, "attention_impl": cfg.attention_impl, "step_time_s": seconds,
+                            "tokens_per_s": batch / seconds})
             print(f"{variant:6} TP={tp} DP={dp} B={batch:<4} ctx={context:<6} {seconds * 1e3:8.3f} ms  "
                   f"{batch / seconds:12,.0f} tokens/s", flush=True)
     return results
@@ -72,11 +76,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="gqa,mla,gla2,mlra4")
     parser.add_argument("--contexts", default=",".join(map(str, THROUGHPUT_CONTEXTS)))
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--attention_impl", default="xla", choices=("xla", "pallas"),
+                        help="pallas: the latent family decodes with the Pallas kernels (GQA stays on XLA)")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/decode_throughput.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     contexts = [int(c) for c in args.contexts.split(",")]
-    results = [r for v in args.variants.split(",") for r in measure(v, contexts, args.repeats)]
+    results = []
+    for variant in args.variants.split(","):
+        try:
+            results += measure(variant, contexts, args.repeats, args.attention_impl)
+        except Exception as err:  # noqa: BLE001 - record it and measure the other variants
+            message = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            results.append({"variant": variant, "attention_impl": args.attention_impl, "error": message})
+            print(f"{variant}: failed: {message}", flush=True)
     record = save(args.out, "decode_throughput", results)
     print(f"saved {args.out} ({record['device']} x{record['device_count']})")
     return 0
