@@ -180,6 +180,14 @@ def latent_decode_attention(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.
         return kernel(q_rope, q_latent, k_rope, latent, starts, ends, scale=scale)
 
     axes = _automatic_batch_axes()
+    mesh = jax.sharding.get_abstract_mesh()
+    in_tp_region = not mesh.empty and jax.sharding.AxisType.Manual in mesh.axis_types
+    if axes and in_tp_region and jax.default_backend() == "gpu":
+        # Seen on 8 x H200 (jax 0.11.2): XLA aborts compiling a Mosaic GPU kernel in a data-parallel
+        # shard_map nested in the tensor-parallel one. TP alone and DP alone are the supported layouts.
+        raise ValueError("attention_impl='pallas' on GPUs supports tensor parallelism or data parallelism, not both "
+                         "at once (XLA fails to compile the nested kernel); set mesh.data=1 or use "
+                         "attention_impl='xla'")
     if axes:
         shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
         if q_rope.shape[0] % shards:
