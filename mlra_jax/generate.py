@@ -11,6 +11,7 @@ padding; decoding stops at <|endoftext|> or after --max_new_tokens.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -36,8 +37,7 @@ def load_model(run_dir: Path, step: int | None = None) -> tuple[Transformer, int
         raise ConfigError(f"{run_dir} is not a run directory (no experiment.json); pass the --workdir of a "
                           f"training run")
     experiment = experiment_from_dict(json.loads(config_path.read_text()))
-    single = experiment.__class__(**{**experiment.__dict__, "mesh": MeshConfig(data=1)})
-    setup = build_setup(single, jax.devices()[:1])
+    setup = build_setup(dataclasses.replace(experiment, mesh=MeshConfig(data=1)), jax.devices()[:1])
     checkpointer = Checkpointer(run_dir / "checkpoints", CheckpointConfig())
     if step is not None and step not in checkpointer.steps():
         raise ConfigError(f"no checkpoint at step {step} in {checkpointer.directory} (steps: {checkpointer.steps()})")

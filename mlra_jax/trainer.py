@@ -104,7 +104,7 @@ def memory_estimate(setup: Setup) -> dict[str, int]:
 
 def compiled_memory(setup: Setup) -> dict[str, int] | None:
     """XLA's own per-device accounting of the compiled train step (activations included)."""
-    step = _jit_train_step(setup)
+    step = jit_train_step(setup)
     tokens = jax.ShapeDtypeStruct((setup.experiment.train.global_batch_size, setup.experiment.train.seq_len + 1),
                                   jnp.int32, sharding=batch_sharding(setup.mesh))
     state = setup.abstract_state
@@ -116,7 +116,8 @@ def compiled_memory(setup: Setup) -> dict[str, int] | None:
             "temporaries": analysis.temp_size_in_bytes, "aliased": analysis.alias_size_in_bytes}
 
 
-def _jit_train_step(setup: Setup):
+def jit_train_step(setup: Setup):
+    """The train step jitted with the state's shardings; params and optimizer state are donated."""
     train = setup.experiment.train
     step = make_train_step(setup.graphdef, setup.optimizer, train.accumulation_steps,
                            micro_batch_sharding(setup.mesh))
@@ -126,7 +127,8 @@ def _jit_train_step(setup: Setup):
                    donate_argnums=(0, 1))
 
 
-def _global_batch(setup: Setup, local: np.ndarray) -> jax.Array:
+def global_batch(setup: Setup, local: np.ndarray) -> jax.Array:
+    """This process's rows of a batch -> the global array sharded over the data-parallel axes."""
     return jax.make_array_from_process_local_data(batch_sharding(setup.mesh), local)
 
 
@@ -202,7 +204,7 @@ def _train(setup: Setup, workdir: Path) -> TrainResult:
         log.info("resumed from %s at step %d", checkpointer.directory / str(step), step)
     writer.truncate_after(step)
 
-    train_step = _jit_train_step(setup)
+    train_step = jit_train_step(setup)
     eval_step = jax.jit(lambda p, t: loss_fn(setup.graphdef, p, t),
                         in_shardings=(setup.state_shardings["params"], batch_sharding(setup.mesh)))
     schedule = learning_rate_schedule(train_cfg)
@@ -243,7 +245,7 @@ def _train(setup: Setup, workdir: Path) -> TrainResult:
                 save(step)
                 checkpointer.wait()
                 return TrainResult(step, last_loss, stopped_by_signal=True)
-            batch = _global_batch(setup, next(iterator))
+            batch = global_batch(setup, next(iterator))
             state["params"], state["opt_state"], metrics = train_step(state["params"], state["opt_state"], batch)
             step += 1
             pending.append((step, metrics))
@@ -263,7 +265,7 @@ def _train(setup: Setup, workdir: Path) -> TrainResult:
                 interval_start, paused = time.perf_counter(), 0.0
             if val and train_cfg.eval_every and (step % train_cfg.eval_every == 0 or step == train_cfg.total_steps):
                 start = time.perf_counter()
-                losses = [eval_step(state["params"], _global_batch(setup, b)) for b in val]
+                losses = [eval_step(state["params"], global_batch(setup, b)) for b in val]
                 record["val_loss"] = float(np.mean(jax.device_get(losses)))
                 paused += time.perf_counter() - start
             if record and jax.process_index() == 0:

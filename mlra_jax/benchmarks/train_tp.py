@@ -21,7 +21,7 @@ from experiments import get_experiment
 from mlra_jax.benchmarks.common import median_time, save
 from mlra_jax.cli import apply_overrides
 from mlra_jax.metrics import peak_flops, training_flops_per_token
-from mlra_jax.trainer import _global_batch, _jit_train_step, build_setup, init_state
+from mlra_jax.trainer import global_batch, jit_train_step, build_setup, init_state
 
 
 def measure(name: str, tp: int, args: argparse.Namespace) -> dict:
@@ -34,10 +34,10 @@ def measure(name: str, tp: int, args: argparse.Namespace) -> dict:
     setup = build_setup(experiment)
     with jax.set_mesh(setup.mesh):
         state = init_state(setup)
-        step = _jit_train_step(setup)
+        step = jit_train_step(setup)
         batch = experiment.train.global_batch_size
         tokens = jax.random.randint(jax.random.key(0), (batch, args.seq_len + 1), 0, 50257, dtype=jnp.int32)
-        tokens = _global_batch(setup, jax.device_get(tokens))
+        tokens = global_batch(setup, jax.device_get(tokens))
 
         def run():
             state["params"], state["opt_state"], metrics = step(state["params"], state["opt_state"], tokens)
