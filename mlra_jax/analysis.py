@@ -34,7 +34,7 @@ def per_device_kv_elements(cfg: ModelConfig, tp: int) -> int:
 
 def replicated_under(cfg: ModelConfig, tp: int) -> list[str]:
     """Cached tensors with several slices that TP=tp can neither split nor spread (kept whole everywhere)."""
-    return [c.name for c in cache_layout(cfg) if c.units > 1 and tp > 1 and not UnitPlan(c.units, tp).sharded]
+    return [c.name for c in cache_layout(cfg) if UnitPlan(c.units, tp).replicated_fallback]
 
 
 def head_dim_unit(cfg: ModelConfig) -> int:

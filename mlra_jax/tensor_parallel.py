@@ -58,6 +58,11 @@ class UnitPlan:
         return self.tp > 1 and (self.expanded or (self.units > 1 and self.units % self.tp == 0))
 
     @property
+    def replicated_fallback(self) -> bool:
+        """Several slices that this degree can neither split nor spread: every device keeps them all."""
+        return self.tp > 1 and self.units > 1 and not self.sharded
+
+    @property
     def stored(self) -> int:
         """Slices along the stored axis (tp when expanded)."""
         return self.tp if self.expanded else self.units
@@ -86,7 +91,7 @@ class UnitPlan:
 
 def unit_plan(units: int, tp: int) -> UnitPlan:
     plan = UnitPlan(units, tp)
-    if tp > 1 and units > 1 and not plan.sharded:
+    if plan.replicated_fallback:
         log.warning("%d slices cannot be divided over TP=%d devices (nor TP over them): replicated on every "
                     "device", units, tp)
     return plan

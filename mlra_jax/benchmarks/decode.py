@@ -65,6 +65,10 @@ def copy_bandwidth(gigabytes: float) -> float:
     return 2 * n * 2 / seconds
 
 
+def _length_mask(lengths: jax.Array, context: int) -> jax.Array:
+    return jnp.arange(context)[None, None, :] < lengths[:, None, None]
+
+
 def attention_fn(case: AttentionCase, impl: str, batch: int, context: int) -> tuple[Callable, tuple]:
     """A jitted decode-attention call and its random inputs (bf16, a full cache of `context` tokens)."""
     from mlra_jax.attention.core import attention, latent_attention
@@ -79,8 +83,8 @@ def attention_fn(case: AttentionCase, impl: str, batch: int, context: int) -> tu
         scale = (case.latent + case.rope) ** -0.5
 
         def run(q_rope, q_latent, k_rope, latent, lengths):
-            mask = jnp.arange(context)[None, None, :] < lengths[:, None, None]
-            return latent_attention(q_rope, q_latent, k_rope, latent, scale=scale, mask=mask, impl=impl)
+            return latent_attention(q_rope, q_latent, k_rope, latent, scale=scale,
+                                    mask=_length_mask(lengths, context), impl=impl)
 
         return jax.jit(run), (q_rope, q_latent, k_rope, latent, lengths)
     q = jax.random.normal(keys[0], (batch, 1, case.heads, case.head_dim), jnp.bfloat16)
@@ -100,8 +104,7 @@ def attention_fn(case: AttentionCase, impl: str, batch: int, context: int) -> tu
             q, k, v, scale=scale, key_value_seq_lengths=lengths, implementation="cudnn")), (q, k, v, lengths)
 
     def run(q, k, v, lengths):
-        mask = jnp.arange(context)[None, None, :] < lengths[:, None, None]
-        return attention(q, k, v, scale=scale, impl="xla", mask=mask)
+        return attention(q, k, v, scale=scale, impl="xla", mask=_length_mask(lengths, context))
 
     return jax.jit(run), (q, k, v, lengths)
 
