@@ -38,12 +38,23 @@ def reference(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent:
 
 
 def combine(partial_out: jax.Array, partial_lse2: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Merge split-KV partials: out [..., splits, H, R] (each normalized), lse2 [..., splits, H] (log2)."""
-    top = jnp.max(partial_lse2, axis=-2, keepdims=True)
-    weights = jnp.exp2(partial_lse2 - jnp.where(jnp.isfinite(top), top, 0.0))  # [..., splits, H]
-    total = jnp.sum(weights, axis=-2)
-    out = jnp.einsum("...sh,...shr->...hr", weights, partial_out.astype(jnp.float32))
-    return (out / total[..., None]).astype(dtype)
+    """Merge split-KV partials: out [..., splits, H, R] (each normalized), lse2 [..., splits, H] (log2).
+
+    Written for few GPU kernels (each costs over a microsecond at batch 1): the max over the small lse
+    array, then one add-only variadic reduction of the weighted outputs and of the weights. On an H100
+    this took 7.5 us for MLRA-4's 132 partials against 8.6 us for a softmax over the splits followed by a
+    weighted sum, and 9 us for separate max, sum and weighted-sum reductions."""
+    axis = partial_out.ndim - 3
+    if partial_out.shape[axis] == 1:
+        return jnp.squeeze(partial_out, axis).astype(dtype)
+    f32 = jnp.float32
+    lse2 = partial_lse2.astype(f32)
+    top = jnp.max(lse2, axis=axis, keepdims=True)
+    weights = jnp.exp2(lse2 - jnp.where(jnp.isfinite(top), top, 0.0))[..., None]  # empty splits weigh 0
+    weighted, total = jax.lax.reduce(
+        (weights * partial_out.astype(f32), jnp.broadcast_to(weights, partial_out.shape)),
+        (jnp.array(0.0, f32), jnp.array(0.0, f32)), lambda a, b: (a[0] + b[0], a[1] + b[1]), (axis,))
+    return (weighted / jnp.where(total > 0, total, 1.0)).astype(dtype)
 
 
 def ranges_from_mask(mask: jax.Array) -> tuple[jax.Array, jax.Array]:

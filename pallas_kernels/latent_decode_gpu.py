@@ -8,12 +8,13 @@ compute warpgroups run, per tile, QK^T as wgmma over [q_rope || q_latent] x
 against the same latent tile (the value is the latent: it is read once).
 
   * latent <= 256 ("tiles"): the warpgroups take alternate tiles, each with its own
-    softmax state, so one's softmax overlaps the other's tensor-core work; each writes
-    its own split-KV partial.
+    softmax state, so one's softmax overlaps the other's tensor-core work.
   * latent 512 ("columns", MLA): both take every tile and split the value columns, as
     FlashMLA does, so that each accumulator fits in registers.
 
-The partials (normalized output and log2-sum-exp) are merged by latent_decode.combine.
+Each CTA writes one split-KV partial (normalized output and log2-sum-exp; in "tiles" mode
+warpgroup 1 hands its softmax state to warpgroup 0 through SMEM, which merges the two);
+latent_decode.combine merges the splits.
 Every SMEM tile is 64 columns wide (the 128-byte swizzle of bf16).
 """
 
@@ -41,8 +42,8 @@ COMPUTE_WGS = 2
 
 def _plan(dr: int, r: int, itemsize: int, block_kv: int | None = None) -> tuple[bool, int, int]:
     """(split value columns?, KV tile rows, pipeline stages). The "tiles" mode takes the largest tile
-    that keeps 4 or 6 stages (an even count: slot s always feeds warpgroup s % 2); MLA's 512-wide
-    latent leaves room for two 64-row stages."""
+    that keeps at least 4 stages, and up to 8 (an even count: slot s always feeds warpgroup s % 2);
+    MLA's 512-wide latent leaves room for two 64-row stages."""
     by_columns = r > 256
     chunks = (dr + r) // CHUNK
     q_bytes = chunks * HEADS * CHUNK * itemsize
@@ -54,7 +55,7 @@ def _plan(dr: int, r: int, itemsize: int, block_kv: int | None = None) -> tuple[
         return True, 64, 2
     for rows in (block_kv,) if block_kv else (128, 64):
         if not by_columns and (stages := stages_for(rows)) >= 4:
-            return False, rows, 6 if stages >= 6 else 4
+            return False, rows, min(stages - stages % 2, 8)
     raise ValueError(f"latent width {r} with RoPE {dr} does not fit the pipeline in shared memory")
 
 
@@ -63,6 +64,17 @@ def latent_decode_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array,
                       starts: jax.Array, ends: jax.Array, *, scale: float, splits: int | None = None,
                       block_kv: int | None = None) -> jax.Array:
     """q_rope [B, N, H, Dr], q_latent [B, N, H, R], k_rope [B, S, Dr], latent [B, S, N, R] -> [B, N, H, R]."""
+    out, lse = latent_partials_gpu(q_rope, q_latent, k_rope, latent, starts, ends, scale=scale, splits=splits,
+                                   block_kv=block_kv)
+    return combine(out, lse, latent.dtype)[:, :, :q_rope.shape[2]]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "block_kv"))
+def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array,
+                        starts: jax.Array, ends: jax.Array, *, scale: float, splits: int | None = None,
+                        block_kv: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """The kernel alone: split-KV partials out [B, N, P, H', R] (normalized) and log2-sum-exp [B, N, P, H']
+    (H' = H, or H padded to whole 64-row groups), merged by latent_decode.combine."""
     b, n, h, dr = q_rope.shape
     s, r = latent.shape[1], latent.shape[3]
     dtype = latent.dtype
@@ -73,20 +85,23 @@ def latent_decode_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array,
         raise ValueError(f"the cache holds {s} slots; TMA tiles rows in 8s, so allocate a multiple of 8 "
                          f"(decode.cache.init_cache does)")
     groups = pl.cdiv(h, HEADS)
-    if groups * HEADS != h:  # pad the heads to whole warpgroup tiles
+    # Query rows a CTA loads and stores. Fewer than 64 heads (GLA-2's 32) fill the first rows of the
+    # 64-row tile (the rest are never stored); other head counts are padded to whole 64-row groups.
+    rows = h if h < HEADS and h % 8 == 0 else HEADS
+    if groups * rows != h:
         pad = ((0, 0), (0, 0), (0, groups * HEADS - h), (0, 0))
         q_rope, q_latent = jnp.pad(q_rope, pad), jnp.pad(q_latent, pad)
     by_columns, block_kv, stages = _plan(dr, r, jnp.dtype(dtype).itemsize, block_kv)
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
     wg_chunks = lat_chunks // COMPUTE_WGS if by_columns else lat_chunks  # value chunks each warpgroup owns
-    partials = 1 if by_columns else COMPUTE_WGS  # split-KV partials per CTA
-    splits = splits or choose_splits(b * n * groups, s, block_kv * partials, NUM_SMS)
+    splits = splits or choose_splits(b * n * groups, s, block_kv * COMPUTE_WGS, NUM_SMS)
     tile_transforms = (plgpu.TilingTransform((8, CHUNK)), plgpu.SwizzleTransform(128))
 
     def kernel(starts_ref, ends_ref, qr_ref, ql_ref, kr_ref, lat_ref, o_ref, lse_ref, scoped):
         (qr_smem, ql_smem, kr_smem, lat_smem, lse_smem), (q_barrier, kv_barriers, consumed, done, stored) = scoped
         split, block_head, bi = lax.axis_index("split"), lax.axis_index("block_head"), lax.axis_index("batch")
-        ni, heads = block_head // groups, pl.ds((block_head % groups) * HEADS, HEADS)
+        ni, heads = block_head // groups, pl.ds((block_head % groups) * rows, rows)
+        loaded = pl.ds(0, rows)  # the SMEM rows that hold (and return) this CTA's heads
         wg = lax.axis_index("wg")
         start, end = starts_ref[bi], ends_ref[bi]
         first, last = start // block_kv, (end + block_kv - 1) // block_kv
@@ -142,55 +157,65 @@ def latent_decode_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array,
             # Both warpgroups are done reading the query before outputs overwrite its SMEM.
             plgpu.barrier_arrive(done.at[0])
             plgpu.barrier_wait(done.at[0])
-            inverse = 1.0 / jnp.maximum(l_i, 1e-30)  # an empty split has l = 0 and a zero output
-            partial = split if by_columns else split * COMPUTE_WGS + wg
+            l_safe = jnp.maximum(l_i, 1e-30)  # an empty range has l = 0, a zero output and lse = -inf
+            lse = m_i + jnp.log2(l_safe)
+            outs = [acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]) for acc in accs]
 
-            def write_out():
-                for j, acc in enumerate(accs):
-                    chunk = (wg * wg_chunks if by_columns else 0) + j
-                    ql_smem.at[chunk][...] = (acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(dtype)
-                lse_smem.at[wg][...] = m_i + jnp.log2(jnp.maximum(l_i, 1e-30))
+            def write_out(outs, lse, first_chunk, store_lse):
+                for j, o in enumerate(outs):
+                    ql_smem.at[first_chunk + j][...] = o.astype(dtype)
+                lse_smem.at[wg][...] = lse
                 plgpu.commit_smem()
-                for j in range(wg_chunks):
-                    chunk = (wg * wg_chunks if by_columns else 0) + j
-                    plgpu.copy_smem_to_gmem(ql_smem.at[chunk],
-                                            o_ref.at[bi, ni, partial, heads, pl.ds(chunk * CHUNK, CHUNK)])
-
-                store_lse = lambda: plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[bi, ni, partial, heads])
-                pl.when(wg == 0)(store_lse) if by_columns else store_lse()
-
+                for j in range(len(outs)):
+                    plgpu.copy_smem_to_gmem(ql_smem.at[first_chunk + j, loaded],
+                                            o_ref.at[bi, ni, split, heads, pl.ds((first_chunk + j) * CHUNK, CHUNK)])
+                if store_lse:
+                    plgpu.copy_smem_to_gmem(lse_smem.at[wg, loaded], lse_ref.at[bi, ni, split, heads])
                 plgpu.wait_smem_to_gmem(0)
 
-            if by_columns:  # disjoint column chunks: both write at once
-                write_out()
-            else:  # the same SMEM for both outputs: warpgroup 0, then warpgroup 1
-                @pl.when(wg == 0)
-                def _first():
-                    write_out()
+            if by_columns:  # disjoint value columns: both write at once, warpgroup 0 the shared lse
+                pl.when(wg == 0)(lambda: write_out(outs, lse, 0, store_lse=True))
+                pl.when(wg == 1)(lambda: write_out(outs, lse, wg_chunks, store_lse=False))
+            else:  # two softmax states over disjoint tiles: warpgroup 1 hands its one to 0 through SMEM
+                @pl.when(wg == 1)
+                def _hand_over():
+                    for j, o in enumerate(outs):
+                        ql_smem.at[j][...] = o.astype(dtype)
+                    lse_smem.at[1][...] = lse
                     plgpu.barrier_arrive(stored.at[0])
 
-                @pl.when(wg == 1)
-                def _second():
+                @pl.when(wg == 0)
+                def _merge():
                     plgpu.barrier_wait(stored.at[0])
-                    write_out()
+                    other_lse = plgpu.load(lse_smem.at[1], (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                    top = jnp.maximum(lse, other_lse)
+                    top = jnp.where(top == -jnp.inf, 0.0, top)
+                    mine, other = jnp.exp2(lse - top), jnp.exp2(other_lse - top)
+                    total = mine + other  # 0 where both ranges were empty
+                    inverse = 1.0 / jnp.maximum(total, 1e-30)
+                    mine, other = mine * inverse, other * inverse
+                    merged = [o * lax.broadcast_in_dim(mine, o.shape, [0])
+                              + plgpu.load(ql_smem.at[j], (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                              * lax.broadcast_in_dim(other, o.shape, [0]) for j, o in enumerate(outs)]
+                    write_out(merged, top + jnp.log2(total), 0, store_lse=True)
 
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
             for c in range(rope_chunks):
-                plgpu.copy_gmem_to_smem(qr_ref.at[bi, ni, heads, pl.ds(c * CHUNK, CHUNK)], qr_smem.at[c],
+                plgpu.copy_gmem_to_smem(qr_ref.at[bi, ni, heads, pl.ds(c * CHUNK, CHUNK)], qr_smem.at[c, loaded],
                                         q_barrier.at[0])
             for c in range(lat_chunks):
-                plgpu.copy_gmem_to_smem(ql_ref.at[bi, ni, heads, pl.ds(c * CHUNK, CHUNK)], ql_smem.at[c],
+                plgpu.copy_gmem_to_smem(ql_ref.at[bi, ni, heads, pl.ds(c * CHUNK, CHUNK)], ql_smem.at[c, loaded],
                                         q_barrier.at[0])
 
             def fetch(step, slot):
-                rows = pl.ds((t0 + step) * block_kv, block_kv)
+                tile = pl.ds((t0 + step) * block_kv, block_kv)
                 for c in range(rope_chunks):
-                    plgpu.copy_gmem_to_smem(kr_ref.at[bi, rows, pl.ds(c * CHUNK, CHUNK)], kr_smem.at[slot, c],
+                    plgpu.copy_gmem_to_smem(kr_ref.at[bi, tile, pl.ds(c * CHUNK, CHUNK)], kr_smem.at[slot, c],
                                             kv_barriers.at[slot])
                 for c in range(lat_chunks):
-                    plgpu.copy_gmem_to_smem(lat_ref.at[bi, rows, ni, pl.ds(c * CHUNK, CHUNK)], lat_smem.at[slot, c],
+                    plgpu.copy_gmem_to_smem(lat_ref.at[bi, tile, ni, pl.ds(c * CHUNK, CHUNK)], lat_smem.at[slot, c],
                                             kv_barriers.at[slot])
 
             for i in range(stages):
@@ -218,32 +243,41 @@ def latent_decode_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array,
 
     out, lse = plgpu.kernel(
         entry,
-        out_type=[jax.ShapeDtypeStruct((b, n, splits * partials, groups * HEADS, r), dtype),
-                  jax.ShapeDtypeStruct((b, n, splits * partials, groups * HEADS), jnp.float32)],
+        out_type=[jax.ShapeDtypeStruct((b, n, splits, groups * rows, r), dtype),
+                  jax.ShapeDtypeStruct((b, n, splits, groups * rows), jnp.float32)],
         grid=(splits, n * groups, b),
         grid_names=("split", "block_head", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(starts.astype(jnp.int32), ends.astype(jnp.int32), q_rope, q_latent, k_rope, latent)
-    return combine(out, lse, dtype)[:, :, :h]
+    return out, lse
 
 
 def _tune() -> None:
-    """Device time of MLRA-4's per-device shape for each tile size (python -m ... tune)."""
-    from mlra_jax.benchmarks.common import device_loop_time
+    """Device time per call and each kernel's share for each tile size (python -m ... tune)."""
+    from mlra_jax.benchmarks.common import device_time
 
-    for batch, slots in ((1, 1 << 20), (1, 1 << 21), (128, 8192), (128, 16384)):
+    for heads, dr, r, batch, slots in ((64, 64, 128, 1, 1 << 17), (64, 64, 128, 1, 1 << 21), (64, 64, 128, 128, 1024),
+                                       (32, 64, 256, 128, 1024), (64, 64, 512, 1, 1 << 17)):
         keys = jax.random.split(jax.random.key(0), 4)
-        args = (jax.random.normal(keys[0], (batch, 1, 64, 64), jnp.bfloat16),
-                jax.random.normal(keys[1], (batch, 1, 64, 128), jnp.bfloat16),
-                jax.random.normal(keys[2], (batch, slots, 64), jnp.bfloat16),
-                jax.random.normal(keys[3], (batch, slots, 1, 128), jnp.bfloat16),
+        args = (jax.random.normal(keys[0], (batch, 1, heads, dr), jnp.bfloat16),
+                jax.random.normal(keys[1], (batch, 1, heads, r), jnp.bfloat16),
+                jax.random.normal(keys[2], (batch, slots, dr), jnp.bfloat16),
+                jax.random.normal(keys[3], (batch, slots, 1, r), jnp.bfloat16),
                 jnp.zeros((batch,), jnp.int32), jnp.full((batch,), slots, jnp.int32))
-        for rows in (64, 128):
-            seconds = device_loop_time(functools.partial(latent_decode_gpu, scale=0.07, block_kv=rows), args, 5)
-            print(f"MLRA-4 B={batch} S={slots} tile {rows}: {seconds * 1e6:.1f} us, "
-                  f"{batch * slots * 192 * 2 / seconds / 1e9:.0f} GB/s", flush=True)
+        moved = batch * slots * (dr + r) * 2
+        for options in ({}, {"block_kv": 64}, {"block_kv": 128}):
+            if r > 256 and options.get("block_kv"):
+                continue
+            try:
+                timing = device_time(functools.partial(latent_decode_gpu, scale=0.07, **options), args, 10, feed=1)
+            except Exception as err:  # noqa: BLE001 - report and go on
+                print(f"H={heads} R={r} B={batch} S={slots} {options}: failed {str(err)[:300]}", flush=True)
+                continue
+            kernels = ", ".join(f"{name[:24]} {t * 1e6:.1f}" for name, t in timing["kernels_s"].items())
+            print(f"H={heads} R={r} B={batch} S={slots} {options}: {timing['time_s'] * 1e6:.1f} us, "
+                  f"{moved / timing['time_s'] / 1e9:.0f} GB/s ({kernels})", flush=True)
 
 
 if __name__ == "__main__":  # a quick check on a GPU: python -m pallas_kernels.latent_decode_gpu [tune]
@@ -256,6 +290,7 @@ if __name__ == "__main__":  # a quick check on a GPU: python -m pallas_kernels.l
         raise SystemExit
 
     for heads, dr, r, n, s in ((64, 64, 128, 1, 5000), (32, 64, 256, 1, 3000), (64, 64, 512, 1, 4000),
+                               (8, 64, 128, 1, 1000), (96, 64, 128, 1, 1000), (12, 64, 256, 1, 1000),
                                (64, 64, 128, 2, 704)):
         keys = jax.random.split(jax.random.key(0), 4)
         bf16 = jnp.bfloat16

@@ -55,6 +55,8 @@ def test_split_kv_partials_combine_to_the_whole():
         lse.append(jax.nn.logsumexp(jnp.where(valid[:, None, None], logits, -jnp.inf), axis=-1) / np.log(2))
     merged = combine(jnp.nan_to_num(jnp.stack(parts, axis=2)), jnp.stack(lse, axis=2), jnp.float32)
     np.testing.assert_allclose(np.asarray(merged), np.asarray(whole), atol=1e-5)
+    single = combine(jnp.stack(parts[1:2], axis=2), jnp.stack(lse[1:2], axis=2), jnp.bfloat16)  # one split: a cast
+    np.testing.assert_array_equal(np.asarray(single, np.float32), np.asarray(parts[1].astype(jnp.bfloat16), np.float32))
 
 
 def test_ranges_from_mask():
@@ -72,7 +74,7 @@ def test_pallas_impl_needs_an_accelerator():
 
 
 @on_gpu
-@pytest.mark.parametrize("heads,dr,r,blocks", SHAPES)
+@pytest.mark.parametrize("heads,dr,r,blocks", SHAPES + [(8, 64, 128, 1), (96, 64, 128, 1), (12, 64, 256, 1)])
 def test_mosaic_gpu_kernel(heads, dr, r, blocks):
     from pallas_kernels.latent_decode_gpu import latent_decode_gpu
 
