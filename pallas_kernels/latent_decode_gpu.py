@@ -164,7 +164,8 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
             def write_out(outs, lse, first_chunk, store_lse):
                 for j, o in enumerate(outs):
                     ql_smem.at[first_chunk + j][...] = o.astype(dtype)
-                lse_smem.at[wg][...] = lse
+                if store_lse:
+                    lse_smem.at[wg][...] = lse
                 plgpu.commit_smem()
                 for j in range(len(outs)):
                     plgpu.copy_smem_to_gmem(ql_smem.at[first_chunk + j, loaded],
