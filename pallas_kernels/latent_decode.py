@@ -4,12 +4,20 @@ One query token per sequence; per latent block n the H heads attend MQA-style wi
     q = [q_rope || q_latent],  k = [k_rope || latent_n],  v = latent_n        (paper Step 2)
 over the slots [start_b, end_b) of sequence b (left padding before start_b).
 
+The cache is contiguous (k_rope [B, S, Dr], latent [B, S, N, R]) or paged: pages of
+`page` slots shared by all sequences (k_rope [P, page, Dr], latent [P, page, N, R]) and a
+page table [B, S / page] naming the page that holds each sequence's slots
+[i * page, (i + 1) * page) (`gather_pages` turns it back into the contiguous cache).
+Slots outside the ranges must hold finite values (a zero-initialized cache does): they are
+masked out of the softmax but still multiply a zero probability.
+
 Split-KV (flash-decoding): each sequence's range is cut into `splits` pieces handled
 by different programs, each returning its normalized partial output and log2-sum-exp;
 `combine` merges them. Implementations:
   * `reference`            plain jnp, the definition the kernels are tested against;
   * `latent_decode_tpu`    Pallas Mosaic TPU (also run in TPU interpret mode on CPU);
-  * `latent_decode_gpu`    Pallas Mosaic GPU for Hopper (pallas_kernels/latent_decode_gpu.py).
+  * `latent_decode_gpu`    Pallas Mosaic GPU for Hopper (pallas_kernels/latent_decode_gpu.py), whose
+                           split-KV merge is a Mosaic GPU kernel too (`combine_gpu`).
 """
 
 from __future__ import annotations
@@ -37,13 +45,29 @@ def reference(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent:
     return out.astype(latent.dtype)
 
 
+def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
+    """A paged cache [P, page, ...] and a page table [B, pages] -> the contiguous cache [B, pages * page, ...]."""
+    return pages[page_table].reshape(page_table.shape[0], -1, *pages.shape[2:])
+
+
+def check_page_table(k_rope: jax.Array, latent: jax.Array, page_table: jax.Array, batch: int) -> int:
+    """The page size of a paged cache, or a ValueError that names the mismatch."""
+    if k_rope.ndim != 3 or latent.ndim != 4 or k_rope.shape[:2] != latent.shape[:2]:
+        raise ValueError(f"a paged cache is k_rope [pages, page, Dr] and latent [pages, page, N, R] with the same "
+                         f"pages; got {k_rope.shape} and {latent.shape}")
+    if page_table.ndim != 2 or page_table.shape[0] != batch or not jnp.issubdtype(page_table.dtype, jnp.integer):
+        raise ValueError(f"the page table must be integer [batch={batch}, pages per sequence]; got "
+                         f"{page_table.dtype} {page_table.shape}")
+    return k_rope.shape[1]
+
+
 def combine(partial_out: jax.Array, partial_lse2: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Merge split-KV partials: out [..., splits, H, R] (each normalized), lse2 [..., splits, H] (log2).
 
-    Written for few GPU kernels (each costs over a microsecond at batch 1): the max over the small lse
-    array, then one add-only variadic reduction of the weighted outputs and of the weights. On an H100
-    this took 7.5 us for MLRA-4's 132 partials against 8.6 us for a softmax over the splits followed by a
-    weighted sum, and 9 us for separate max, sum and weighted-sum reductions."""
+    The TPU kernel's merge, and the definition that `latent_decode_gpu.combine_gpu` (one kernel) is tested
+    against. Written for few kernels: the max over the small lse array, then one add-only variadic
+    reduction of the weighted outputs and of the weights (7.5 us on an H100 for MLRA-4's 132 partials,
+    against 8.6 us for a softmax over the splits and a weighted sum)."""
     axis = partial_out.ndim - 3
     if partial_out.shape[axis] == 1:
         return jnp.squeeze(partial_out, axis).astype(dtype)
@@ -74,24 +98,39 @@ def choose_splits(batch_programs: int, max_len: int, block_kv: int, cores: int) 
 # ----------------------------------------------------------------------------- TPU
 def latent_decode_tpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array,
                       starts: jax.Array, ends: jax.Array, *, scale: float, block_kv: int = 128,
-                      splits: int | None = None, interpret: bool = False) -> jax.Array:
-    """Pallas Mosaic TPU kernel; shapes as `reference`. The grid walks (batch, block, split, kv block);
-    KV blocks outside a sequence's range are neither fetched (their index is clamped) nor computed."""
+                      splits: int | None = None, page_table: jax.Array | None = None,
+                      interpret: bool = False) -> jax.Array:
+    """Pallas Mosaic TPU kernel; shapes as `reference`, or a paged cache with its `page_table` (then a KV
+    block is one page). The grid walks (batch, block, split, kv block); KV blocks outside a sequence's range
+    are neither fetched (their index is clamped) nor computed."""
     b, n, h, dr = q_rope.shape
-    s, r = latent.shape[1], latent.shape[3]
+    r = latent.shape[-1]
+    paged = page_table is not None
+    if paged:
+        block_kv = check_page_table(k_rope, latent, page_table, b)
+        s = page_table.shape[1] * block_kv
+    else:
+        s = latent.shape[1]
+        page_table = jnp.zeros((1, 1), jnp.int32)  # unused
     splits = splits or choose_splits(b * n, s, block_kv, cores=2)
     steps = pl.cdiv(pl.cdiv(s, block_kv), splits)  # KV blocks per split
-    padded = splits * steps * block_kv
-    if padded != s:  # whole blocks only; padding is masked
-        k_rope = jnp.pad(k_rope, ((0, 0), (0, padded - s), (0, 0)))
-        latent = jnp.pad(latent, ((0, 0), (0, padded - s), (0, 0), (0, 0)))
-    latent = latent.reshape(b, padded, n * r)
+    if paged:
+        latent = latent.reshape(latent.shape[0], block_kv, n * r)
+    else:
+        padded = splits * steps * block_kv
+        if padded != s:  # whole blocks only; padding is masked
+            k_rope = jnp.pad(k_rope, ((0, 0), (0, padded - s), (0, 0)))
+            latent = jnp.pad(latent, ((0, 0), (0, padded - s), (0, 0), (0, 0)))
+        latent = latent.reshape(b, padded, n * r)
 
-    def kv_block(bi, split, step, starts_ref, ends_ref):
+    def kv_block(bi, split, step, starts_ref, ends_ref, pages_ref):
+        """(the cache's leading index, the block along its slots) of a sequence's step-th block in a split."""
         first, last = starts_ref[bi] // block_kv, jnp.maximum(ends_ref[bi] - 1, 0) // block_kv
-        return jnp.clip(split * steps + step, first, last)
+        block = jnp.clip(split * steps + step, first, last)
+        return (pages_ref[bi, block], 0) if paged else (bi, block)
 
-    def kernel(starts_ref, ends_ref, q_rope_ref, q_lat_ref, k_rope_ref, lat_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc):
+    def kernel(starts_ref, ends_ref, pages_ref, q_rope_ref, q_lat_ref, k_rope_ref, lat_ref, o_ref, lse_ref, m_sc,
+               l_sc, acc_sc):
         bi, split, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
         start, end = starts_ref[bi], ends_ref[bi]
         block = split * steps + step
@@ -124,13 +163,13 @@ def latent_decode_tpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array,
             lse_ref[0, 0, 0] = (m_sc[...] + jnp.log2(jnp.where(l > 0, l, 1.0))).reshape(1, h)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=(b, n, splits, steps),
         in_specs=[
             pl.BlockSpec((1, 1, h, dr), lambda bi, ni, sp, st, *_: (bi, ni, 0, 0)),
             pl.BlockSpec((1, 1, h, r), lambda bi, ni, sp, st, *_: (bi, ni, 0, 0)),
-            pl.BlockSpec((1, block_kv, dr), lambda bi, ni, sp, st, s0, e0: (bi, kv_block(bi, sp, st, s0, e0), 0)),
-            pl.BlockSpec((1, block_kv, r), lambda bi, ni, sp, st, s0, e0: (bi, kv_block(bi, sp, st, s0, e0), ni)),
+            pl.BlockSpec((1, block_kv, dr), lambda bi, ni, sp, st, *refs: (*kv_block(bi, sp, st, *refs), 0)),
+            pl.BlockSpec((1, block_kv, r), lambda bi, ni, sp, st, *refs: (*kv_block(bi, sp, st, *refs), ni)),
         ],
         out_specs=[
             pl.BlockSpec((1, 1, 1, h, r), lambda bi, ni, sp, st, *_: (bi, ni, sp, 0, 0)),
@@ -146,7 +185,7 @@ def latent_decode_tpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
-    )(starts.astype(jnp.int32), ends.astype(jnp.int32), q_rope, q_latent, k_rope, latent)
+    )(starts.astype(jnp.int32), ends.astype(jnp.int32), page_table.astype(jnp.int32), q_rope, q_latent, k_rope, latent)
     return combine(out, lse[:, :, :, 0], latent.dtype)
 
 
@@ -209,5 +248,5 @@ def latent_decode_attention(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.
     return run(q_rope[:, 0], q_latent[:, 0], k_rope, latent, starts, ends)[:, None]
 
 
-__all__ = ["combine", "kernel_for_backend", "latent_decode_attention", "latent_decode_tpu", "ranges_from_mask",
+__all__ = ["check_page_table", "combine", "gather_pages", "kernel_for_backend", "latent_decode_attention", "latent_decode_tpu", "ranges_from_mask",
            "reference"]

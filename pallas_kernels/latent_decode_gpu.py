@@ -14,7 +14,7 @@ against the same latent tile (the value is the latent: it is read once).
 
 Each CTA writes one split-KV partial (normalized output and log2-sum-exp; in "tiles" mode
 warpgroup 1 hands its softmax state to warpgroup 0 through SMEM, which merges the two);
-latent_decode.combine merges the splits.
+`combine_gpu`, a second small kernel, merges the splits.
 Every SMEM tile is 64 columns wide (the 128-byte swizzle of bf16).
 """
 
@@ -29,12 +29,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.latent_decode import LOG2E, choose_splits, combine
+from pallas_kernels.latent_decode import LOG2E, check_page_table, choose_splits, combine
 
 CHUNK = 64  # columns per SMEM tile and per wgmma N
 HEADS = 64  # query rows per CTA (the wgmma M of one warpgroup)
 SMEM_BYTES = 220 * 1024
 NUM_SMS = 132
+COMBINE_COLUMNS = 128  # values per CTA of the split-KV combine: one per thread of a warpgroup
 
 
 COMPUTE_WGS = 2
@@ -62,28 +63,78 @@ def _plan(dr: int, r: int, itemsize: int, block_kv: int | None = None) -> tuple[
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "block_kv"))
 def latent_decode_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array,
                       starts: jax.Array, ends: jax.Array, *, scale: float, splits: int | None = None,
-                      block_kv: int | None = None) -> jax.Array:
-    """q_rope [B, N, H, Dr], q_latent [B, N, H, R], k_rope [B, S, Dr], latent [B, S, N, R] -> [B, N, H, R]."""
+                      block_kv: int | None = None, page_table: jax.Array | None = None) -> jax.Array:
+    """q_rope [B, N, H, Dr], q_latent [B, N, H, R], k_rope [B, S, Dr], latent [B, S, N, R] -> [B, N, H, R];
+    or a paged cache k_rope [P, page, Dr], latent [P, page, N, R] with page_table [B, S / page]."""
     out, lse = latent_partials_gpu(q_rope, q_latent, k_rope, latent, starts, ends, scale=scale, splits=splits,
-                                   block_kv=block_kv)
-    return combine(out, lse, latent.dtype)[:, :, :q_rope.shape[2]]
+                                   block_kv=block_kv, page_table=page_table)
+    heads = q_rope.shape[2]
+    if out.shape[2] == 1 or out.shape[-1] % COMBINE_COLUMNS:  # one split: a slice; odd widths: XLA's combine
+        return combine(out, lse, latent.dtype)[:, :, :heads]
+    return combine_gpu(out, lse, latent.dtype, heads)
+
+
+def combine_gpu(partial_out: jax.Array, partial_lse: jax.Array, dtype: jnp.dtype, heads: int, *,
+                interpret: bool = False) -> jax.Array:
+    """latent_decode.combine as one Mosaic GPU kernel (the same result; XLA takes four kernels, launch-bound
+    at batch 1): partials out [B, N, P, H', R] and lse [B, N, P, H'] -> [B, N, heads, R]. A CTA merges one
+    head's row of COMBINE_COLUMNS values over the P splits: the weights are scalars, the rows 128-wide
+    vectors (one value per thread). interpret=True runs it in GPU interpret mode (on CPU, for the tests)."""
+    b, n, p, _, r = partial_out.shape
+
+    def kernel(out_ref, lse_ref, merged_ref):
+        column, head, bn = lax.axis_index("column"), lax.axis_index("head"), lax.axis_index("bn")
+        bi, ni, cols = bn // n, lax.rem(bn, n), pl.ds(column * COMBINE_COLUMNS, COMBINE_COLUMNS)
+        rows = [out_ref[bi, ni, split, head, cols] for split in range(p)]  # every load issued up front
+        lses = [lse_ref[bi, ni, split, head] for split in range(p)]
+        top = functools.reduce(jnp.maximum, lses)
+        top = jnp.where(top == -jnp.inf, 0.0, top)  # every split empty: zero weights, a zero output
+        acc, total = jnp.zeros((COMBINE_COLUMNS,), jnp.float32), jnp.float32(0)
+        for row, lse in zip(rows, lses):
+            weight = jnp.exp2(lse - top)
+            acc = acc + row.astype(jnp.float32) * weight
+            total = total + weight
+        merged_ref[bi, ni, head, cols] = (acc * (1.0 / jnp.maximum(total, 1e-30))).astype(dtype)
+
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((b, n, heads, r), dtype),
+                        grid=(r // COMBINE_COLUMNS, heads, b * n), grid_names=("column", "head", "bn"),
+                        interpret=_gpu_interpret_params() if interpret else None)(partial_out, partial_lse)
+
+
+def _gpu_interpret_params():
+    """Pallas's GPU interpret mode (exported as plgpu.InterpretGPUParams in later jax versions)."""
+    if hasattr(plgpu, "InterpretGPUParams"):
+        return plgpu.InterpretGPUParams()
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "block_kv"))
 def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array,
                         starts: jax.Array, ends: jax.Array, *, scale: float, splits: int | None = None,
-                        block_kv: int | None = None) -> tuple[jax.Array, jax.Array]:
+                        block_kv: int | None = None,
+                        page_table: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The kernel alone: split-KV partials out [B, N, P, H', R] (normalized) and log2-sum-exp [B, N, P, H']
     (H' = H, or H padded to whole 64-row groups), merged by latent_decode.combine."""
     b, n, h, dr = q_rope.shape
-    s, r = latent.shape[1], latent.shape[3]
+    r = latent.shape[3]
     dtype = latent.dtype
     if dtype not in (jnp.bfloat16, jnp.float16) or dr % CHUNK or r % CHUNK:
         raise ValueError(f"the Mosaic GPU latent kernel takes bf16/f16 with RoPE and latent widths that are multiples "
                          f"of {CHUNK}; got {dtype}, {dr}, {r}")
-    if s % 8:
-        raise ValueError(f"the cache holds {s} slots; TMA tiles rows in 8s, so allocate a multiple of 8 "
-                         f"(decode.cache.init_cache does)")
+    paged = page_table is not None
+    if paged:
+        page = check_page_table(k_rope, latent, page_table, b)
+        s = page_table.shape[1] * page
+        if page % 64:
+            raise ValueError(f"the Mosaic GPU kernel takes pages of a multiple of 64 slots (whole KV tiles); got {page}")
+    else:
+        s, page = latent.shape[1], 0
+        page_table = jnp.zeros((1, 1), jnp.int32)  # unused
+        if s % 8:
+            raise ValueError(f"the cache holds {s} slots; TMA tiles rows in 8s, so allocate a multiple of 8 "
+                             f"(decode.cache.init_cache does)")
     groups = pl.cdiv(h, HEADS)
     # Query rows a CTA loads and stores. Fewer than 64 heads (GLA-2's 32) fill the first rows of the
     # 64-row tile (the rest are never stored); other head counts are padded to whole 64-row groups.
@@ -92,12 +143,17 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
         pad = ((0, 0), (0, 0), (0, groups * HEADS - h), (0, 0))
         q_rope, q_latent = jnp.pad(q_rope, pad), jnp.pad(q_latent, pad)
     by_columns, block_kv, stages = _plan(dr, r, jnp.dtype(dtype).itemsize, block_kv)
+    # A paged KV tile is made of whole pages (page <= tile) or lies inside one page (page > tile).
+    if page and max(page, block_kv) % min(page, block_kv):
+        raise ValueError(f"pages of {page} slots do not tile into the kernel's KV tiles of {block_kv}; pass "
+                         f"block_kv=64 or use pages of a multiple of {block_kv}")
+    tile_pages, page_rows = (block_kv // page, page) if 0 < page <= block_kv else (1, block_kv)
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
     wg_chunks = lat_chunks // COMPUTE_WGS if by_columns else lat_chunks  # value chunks each warpgroup owns
     splits = splits or choose_splits(b * n * groups, s, block_kv * COMPUTE_WGS, NUM_SMS)
     tile_transforms = (plgpu.TilingTransform((8, CHUNK)), plgpu.SwizzleTransform(128))
 
-    def kernel(starts_ref, ends_ref, qr_ref, ql_ref, kr_ref, lat_ref, o_ref, lse_ref, scoped):
+    def kernel(starts_ref, ends_ref, pages_ref, qr_ref, ql_ref, kr_ref, lat_ref, o_ref, lse_ref, scoped):
         (qr_smem, ql_smem, kr_smem, lat_smem, lse_smem), (q_barrier, kv_barriers, consumed, done, stored) = scoped
         split, block_head, bi = lax.axis_index("split"), lax.axis_index("block_head"), lax.axis_index("batch")
         ni, heads = block_head // groups, pl.ds((block_head % groups) * rows, rows)
@@ -210,23 +266,39 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
                 plgpu.copy_gmem_to_smem(ql_ref.at[bi, ni, heads, pl.ds(c * CHUNK, CHUNK)], ql_smem.at[c, loaded],
                                         q_barrier.at[0])
 
-            def fetch(step, slot):
-                tile = pl.ds((t0 + step) * block_kv, block_kv)
-                for c in range(rope_chunks):
-                    plgpu.copy_gmem_to_smem(kr_ref.at[bi, tile, pl.ds(c * CHUNK, CHUNK)], kr_smem.at[slot, c],
-                                            kv_barriers.at[slot])
-                for c in range(lat_chunks):
-                    plgpu.copy_gmem_to_smem(lat_ref.at[bi, tile, ni, pl.ds(c * CHUNK, CHUNK)], lat_smem.at[slot, c],
-                                            kv_barriers.at[slot])
+            def locate(step):
+                """(cache row, first slot in it) of each piece of the step-th tile."""
+                pieces = []
+                for j in range(tile_pages):
+                    first_slot = (t0 + step) * block_kv + j * page_rows
+                    if paged:  # pages past the table only back masked slots: clamp
+                        index = jnp.minimum(first_slot // page, page_table.shape[1] - 1)
+                        within = lax.rem(first_slot, jnp.int32(page)) if page > block_kv else 0
+                        pieces.append((pages_ref[bi, index], within))
+                    else:
+                        pieces.append((bi, first_slot))
+                return pieces
 
+            def fetch(pieces, slot):
+                for j, (row, first) in enumerate(pieces):
+                    rows, into = pl.ds(first, page_rows), pl.ds(j * page_rows, page_rows)
+                    for c in range(rope_chunks):
+                        plgpu.copy_gmem_to_smem(kr_ref.at[row, rows, pl.ds(c * CHUNK, CHUNK)],
+                                                kr_smem.at[slot, c, into], kv_barriers.at[slot])
+                    for c in range(lat_chunks):
+                        plgpu.copy_gmem_to_smem(lat_ref.at[row, rows, ni, pl.ds(c * CHUNK, CHUNK)],
+                                                lat_smem.at[slot, c, into], kv_barriers.at[slot])
+
+            first_tiles = [locate(i) for i in range(stages)]  # every page-table read before the first copy
             for i in range(stages):
-                pl.when(i < steps)(functools.partial(fetch, i, i))
+                pl.when(i < steps)(functools.partial(fetch, first_tiles[i], i))
 
             @pl.loop(0, jnp.maximum(steps - stages, 0))
             def _refill(step):
                 slot = lax.rem(step, jnp.int32(stages))
+                pieces = locate(step + stages)  # the page table is read while the slot is still in use
                 plgpu.barrier_wait(consumed.at[slot])
-                fetch(step + stages, slot)
+                fetch(pieces, slot)
 
     def entry(*refs):
         smem = (plgpu.SMEM((rope_chunks, HEADS, CHUNK), dtype, transforms=tile_transforms),
@@ -236,7 +308,7 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
                 plgpu.SMEM((COMPUTE_WGS, HEADS), jnp.float32))
         copies = rope_chunks + lat_chunks
         barriers = (plgpu.Barrier(num_arrivals=copies, num_barriers=1),
-                    plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+                    plgpu.Barrier(num_arrivals=copies * tile_pages, num_barriers=stages),
                     plgpu.Barrier(num_arrivals=COMPUTE_WGS if by_columns else 1, num_barriers=stages),
                     plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=1),
                     plgpu.Barrier(num_arrivals=1, num_barriers=1))
@@ -251,33 +323,44 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(starts.astype(jnp.int32), ends.astype(jnp.int32), q_rope, q_latent, k_rope, latent)
+    )(starts.astype(jnp.int32), ends.astype(jnp.int32), page_table.astype(jnp.int32), q_rope, q_latent, k_rope,
+      latent)
     return out, lse
 
 
 def _tune() -> None:
-    """Device time per call and each kernel's share for each tile size (python -m ... tune)."""
+    """Device time per call and each kernel's share: the tile sizes, the split-KV merge as one kernel or XLA's,
+    a contiguous or a paged cache (python -m pallas_kernels.latent_decode_gpu tune)."""
     from mlra_jax.benchmarks.common import device_time
 
+    def xla_combine(*args, **options):
+        out, lse = latent_partials_gpu(*args, **options)
+        return combine(out, lse, args[3].dtype)[:, :, :args[0].shape[2]]
+
     for heads, dr, r, batch, slots in ((64, 64, 128, 1, 1 << 17), (64, 64, 128, 1, 1 << 21), (64, 64, 128, 128, 1024),
-                                       (32, 64, 256, 128, 1024), (64, 64, 512, 1, 1 << 17)):
+                                       (32, 64, 256, 1, 1 << 17), (64, 64, 512, 1, 1 << 17)):
         keys = jax.random.split(jax.random.key(0), 4)
         args = (jax.random.normal(keys[0], (batch, 1, heads, dr), jnp.bfloat16),
                 jax.random.normal(keys[1], (batch, 1, heads, r), jnp.bfloat16),
                 jax.random.normal(keys[2], (batch, slots, dr), jnp.bfloat16),
                 jax.random.normal(keys[3], (batch, slots, 1, r), jnp.bfloat16),
                 jnp.zeros((batch,), jnp.int32), jnp.full((batch,), slots, jnp.int32))
+        pages = batch * slots // 64
+        table = jax.random.permutation(keys[0], pages).astype(jnp.int32).reshape(batch, -1)
+        paged = (*args[:2], args[2].reshape(pages, 64, dr), args[3].reshape(pages, 64, 1, r), *args[4:])
         moved = batch * slots * (dr + r) * 2
-        for options in ({}, {"block_kv": 64}, {"block_kv": 128}):
-            if r > 256 and options.get("block_kv"):
+        for label, fn, inputs in (("merge kernel", latent_decode_gpu, args), ("xla merge", xla_combine, args),
+                                  ("paged", functools.partial(latent_decode_gpu, page_table=table), paged),
+                                  ("block_kv=64", functools.partial(latent_decode_gpu, block_kv=64), args)):
+            if r > 256 and label == "block_kv=64":
                 continue
             try:
-                timing = device_time(functools.partial(latent_decode_gpu, scale=0.07, **options), args, 10, feed=1)
+                timing = device_time(functools.partial(fn, scale=0.07), inputs, 10, feed=1)
             except Exception as err:  # noqa: BLE001 - report and go on
-                print(f"H={heads} R={r} B={batch} S={slots} {options}: failed {str(err)[:300]}", flush=True)
+                print(f"H={heads} R={r} B={batch} S={slots} {label}: failed {str(err)[:300]}", flush=True)
                 continue
             kernels = ", ".join(f"{name[:24]} {t * 1e6:.1f}" for name, t in timing["kernels_s"].items())
-            print(f"H={heads} R={r} B={batch} S={slots} {options}: {timing['time_s'] * 1e6:.1f} us, "
+            print(f"H={heads} R={r} B={batch} S={slots} {label}: {timing['time_s'] * 1e6:.1f} us, "
                   f"{moved / timing['time_s'] / 1e9:.0f} GB/s ({kernels})", flush=True)
 
 

@@ -37,6 +37,12 @@ def test_decode_attention_and_model_modes(tmp_path):
     record = json.loads(out.read_text())
     assert {r["variant"] for r in record["results"]} == {"mlra4", "gqa"}
     assert record["results"][0]["bytes"] == 256 * (128 + 64) * 2 and record["copy_bandwidth_bytes_per_s"] > 0
+    first_mlra4 = [r for r in record["results"] if r["variant"] == "mlra4"]
+    decode.main(["attention", "--variants=gqa", "--batch1_contexts=256", "--batch128_contexts=", "--repeats=1",
+                 "--copy_gb=0.01", f"--out={out}", "--merge"])  # re-measure GQA only, keep MLRA-4
+    merged = json.loads(out.read_text())
+    assert [r for r in merged["results"] if r["variant"] == "mlra4"] == first_mlra4
+    assert sum(r["variant"] == "gqa" for r in merged["results"]) == 1 and len(merged["runs"]) == 2
     out = tmp_path / "model.json"
     decode.main(["model", "--experiments=mlra4_tiny", "--batch=2", "--context=8", "--repeats=1", f"--out={out}"])
     assert json.loads(out.read_text())["results"][0]["tokens_per_s"] > 0

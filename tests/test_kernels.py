@@ -12,7 +12,8 @@ from flax import nnx
 from experiments.tiny import tiny_model
 from mlra_jax.decode.generate import Generator
 from mlra_jax.model import init_model
-from pallas_kernels.latent_decode import combine, latent_decode_tpu, ranges_from_mask, reference
+from pallas_kernels.latent_decode import (
+    combine, gather_pages, latent_decode_tpu, ranges_from_mask, reference)
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 # Widths of the paper's per-device decode: MLRA-4 (64 heads, 128 latent), GLA-2 (32, 256), MLA (64, 512).
@@ -39,6 +40,43 @@ def test_tpu_kernel_in_interpret_mode(heads, dr, r, blocks):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
 
 
+def to_pages(k_rope, latent, page, seed=0):
+    """The contiguous cache as a shuffled pool of pages (plus two unused zero pages) and its page table."""
+    b, s = k_rope.shape[:2]
+    count = b * s // page
+    order = np.random.default_rng(seed).permutation(count + 2)[:count]  # pool slot of each contiguous page
+    pool_k = jnp.zeros((count + 2, page, *k_rope.shape[2:]), k_rope.dtype).at[order].set(
+        k_rope.reshape(count, page, *k_rope.shape[2:]))
+    pool_l = jnp.zeros((count + 2, page, *latent.shape[2:]), latent.dtype).at[order].set(
+        latent.reshape(count, page, *latent.shape[2:]))
+    table = jnp.asarray(order.reshape(b, s // page), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(gather_pages(pool_l, table)), np.asarray(latent))
+    return pool_k, pool_l, table
+
+
+@pytest.mark.parametrize("heads,dr,r,blocks", SHAPES[:2])
+def test_tpu_kernel_on_a_paged_cache(heads, dr, r, blocks):
+    """Pages of 64 slots in shuffled order; ragged ranges that start and end inside pages."""
+    q_rope, q_latent, k_rope, latent = inputs(heads, dr, r, blocks, 256)
+    pool_k, pool_l, table = to_pages(k_rope, latent, 64)
+    starts, ends = jnp.array([0, 37, 150]), jnp.array([256, 120, 151])
+    scale = (dr + r) ** -0.5
+    got = latent_decode_tpu(q_rope, q_latent, pool_k, pool_l, starts, ends, scale=scale, splits=2,
+                            page_table=table, interpret=True)
+    want = reference(q_rope, q_latent, k_rope, latent, starts, ends, scale=scale)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+
+
+def test_a_mismatched_page_table_is_named():
+    q_rope, q_latent, k_rope, latent = inputs(8, 64, 128, 1, 128)
+    pool_k, pool_l, table = to_pages(k_rope, latent, 64)
+    ranges = jnp.zeros(3, jnp.int32), jnp.full(3, 128)
+    with pytest.raises(ValueError, match="page table must be integer"):
+        latent_decode_tpu(q_rope, q_latent, pool_k, pool_l, *ranges, scale=0.1, page_table=table[:2], interpret=True)
+    with pytest.raises(ValueError, match="a paged cache is k_rope"):
+        latent_decode_tpu(q_rope, q_latent, k_rope, pool_l, *ranges, scale=0.1, page_table=table, interpret=True)
+
+
 @jax.default_matmul_precision("highest")  # full float32 on GPUs too
 def test_split_kv_partials_combine_to_the_whole():
     q_rope, q_latent, k_rope, latent = inputs(8, 16, 32, 1, 96, jnp.float32)
@@ -57,6 +95,19 @@ def test_split_kv_partials_combine_to_the_whole():
     np.testing.assert_allclose(np.asarray(merged), np.asarray(whole), atol=1e-5)
     single = combine(jnp.stack(parts[1:2], axis=2), jnp.stack(lse[1:2], axis=2), jnp.bfloat16)  # one split: a cast
     np.testing.assert_array_equal(np.asarray(single, np.float32), np.asarray(parts[1].astype(jnp.bfloat16), np.float32))
+
+
+def test_mosaic_gpu_combine_in_interpret_mode():
+    """The split-KV merge kernel against combine: padded heads, an empty split, a head whose splits are all empty."""
+    from pallas_kernels.latent_decode_gpu import COMBINE_COLUMNS, combine_gpu
+
+    keys = jax.random.split(jax.random.key(3), 2)
+    out = jax.random.normal(keys[0], (2, 2, 5, 16, 2 * COMBINE_COLUMNS), jnp.bfloat16)
+    lse = (jax.random.normal(keys[1], (2, 2, 5, 16)) * 4).at[0, 1, 2].set(-jnp.inf).at[1, 0, :, 3].set(-jnp.inf)
+    got = combine_gpu(out, lse, jnp.bfloat16, heads=12, interpret=True)
+    want = combine(out, lse, jnp.bfloat16)[:, :, :12]
+    assert got.shape == want.shape == (2, 2, 12, 2 * COMBINE_COLUMNS) and not np.asarray(got[1, 0, 3], np.float32).any()
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-2)
 
 
 def test_ranges_from_mask():
@@ -83,6 +134,23 @@ def test_mosaic_gpu_kernel(heads, dr, r, blocks):
     for splits in (1, 7, None):
         got = latent_decode_gpu(*args, starts, ends, scale=(dr + r) ** -0.5, splits=splits)
         want = reference(*args, starts, ends, scale=(dr + r) ** -0.5)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+
+
+@on_gpu
+@pytest.mark.parametrize("heads,dr,r,blocks", SHAPES)
+@pytest.mark.parametrize("page", [64, 256])
+def test_mosaic_gpu_kernel_on_a_paged_cache(heads, dr, r, blocks, page):
+    from pallas_kernels.latent_decode_gpu import latent_decode_gpu
+
+    q_rope, q_latent, k_rope, latent = inputs(heads, dr, r, blocks, 4096)
+    pool_k, pool_l, table = to_pages(k_rope, latent, page)
+    starts, ends = jnp.array([0, 37, 2050]), jnp.array([4096, 1200, 2051])
+    scale = (dr + r) ** -0.5
+    want = reference(q_rope, q_latent, k_rope, latent, starts, ends, scale=scale)
+    for splits in (1, None):
+        got = latent_decode_gpu(q_rope, q_latent, pool_k, pool_l, starts, ends, scale=scale, splits=splits,
+                                page_table=table)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
 
 

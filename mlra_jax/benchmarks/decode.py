@@ -24,17 +24,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import Path
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from mlra_jax.benchmarks.common import device_time, median_time, save
+from mlra_jax.benchmarks.common import device_time, environment, median_time, save
 
 H100_BANDWIDTH = 3.35e12  # bytes/s, the paper's ideal-time reference
 BATCH1_CONTEXTS = (131072, 262144, 524288, 1048576, 2097152)
 BATCH128_CONTEXTS = (1024, 2048, 4096, 8192, 16384)
+PAGE = 64  # slots per page of the paged-cache measurement (impl pallas_paged)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,9 @@ def attention_fn(case: AttentionCase, impl: str, batch: int, context: int) -> tu
         latent = jax.random.normal(keys[3], (batch, context, 1, case.latent), jnp.bfloat16)
         scale = (case.latent + case.rope) ** -0.5
 
+        if impl == "pallas_paged":
+            return _paged_latent_fn(q_rope, q_latent, k_rope, latent, lengths, scale)
+
         def run(q_rope, q_latent, k_rope, latent, lengths):
             return latent_attention(q_rope, q_latent, k_rope, latent, scale=scale,
                                     mask=_length_mask(lengths, context), impl=impl)
@@ -116,22 +121,49 @@ def attention_fn(case: AttentionCase, impl: str, batch: int, context: int) -> tu
     return jax.jit(run), (q, k, v, lengths)
 
 
+def _paged_latent_fn(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array,
+                     lengths: jax.Array, scale: float) -> tuple[Callable, tuple]:
+    """The latent kernel over the same cache cut into pages of PAGE slots, each sequence's pages in random
+    order in the pool (as a serving engine's allocator leaves them); the ranges come from the mask as in the
+    model's path."""
+    from pallas_kernels.latent_decode import kernel_for_backend, ranges_from_mask
+
+    batch, context = k_rope.shape[:2]
+    pages = batch * context // PAGE
+    table = jax.random.permutation(jax.random.key(2), pages).astype(jnp.int32).reshape(batch, context // PAGE)
+    pool_k, pool_latent = k_rope.reshape(pages, PAGE, -1), latent.reshape(pages, PAGE, *latent.shape[2:])
+    kernel = kernel_for_backend()
+
+    def run(q_rope, q_latent, pool_k, pool_latent, table, lengths):
+        starts, ends = ranges_from_mask(_length_mask(lengths, context))
+        out = kernel(q_rope[:, 0], q_latent[:, 0], pool_k, pool_latent, starts, ends, scale=scale, page_table=table)
+        return out[:, None]
+
+    return jax.jit(run), (q_rope, q_latent, pool_k, pool_latent, table, lengths)
+
+
 def feed_argument(case: AttentionCase) -> int:
     """The argument of attention_fn's call that its output can replace when calls are chained."""
     return 1 if case.latent else 0
 
 
 def bench_attention(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    """Every (variant, setting, impl); the JSON is rewritten after each result, so a run cut short keeps what
+    it measured. With --merge, results of an earlier run in --out that this run does not measure are kept
+    (each result names the copy bandwidth of its own run)."""
     bandwidth = copy_bandwidth(args.copy_gb)
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s", flush=True)
     settings = [(1, c) for c in args.batch1_contexts] + [(128, c) for c in args.batch128_contexts]
-    results = []
+    kept, runs = _earlier_results(args, settings)
+    extra = {"copy_bandwidth_bytes_per_s": bandwidth,
+             "runs": [*runs, {**environment(), "copy_bandwidth_bytes_per_s": bandwidth}]}
+    results = kept
     for variant in args.variants.split(","):
         case = CASES[variant]
         for batch, context in settings:
             for impl in args.impls.split(","):
-                if impl == "cudnn" and case.latent:
-                    continue  # cuDNN has no latent (MQA over a shared latent with a separate RoPE key) decode
+                if case.latent and impl == "cudnn" or not case.latent and impl == "pallas_paged":
+                    continue  # cuDNN has no latent decode (MQA over a latent plus a RoPE key); GQA no paged kernel
                 try:
                     fn, inputs = attention_fn(case, impl, batch, context)
                     wall = median_time(lambda: fn(*inputs), repeats=args.repeats)
@@ -141,20 +173,36 @@ def bench_attention(args: argparse.Namespace) -> tuple[list[dict], dict]:
                     message = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
                     results.append({"variant": variant, "impl": impl, "batch": batch, "context": context,
                                     "error": message})
-                    print(f"{case.name:14} {impl:6} B={batch:<4} ctx={context:<8} failed: {message}", flush=True)
+                    save(args.out, "decode_attention", results, **extra)
+                    print(f"{case.name:14} {impl:12} B={batch:<4} ctx={context:<8} failed: {message}", flush=True)
                     continue
                 moved = case.cache_bytes(batch, context)
                 result = {"variant": variant, "case": case.name, "impl": impl, "batch": batch, "context": context,
                           "time_s": seconds, "timing": timing["method"], "kernels_s": timing.get("kernels_s", {}),
                           "wall_time_per_call_s": wall, "bytes": moved, "achieved_gb_s": moved / seconds / 1e9,
                           "ideal_time_s_3p35": moved / H100_BANDWIDTH, "ideal_time_s_measured": moved / bandwidth,
-                          "fraction_of_measured_bandwidth": moved / bandwidth / seconds}
+                          "fraction_of_measured_bandwidth": moved / bandwidth / seconds,
+                          "copy_bandwidth_bytes_per_s": bandwidth}
                 results.append(result)
-                print(f"{case.name:14} {impl:6} B={batch:<4} ctx={context:<8} {seconds * 1e6:10.1f} us "
+                save(args.out, "decode_attention", results, **extra)
+                print(f"{case.name:14} {impl:12} B={batch:<4} ctx={context:<8} {seconds * 1e6:10.1f} us "
                       f"(wall {wall * 1e6:7.1f})  "
                       f"{result['achieved_gb_s']:8.0f} GB/s  {result['fraction_of_measured_bandwidth']:6.1%} of copy",
                       flush=True)
-    return results, {"copy_bandwidth_bytes_per_s": bandwidth}
+    return results, extra
+
+
+def _earlier_results(args: argparse.Namespace, settings: list[tuple[int, int]]) -> tuple[list[dict], list[dict]]:
+    """With --merge: the results in --out that this run will not measure again, and the runs they came from."""
+    if not args.merge or not args.out.exists():
+        return [], []
+    record = json.loads(args.out.read_text())
+    planned = {(v, i, b, c) for v in args.variants.split(",") for i in args.impls.split(",") for b, c in settings}
+    kept = [r for r in record["results"] if (r["variant"], r["impl"], r["batch"], r["context"]) not in planned]
+    for result in kept:
+        result.setdefault("copy_bandwidth_bytes_per_s", record.get("copy_bandwidth_bytes_per_s"))
+    earlier_run = {k: record.get(k) for k in ("device", "command", "date", "jax_version", "copy_bandwidth_bytes_per_s")}
+    return kept, record.get("runs", [earlier_run])
 
 
 def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
@@ -198,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="mode", required=True)
     attention = sub.add_parser("attention", help="per-device decode attention at the paper's settings")
     attention.add_argument("--variants", default="mlra4,mla,gla2,gqa")
-    attention.add_argument("--impls", default="xla", help="comma-separated: xla, pallas, cudnn")
+    attention.add_argument("--impls", default="xla",
+                           help="comma-separated: xla, pallas, pallas_paged (the latent kernel over a paged cache), "
+                                "cudnn")
     attention.add_argument("--batch1_contexts", type=lambda s: [int(x) for x in s.split(",") if x],
                            default=list(BATCH1_CONTEXTS))
     attention.add_argument("--batch128_contexts", type=lambda s: [int(x) for x in s.split(",") if x],
@@ -206,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     attention.add_argument("--repeats", type=int, default=20)
     attention.add_argument("--copy_gb", type=float, default=4.0, help="size of the bandwidth-reference copy")
     attention.add_argument("--out", type=Path, default=Path("experiments/results/decode_attention.json"))
+    attention.add_argument("--merge", action="store_true",
+                           help="keep the results already in --out for the settings this run does not measure")
     model = sub.add_parser("model", help="whole-model decode steps")
     model.add_argument("--experiments", default="gqa_2p9b,mla_2p9b,gla2_2p9b,mlra4_2p9b")
     model.add_argument("--batch", default="1,32")
