@@ -123,9 +123,10 @@ def attention_fn(case: AttentionCase, impl: str, batch: int, context: int) -> tu
 
 def _paged_latent_fn(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array,
                      lengths: jax.Array, scale: float) -> tuple[Callable, tuple]:
-    """The latent kernel over the same cache cut into pages of PAGE slots, each sequence's pages in random
-    order in the pool (as a serving engine's allocator leaves them); the ranges come from the mask as in the
-    model's path."""
+    """The latent kernel over a paged cache of the same size: the cache's bytes as a pool of PAGE-slot pages,
+    and a page table that hands each sequence pages from all over the pool in random order (as a serving
+    engine's allocator leaves them; the values read differ from the contiguous run's, the bytes do not).
+    The ranges come from the mask as in the model's path."""
     from pallas_kernels.latent_decode import kernel_for_backend, ranges_from_mask
 
     batch, context = k_rope.shape[:2]
