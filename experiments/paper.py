@@ -13,10 +13,13 @@ from typing import Any
 from experiments.registry import register
 from mlra_jax.config import Experiment, MeshConfig, ModelConfig, TrainConfig
 
+# Layers unrolled (scanning them costs a stacked-activation copy per layer on GPUs) and remat keeping the
+# projections and the fused attention: the fastest measured on an H100 (experiments/results/README.md).
 _COMMON = dict(n_layer=24, n_head=24, n_embd=3072, vocab_size=50304, max_seq_len=2048, compute_dtype="bfloat16",
-               remat="dots")
-# 480 sequences per step in 5 micro-batches of 96; weights and optimizer state sharded over all devices (FSDP).
-_TRAIN = TrainConfig(micro_batch_size=96)
+               remat="dots_attn", scan_layers=False)
+# 480 sequences per step, accumulated in micro-batches of at most 8 sequences per data-parallel device (the
+# fastest that fits, measured); weights and optimizer state sharded over all devices (FSDP).
+_TRAIN = TrainConfig(max_micro_batch_per_device=8)
 _MESH = MeshConfig(data=1, fsdp=-1, tensor=1)
 _LATENT = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64)
 

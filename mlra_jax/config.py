@@ -33,8 +33,10 @@ _REQUIRED_FIELDS = {
 _OPTIONAL_FIELDS = ("head_dim", "group_size", "tpa_rank", "tpa_q_rank", *_LATENT_FIELDS)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-ATTENTION_IMPLS = ("xla", "cudnn", "pallas")
-REMAT_POLICIES = ("none", "full", "dots")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash", "pallas")
+REMAT_POLICIES = ("none", "full", "dots", "dots_attn")
+# Fields that choose how a model runs, not what it computes: a run may resume with other values.
+RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers")
 
 
 class ConfigError(ValueError):
@@ -92,7 +94,8 @@ class ModelConfig:
     max_seq_len: int = 2048
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
-    attention_impl: str = "xla"
+    # auto: the fastest fused kernel for the backend and shape (attention.fused), else XLA
+    attention_impl: str = "auto"
     scan_layers: bool = True
     remat: str = "none"
 
@@ -188,6 +191,9 @@ class TrainConfig:
     seq_len: int = 2048
     global_batch_size: int = 480  # sequences per optimizer step
     micro_batch_size: int | None = None  # sequences per forward/backward (gradient accumulation); None: global
+    # With micro_batch_size None: the micro-batch is the largest that puts at most this many sequences on
+    # each data-parallel replica (resolved for the mesh by the trainer; None: the whole global batch)
+    max_micro_batch_per_device: int | None = None
     total_steps: int = 100_000
     warmup_steps: int = 2000
     peak_lr: float = 1.6e-4
@@ -201,11 +207,13 @@ class TrainConfig:
     log_every: int = 10  # steps between metric lines
     eval_every: int = 1000  # steps between validation losses (0: never)
     eval_batches: int = 20  # global batches per validation
+    loss_chunk: int = 512  # positions per cross-entropy chunk (never the whole [B, T, V] logits); 0: whole
 
     def __post_init__(self) -> None:
         _check_positive(self, "seq_len", "global_batch_size", "total_steps", "micro_batch_size", "log_every",
-                        "eval_batches")
+                        "eval_batches", "max_micro_batch_per_device")
         _require(self.eval_every >= 0, f"eval_every={self.eval_every} must be >= 0")
+        _require(self.loss_chunk >= 0, f"loss_chunk={self.loss_chunk} must be >= 0 (0: no chunking)")
         if self.micro_batch_size is not None:
             _require(self.global_batch_size % self.micro_batch_size == 0,
                      f"micro_batch_size={self.micro_batch_size} must divide global_batch_size="
@@ -218,6 +226,18 @@ class TrainConfig:
         _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
                  f"beta1={self.beta1}, beta2={self.beta2} must lie in [0, 1)")
         _require(self.grad_clip > 0, f"grad_clip={self.grad_clip} must be positive")
+
+    def for_replicas(self, replicas: int) -> TrainConfig:
+        """This recipe with max_micro_batch_per_device resolved into a micro_batch_size for `replicas`
+        data-parallel replicas: the largest per-replica micro-batch within the cap that divides the step."""
+        if self.micro_batch_size is not None or self.max_micro_batch_per_device is None:
+            return self
+        _require(self.global_batch_size % replicas == 0,
+                 f"global_batch_size={self.global_batch_size} does not split over {replicas} data-parallel replicas; "
+                 f"use a multiple of {replicas}")
+        per_replica = self.global_batch_size // replicas
+        micro = max(d for d in range(1, min(per_replica, self.max_micro_batch_per_device) + 1) if per_replica % d == 0)
+        return dataclasses.replace(self, micro_batch_size=micro * replicas)
 
     @property
     def accumulation_steps(self) -> int:

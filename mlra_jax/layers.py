@@ -122,4 +122,4 @@ class Embed(nnx.Module):
     def attend(self, x: jax.Array) -> jax.Array:
         """Logits against the tied embedding, accumulated and returned in float32."""
         return einsum("btd,vd->btv", x.astype(self.dtype), self.embedding[...].astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+                      preferred_element_type=jnp.float32)

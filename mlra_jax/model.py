@@ -14,13 +14,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlra_jax.attention import attention_class
+from mlra_jax.attention.fused import KERNEL_PRIMITIVES
 from mlra_jax.config import ModelConfig
 from mlra_jax.decode.cache import DecodeState, cache_plans, slot_mask
 from mlra_jax.layers import MLP, Embed, RMSNorm
 
+
+def _dots_and_attention(prim: Any, *args: Any, **params: Any) -> bool:
+    """Keep the projections and the fused attention kernels' results: the backward reruns no kernel."""
+    return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
+            or prim.name in KERNEL_PRIMITIVES)
+
+
 _REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
     "full": None,  # save nothing, recompute the whole block
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projections, recompute attention
+    "dots_attn": _dots_and_attention,  # keep projections and fused attention outputs; recompute elementwise work
 }
 
 
@@ -65,11 +74,16 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  mask: jax.Array | None = None) -> jax.Array:
         """Float32 logits [B, T, vocab] for tokens [B, T] (causal when mask is None)."""
+        return self.embed.attend(self.hidden(tokens, positions, mask))
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
+               mask: jax.Array | None = None) -> jax.Array:
+        """The final-normed hidden states [B, T, d] that the tied head turns into logits."""
         if positions is None:
             positions = default_positions(tokens)
         x = self.embed(tokens)
         x, _ = self.run_layers(x, lambda block, h, _: (block(h, positions, mask), None))
-        return self.embed.attend(self.final_norm(x))
+        return self.final_norm(x)
 
     def forward_cached(self, tokens: jax.Array, state: DecodeState, absorbed: bool = True
                        ) -> tuple[jax.Array, DecodeState]:

@@ -24,6 +24,7 @@ from experiments import all_experiments, get_experiment
 from mlra_jax.cli import apply_overrides, fields_help
 from mlra_jax.config import ConfigError, Experiment
 from mlra_jax.data.shards import DataError
+from mlra_jax.xla_flags import apply_gpu_defaults
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,8 +61,8 @@ def dry_run(experiment: Experiment, compile_step: bool) -> None:
     print(json.dumps(dataclasses.asdict(experiment), indent=1))
     print(f"parameters: {setup.num_params:,}")
     print(f"mesh: {dict(setup.mesh.shape)} over {setup.mesh.size} {setup.mesh.devices.flat[0].device_kind} "
-          f"devices; {experiment.train.accumulation_steps} micro-batch(es) of "
-          f"{experiment.train.global_batch_size // experiment.train.accumulation_steps} sequences per step")
+          f"devices; {setup.experiment.train.accumulation_steps} micro-batch(es) of "
+          f"{setup.experiment.train.micro_batch_size or experiment.train.global_batch_size} sequences per step")
     estimate = memory_estimate(setup)
     parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in estimate.items())
     print(f"per-device memory: {parts}; total {sum(estimate.values()) / 2**30:.2f} GiB before activations")
@@ -74,6 +75,7 @@ def dry_run(experiment: Experiment, compile_step: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = _parser().parse_known_args(argv)
+    apply_gpu_defaults()  # before JAX starts a backend
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
     logging.getLogger("mlra_jax").setLevel(logging.INFO)  # orbax and grain stay at WARNING
     if args.distributed:

@@ -15,18 +15,33 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mlra_jax.loss import chunked_next_token_loss
+
 Params = dict[str, Any]
 
 
-def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy in float32 of logits [B, T, V] against targets [B, T]."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+def compute_params(params: Params, dtype: jnp.dtype) -> Params:
+    """Weights cast once to the compute dtype, before any layer reads them, so that FSDP all-gathers
+    them in it (the layers would cast each one after its gather). Norm scales stay float32, and so
+    does the embedding, whose lookup feeds the float32 residual stream; numerics are unchanged."""
+    def cast(path: tuple, leaf: jax.Array) -> jax.Array:
+        names = [str(getattr(key, "key", key)) for key in path]
+        keep = names[-1] == "scale" or names[-2:] == ["embed", "embedding"] or not jnp.issubdtype(leaf.dtype,
+                                                                                               jnp.floating)
+        return leaf if keep else leaf.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def loss_fn(graphdef: nnx.GraphDef, params: Params, tokens: jax.Array) -> jax.Array:
-    """Loss of the model on tokens [B, T + 1] (inputs tokens[:, :-1], targets tokens[:, 1:])."""
+def loss_fn(graphdef: nnx.GraphDef, params: Params, tokens: jax.Array, loss_chunk: int = 0) -> jax.Array:
+    """Loss of the model on tokens [B, T + 1] (inputs tokens[:, :-1], targets tokens[:, 1:]); the
+    cross-entropy runs over chunks of `loss_chunk` positions (0: whole)."""
+    dtype = nnx.merge(graphdef, params).config.dtype
+    if dtype != jnp.float32:
+        params = compute_params(params, dtype)
     model = nnx.merge(graphdef, params)
-    return next_token_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    hidden = model.hidden(tokens[:, :-1])
+    return chunked_next_token_loss(hidden, model.embed.embedding[...], tokens[:, 1:], dtype, loss_chunk)
 
 
 def global_norm(tree: Any) -> jax.Array:
@@ -42,12 +57,12 @@ def micro_batches(tokens: jax.Array, steps: int, sharding: NamedSharding | None)
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, accumulation_steps: int = 1,
-                    micro_sharding: NamedSharding | None = None) -> Callable[..., Any]:
+                    micro_sharding: NamedSharding | None = None, loss_chunk: int = 0) -> Callable[..., Any]:
     """(params, opt_state, tokens [B, T + 1]) -> (params, opt_state, metrics), un-jitted.
 
     With accumulation_steps > 1 the batch is split into micro-batches whose gradients
     are averaged in float32 (a scan, so memory holds one micro-batch of activations)."""
-    value_and_grad = jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t))
+    value_and_grad = jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t, loss_chunk))
 
     def step(params: Params, opt_state: Any, tokens: jax.Array):
         if accumulation_steps == 1:

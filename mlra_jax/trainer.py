@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 
 from mlra_jax.checkpoint import Checkpointer
-from mlra_jax.config import ConfigError, Experiment
+from mlra_jax.config import RUNTIME_FIELDS, ConfigError, Experiment
 from mlra_jax.data.pipeline import train_dataset, train_iterator, validation_batches
 from mlra_jax.metrics import MetricWriter, format_line, peak_flops, progress_bar, training_flops_per_token
 from mlra_jax.model import abstract_model, count_params, init_model
@@ -55,9 +55,10 @@ class Setup:
 
 
 def build_setup(experiment: Experiment, devices: list[jax.Device] | None = None) -> Setup:
-    cfg, train = experiment.model, experiment.train
     mesh = make_mesh(experiment.mesh, devices)
     data_parallel = data_parallel_size(mesh)
+    experiment = dataclasses.replace(experiment, train=experiment.train.for_replicas(data_parallel))
+    cfg, train = experiment.model, experiment.train
     micro = train.global_batch_size // train.accumulation_steps
     if micro % data_parallel:
         raise ConfigError(f"each micro-batch of {micro} sequences (global_batch_size={train.global_batch_size} / "
@@ -120,7 +121,7 @@ def jit_train_step(setup: Setup):
     """The train step jitted with the state's shardings; params and optimizer state are donated."""
     train = setup.experiment.train
     step = make_train_step(setup.graphdef, setup.optimizer, train.accumulation_steps,
-                           micro_batch_sharding(setup.mesh))
+                           micro_batch_sharding(setup.mesh), train.loss_chunk)
     shardings = setup.state_shardings
     return jax.jit(step, in_shardings=(shardings["params"], shardings["opt_state"], batch_sharding(setup.mesh)),
                    out_shardings=(shardings["params"], shardings["opt_state"], replicated(setup.mesh)),
@@ -155,7 +156,8 @@ def _check_workdir(workdir: Path, experiment: Experiment) -> None:
     current = dataclasses.asdict(experiment)
     if path.exists():
         saved = json.loads(path.read_text())
-        changed = {k: (saved["model"].get(k), v) for k, v in current["model"].items() if saved["model"].get(k) != v}
+        changed = {k: (saved["model"].get(k), v) for k, v in current["model"].items()
+                   if saved["model"].get(k) != v and k not in RUNTIME_FIELDS}
         if changed:
             detail = ", ".join(f"model.{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
             raise ConfigError(f"{workdir} holds a run of a different model ({detail}); use another --workdir")
@@ -205,7 +207,7 @@ def _train(setup: Setup, workdir: Path) -> TrainResult:
     writer.truncate_after(step)
 
     train_step = jit_train_step(setup)
-    eval_step = jax.jit(lambda p, t: loss_fn(setup.graphdef, p, t),
+    eval_step = jax.jit(lambda p, t: loss_fn(setup.graphdef, p, t, train_cfg.loss_chunk),
                         in_shardings=(setup.state_shardings["params"], batch_sharding(setup.mesh)))
     schedule = learning_rate_schedule(train_cfg)
     tokens_per_step = train_cfg.global_batch_size * train_cfg.seq_len

@@ -7,7 +7,7 @@ import pytest
 
 from experiments import benchmarks
 from experiments.tiny import tiny_model
-from mlra_jax.benchmarks import decode, decode_throughput, train_tp
+from mlra_jax.benchmarks import decode, decode_throughput, train
 
 
 @pytest.fixture
@@ -48,9 +48,16 @@ def test_decode_attention_and_model_modes(tmp_path):
     assert json.loads(out.read_text())["results"][0]["tokens_per_s"] > 0
 
 
-def test_train_tp(tmp_path):
+def test_train_benchmark_settings(tmp_path):
+    """TP over the 8 devices, FSDP with accumulation to a global batch, and a setting that fails is recorded."""
     out = tmp_path / "train.json"
-    train_tp.main(["--experiments=mlra4_tiny", "--tp=1,4", "--n_layer=1", "--seq_len=16", "--batch_per_replica=1",
-                   "--steps=1", f"--out={out}"])
+    common = ["--experiments=mlra4_tiny", "--n_layer=1", "--seq_len=16", "--steps=1", f"--out={out}"]
+    train.main([*common, "--tp=1,4", "--batch_per_device=1", "--remat=dots_attn"])
     results = json.loads(out.read_text())["results"]
-    assert [(r["tp"], r["mesh"]["data"]) for r in results] == [(1, 8), (4, 2)]
+    assert [(r["mesh"]["tensor"], r["mesh"]["data"], r["batch_per_device"]) for r in results] == [(1, 8, 1), (4, 2, 1)]
+    assert sum(r.get("best", False) for r in results) == 1
+    assert all(r["tokens_per_s"] > 0 and set(r["kernels"]) == {"xla"} and r["compiled_bytes"] > 0 for r in results)
+    train.main([*common, "--fsdp", "--global_batch=32", "--batch_per_device=2,3"])
+    fsdp, bad = json.loads(out.read_text())["results"]
+    assert fsdp["mesh"]["fsdp"] == 8 and fsdp["accumulation_steps"] == 2 and fsdp["micro_batch"] == 16
+    assert "not a multiple" in bad["error"]

@@ -58,7 +58,7 @@ def test_missing_and_foreign_fields():
 @pytest.mark.parametrize("field,value,message", [
     ("n_layer", 0, "n_layer=0 must be a positive integer"),
     ("compute_dtype", "fp8", "compute_dtype='fp8' is not valid; allowed values: float32, bfloat16, float16"),
-    ("attention_impl", "flash", "attention_impl='flash' is not valid; allowed values: xla, cudnn, pallas"),
+    ("attention_impl", "flash", "attention_impl='flash' is not valid; allowed values: auto, xla, cudnn, splash, pallas"),
     ("output_init", "xavier", "output_init='xavier' is not valid; allowed values: zero, normal"),
     ("remat", "some", "remat='some' is not valid"),
 ])

@@ -8,21 +8,13 @@ Logits and softmax are float32 whatever the compute dtype.
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import jax
 import jax.numpy as jnp
 
+from mlra_jax.attention.fused import choose
 from mlra_jax.layers import einsum
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
-log = logging.getLogger(__name__)
-
-
-@functools.cache
-def _log_once(message: str) -> None:
-    log.info(message)
 
 
 def causal_mask(q_positions: jax.Array, kv_positions: jax.Array, kv_valid: jax.Array | None = None) -> jax.Array:
@@ -56,21 +48,6 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, mas
     return out.reshape(b, t, hq, v.shape[-1]).astype(v.dtype)
 
 
-def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, causal: bool) -> jax.Array:
-    """cuDNN flash attention through jax.nn.dot_product_attention (NVIDIA GPUs).
-
-    cuDNN wants one head width for q, k and v: the narrower side is zero-padded,
-    which leaves every dot product unchanged, and the output is sliced back.
-    """
-    _check_shapes(q, k, v)
-    dk, dv = q.shape[-1], v.shape[-1]
-    width = max(dk, dv)
-    pad = lambda x, d: x if d == width else jnp.pad(x, [(0, 0)] * 3 + [(0, width - d)])
-    out = jax.nn.dot_product_attention(pad(q, dk), pad(k, dk), pad(v, dv), scale=scale, is_causal=causal,
-                                       implementation="cudnn")
-    return out[..., :dv]
-
-
 def latent_attention(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array, *,
                      scale: float, mask: jax.Array | None, impl: str = "xla") -> jax.Array:
     """MQA-style attention over a latent cache with a shared RoPE key (paper Step 2).
@@ -78,7 +55,7 @@ def latent_attention(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, 
     Per latent block n: q = [q_rope || q_latent], k = [k_rope || latent_n], v = latent_n.
     q_rope [B, T, N, H, Dr], q_latent [B, T, N, H, R], k_rope [B, S, Dr], latent [B, S, N, R]
     -> [B, T, N, H, R]. No per-head key or value is ever formed. impl 'pallas' runs the
-    decode kernel; 'xla' and 'cudnn' (whose kernels do not cover this shape) run XLA.
+    decode kernel; the others run XLA (the flash kernels do not cover this shape).
     """
     if impl == "pallas":
         from pallas_kernels.latent_decode import latent_decode_attention
@@ -97,21 +74,16 @@ def latent_attention(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, impl: str = "xla",
               mask: jax.Array | None = None) -> jax.Array:
-    """Causal attention over a full sequence (mask=None) or under an explicit [B, T, S] mask."""
-    if impl == "xla":
-        if mask is None:
-            positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
-            mask = causal_mask(positions, positions)
-        return xla_attention(q, k, v, scale=scale, mask=mask)
-    if impl == "cudnn":
-        if jax.default_backend() != "gpu":
-            raise ValueError(f"attention_impl='cudnn' needs an NVIDIA GPU, but the JAX backend is "
-                             f"{jax.default_backend()!r}; use attention_impl='xla'")
-        if mask is not None:
-            raise ValueError("attention_impl='cudnn' supports the plain causal mask only; use attention_impl='xla' "
-                             "for padded or cached attention")
-        return cudnn_attention(q, k, v, scale=scale, causal=True)
-    if impl == "pallas":  # the Pallas kernels cover decoding; full sequences run on XLA
-        _log_once("attention_impl='pallas' covers decode steps; training and prefill attention run on XLA")
-        return attention(q, k, v, scale=scale, impl="xla", mask=mask)
-    raise ValueError(f"attention_impl={impl!r} is not valid; allowed values: xla, cudnn, pallas")
+    """Causal attention over a full sequence (mask=None) or under an explicit [B, T, S] mask.
+
+    impl: 'xla' (einsum), 'auto' (the fastest fused kernel that covers the call, else XLA),
+    'cudnn' / 'splash' (that kernel or an error), 'pallas' (the decode kernels; full sequences as 'auto').
+    """
+    kernel = choose("auto" if impl == "pallas" else impl, q, k, v, masked=mask is not None)
+    if kernel is not None:
+        _check_shapes(q, k, v)
+        return kernel(q, k, v, scale=scale)
+    if mask is None:
+        positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
+        mask = causal_mask(positions, positions)
+    return xla_attention(q, k, v, scale=scale, mask=mask)

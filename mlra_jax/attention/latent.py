@@ -133,8 +133,9 @@ class LatentAttention(Attention):
     def attend_blocks(self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
                       kv_up: jax.Array, mask: jax.Array | None) -> jax.Array:
         """q [B, T, n, H, .] over latent [B, S, n, R] of n blocks with kv_up [n, R, H, 2 d_h]."""
-        kv_heads = einsum("bsnr,nrhk->bsnhk", latent, kv_up)
-        k_nope, v = kv_heads[..., : self.nope_dim], kv_heads[..., self.nope_dim:]
+        # two products rather than one sliced after: v comes out contiguous, as the fused kernels want it
+        k_nope = einsum("bsnr,nrhk->bsnhk", latent, kv_up[..., : self.nope_dim])
+        v = einsum("bsnr,nrhk->bsnhk", latent, kv_up[..., self.nope_dim:])
         k_rope = jnp.broadcast_to(k_rope[:, :, :, None, :], k_nope.shape[:-1] + (self.rope_dim,))
         k = jnp.concatenate([k_nope, k_rope], axis=-1)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)

@@ -33,6 +33,18 @@ def save(path: Path, benchmark: str, results: list[dict[str, Any]], **extra: Any
     return record
 
 
+def earlier_results(path: Path, remeasured: Callable[[dict[str, Any]], bool],
+                    run_keys: tuple[str, ...] = ("device", "command", "date", "jax_version")
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """For --merge: the results in the record at `path` that this run does not measure again, the runs
+    they came from, and the record itself (all empty when there is no record yet)."""
+    if not path.exists():
+        return [], [], {}
+    record = json.loads(path.read_text())
+    kept = [r for r in record["results"] if not remeasured(r)]
+    return kept, record.get("runs", [{k: record.get(k) for k in run_keys}]), record
+
+
 def chained(fn: Callable[..., jax.Array], feed: int, calls: int) -> Callable[..., jax.Array]:
     """fn called `calls` times in one jitted function, each call's output taking the place of argument
     `feed` of the next (same shape and dtype), so that XLA cannot drop the calls and no extra kernel runs

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from mlra_jax.benchmarks.common import device_time, environment, median_time, save
+from mlra_jax.benchmarks.common import device_time, earlier_results, environment, median_time, save
 
 H100_BANDWIDTH = 3.35e12  # bytes/s, the paper's ideal-time reference
 BATCH1_CONTEXTS = (131072, 262144, 524288, 1048576, 2097152)
@@ -195,15 +194,15 @@ def bench_attention(args: argparse.Namespace) -> tuple[list[dict], dict]:
 
 def _earlier_results(args: argparse.Namespace, settings: list[tuple[int, int]]) -> tuple[list[dict], list[dict]]:
     """With --merge: the results in --out that this run will not measure again, and the runs they came from."""
-    if not args.merge or not args.out.exists():
+    if not args.merge:
         return [], []
-    record = json.loads(args.out.read_text())
     planned = {(v, i, b, c) for v in args.variants.split(",") for i in args.impls.split(",") for b, c in settings}
-    kept = [r for r in record["results"] if (r["variant"], r["impl"], r["batch"], r["context"]) not in planned]
+    kept, runs, record = earlier_results(
+        args.out, lambda r: (r["variant"], r["impl"], r["batch"], r["context"]) in planned,
+        ("device", "command", "date", "jax_version", "copy_bandwidth_bytes_per_s"))
     for result in kept:
         result.setdefault("copy_bandwidth_bytes_per_s", record.get("copy_bandwidth_bytes_per_s"))
-    earlier_run = {k: record.get(k) for k in ("device", "command", "date", "jax_version", "copy_bandwidth_bytes_per_s")}
-    return kept, record.get("runs", [earlier_run])
+    return kept, runs
 
 
 def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
