@@ -3,8 +3,9 @@
 The state (params, optimizer state, RNG) is a pytree saved asynchronously; orbax
 writes each step into a temporary folder and renames it when complete, so a step
 folder is either whole or absent. Restoring takes target shardings, so a checkpoint
-restores onto any mesh or device count. A step that fails to restore (a partial or
-damaged folder) is skipped with a warning and the previous one is tried.
+restores onto any mesh or device count. A step that fails to restore is skipped for the
+previous one, and set aside once an older step restores; when none restores, nothing is
+touched and the caller gets a CheckpointError.
 """
 
 from __future__ import annotations
@@ -21,11 +22,18 @@ from mlra_jax.config import CheckpointConfig
 log = logging.getLogger(__name__)
 
 
+class CheckpointError(RuntimeError):
+    """Checkpoints exist but none restores; nothing in the run was changed."""
+
+
 class Checkpointer:
-    def __init__(self, directory: Path, cfg: CheckpointConfig):
+    """Orbax checkpoints of one run; `read_only` (generation, inspection) never writes, renames or creates."""
+
+    def __init__(self, directory: Path, cfg: CheckpointConfig, read_only: bool = False):
         self.directory = Path(directory).absolute()
+        self.read_only = read_only
         options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
-                                               create=True)
+                                               create=not read_only, read_only=read_only)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state: Any, metadata: dict[str, Any]) -> None:
@@ -47,16 +55,29 @@ class Checkpointer:
     def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict[str, Any]] | None:
         """(step, state, metadata) of the newest checkpoint that restores, or None if there is none.
 
-        `abstract_state` holds jax.ShapeDtypeStructs with the target shardings."""
+        `abstract_state` holds jax.ShapeDtypeStructs with the target shardings. Newer steps that fail
+        are set aside (renamed `STEP.damaged`) only once an older one restores, which shows the fault is
+        theirs; a read-only checkpointer only skips them. When every step fails (a changed model, an
+        unreadable folder, too little memory) nothing is touched and CheckpointError says why."""
+        failures: list[tuple[int, Exception]] = []
         for step in reversed(self.steps()):
             try:
-                return self.restore_step(step, abstract_state)
-            except Exception as err:  # noqa: BLE001 - any failure means this step is unusable
-                aside = self._set_aside(step)
-                log.warning("checkpoint %s/%d is incomplete or damaged (%s: %s); moved it to %s and trying the "
-                            "previous one", self.directory, step, type(err).__name__,
-                            str(err).splitlines()[0][:200], aside)
+                restored = self.restore_step(step, abstract_state)
+            except Exception as err:  # noqa: BLE001 - judged below, once an older step restores or none does
+                failures.append((step, err))
                 continue
+            for failed, err in failures:
+                what = "skipped it" if self.read_only else f"moved it to {self._set_aside(failed)}"
+                log.warning("checkpoint %s/%d is incomplete or damaged (%s: %s); %s and restored step %d",
+                            self.directory, failed, type(err).__name__, str(err).splitlines()[0][:200], what, step)
+            return restored
+        if failures:
+            step, err = failures[0]
+            raise CheckpointError(
+                f"none of the {len(failures)} checkpoints in {self.directory} restores; the newest, step {step}, "
+                f"fails with {type(err).__name__}: {str(err).splitlines()[0][:300]}. Nothing was changed. If the "
+                f"model or mesh changed, run with the configuration the checkpoints were saved with; to start over, "
+                f"use another --workdir")
         return None
 
     def _set_aside(self, step: int) -> Path:

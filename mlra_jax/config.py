@@ -7,6 +7,7 @@ the values it accepts, so a typo never reaches a compiled program.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 import jax.numpy as jnp
@@ -108,8 +109,10 @@ class ModelConfig:
         _check_choice("compute_dtype", self.compute_dtype, tuple(DTYPES))
         _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _check_choice("remat", self.remat, REMAT_POLICIES)
-        _require(self.init_std > 0, f"init_std={self.init_std} must be positive")
-        _require(self.norm_eps > 0, f"norm_eps={self.norm_eps} must be positive")
+        _require(math.isfinite(self.init_std) and self.init_std > 0, f"init_std={self.init_std} must be positive")
+        _require(math.isfinite(self.norm_eps) and self.norm_eps > 0, f"norm_eps={self.norm_eps} must be positive")
+        _require(math.isfinite(self.rope_theta) and self.rope_theta > 0,
+                 f"rope_theta={self.rope_theta} must be a positive number (the reference uses 10000)")
         self._check_variant_fields()
         self._check_divisibility()
 
@@ -221,7 +224,11 @@ class TrainConfig:
         _require(0 <= self.warmup_steps < self.total_steps,
                  f"warmup_steps={self.warmup_steps} must lie in [0, total_steps={self.total_steps}) so the cosine "
                  f"phase has at least one step")
-        _require(self.peak_lr > 0, f"peak_lr={self.peak_lr} must be positive")
+        _require(math.isfinite(self.peak_lr) and self.peak_lr > 0, f"peak_lr={self.peak_lr} must be a positive number")
+        _require(math.isfinite(self.eps) and self.eps > 0, f"eps={self.eps} must be positive (AdamW divides by "
+                                                          f"sqrt(v) + eps; the paper uses 1e-8)")
+        _require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+                 f"weight_decay={self.weight_decay} must be >= 0 (the paper uses 0.1)")
         _require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
         _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
                  f"beta1={self.beta1}, beta2={self.beta2} must lie in [0, 1)")

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from mlra_jax.checkpoint import Checkpointer
+from mlra_jax.checkpoint import CheckpointError, Checkpointer
 from mlra_jax.cli import experiment_from_dict
 from mlra_jax.config import CheckpointConfig, ConfigError, MeshConfig
 from mlra_jax.data.tokenizer import EOT, gpt2_tokenizer
@@ -38,12 +38,19 @@ def load_model(run_dir: Path, step: int | None = None) -> tuple[Transformer, int
                           f"training run")
     experiment = experiment_from_dict(json.loads(config_path.read_text()))
     setup = build_setup(dataclasses.replace(experiment, mesh=MeshConfig(data=1)), jax.devices()[:1])
-    checkpointer = Checkpointer(run_dir / "checkpoints", CheckpointConfig())
+    checkpointer = Checkpointer(run_dir / "checkpoints", CheckpointConfig(), read_only=True)
     if step is not None and step not in checkpointer.steps():
         raise ConfigError(f"no checkpoint at step {step} in {checkpointer.directory} (steps: {checkpointer.steps()})")
-    restored = (checkpointer.restore_latest(setup.abstract_state) if step is None else
-                checkpointer.restore_step(step, setup.abstract_state))
-    checkpointer.close()
+    try:
+        restored = (checkpointer.restore_latest(setup.abstract_state) if step is None else
+                    checkpointer.restore_step(step, setup.abstract_state))
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure of the named step, reported without a traceback
+        raise CheckpointError(f"checkpoint {checkpointer.directory / str(step)} does not restore "
+                              f"({type(err).__name__}: {str(err).splitlines()[0][:300]}); nothing was changed") from err
+    finally:
+        checkpointer.close()
     if restored is None:
         raise ConfigError(f"{run_dir / 'checkpoints'} holds no complete checkpoint")
     graphdef = nnx.split(abstract_model(experiment.model))[0]
@@ -73,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                             top_p=args.top_p, seed=args.seed)
         generator = Generator(model, args.max_len or model.config.max_seq_len)
         outputs = generator.generate(prompts, sampling)
-    except (ConfigError, GenerationError) as err:
+    except (ConfigError, GenerationError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     for prompt, tokens in zip(args.prompt, outputs):

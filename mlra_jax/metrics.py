@@ -58,6 +58,11 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 3 * (2 * matmul_params + cfg.n_layer * per_layer)
 
 
+def json_safe(values: dict[str, Any]) -> dict[str, Any]:
+    """NaN and infinities as null: json.dumps would write NaN / Infinity, which is not JSON."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
+
+
 class MetricWriter:
     """One record per call, to a JSONL file, TensorBoard (when tensorboardX is installed) and stdout."""
 
@@ -74,18 +79,28 @@ class MetricWriter:
                 self.tensorboard = SummaryWriter(str(workdir / "tensorboard"))
 
     def truncate_after(self, step: int) -> None:
-        """Forget records past `step` (a resumed run logs those steps again)."""
+        """Forget records past `step` (a resumed run logs those steps again). A line that is not a JSON
+        record (the last one torn by a kill mid-write) is dropped with a warning."""
         if not self.enabled or not self.jsonl_path.exists():
             return
-        lines = self.jsonl_path.read_text().splitlines()
-        kept = [line for line in lines if json.loads(line)["step"] <= step]
+        kept = []
+        for number, line in enumerate(self.jsonl_path.read_text().splitlines(), 1):
+            try:
+                record = json.loads(line)
+                keep = record["step"] <= step
+            except (json.JSONDecodeError, KeyError, TypeError):
+                log.warning("%s line %d is not a metrics record (torn by an interrupted write?); dropped: %.80s",
+                            self.jsonl_path, number, line)
+                continue
+            if keep:
+                kept.append(line)
         self.jsonl_path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
         with open(self.jsonl_path, "a") as f:
-            f.write(json.dumps({"step": step, **values}) + "\n")
+            f.write(json.dumps({"step": step, **json_safe(values)}) + "\n")
         if self.tensorboard is not None:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and value is not None:

@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("mlra_jax").setLevel(logging.INFO)  # orbax and grain stay at WARNING
     if args.distributed:
         initialize_distributed(args)
+    from mlra_jax.checkpoint import CheckpointError
+
     try:
         experiment = apply_overrides(get_experiment(args.experiment), overrides)
         if args.dry_run:
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
         workdir = args.workdir or Path("runs") / experiment.name
         result = train(experiment, workdir)
-    except (ConfigError, DataError) as err:
+    except (ConfigError, DataError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except TrainingDiverged as err:

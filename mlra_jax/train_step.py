@@ -58,7 +58,8 @@ def micro_batches(tokens: jax.Array, steps: int, sharding: NamedSharding | None)
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, accumulation_steps: int = 1,
                     micro_sharding: NamedSharding | None = None, loss_chunk: int = 0) -> Callable[..., Any]:
-    """(params, opt_state, tokens [B, T + 1]) -> (params, opt_state, metrics), un-jitted.
+    """(params, opt_state, tokens [B, T + 1]) -> (params, opt_state, metrics), un-jitted. The metrics say
+    on device whether the loss, the gradient norm and every updated parameter are finite (`finite`).
 
     With accumulation_steps > 1 the batch is split into micro-batches whose gradients
     are averaged in float32 (a scan, so memory holds one micro-batch of activations)."""
@@ -79,7 +80,11 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
             loss, grads = loss / accumulation_steps, jax.tree.map(lambda g: g / accumulation_steps, grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": global_norm(grads)}
+        grad_norm = global_norm(grads)
+        params_finite = jnp.all(jnp.stack([jnp.isfinite(p).all() for p in jax.tree.leaves(params)]))
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_finite
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "params_finite": params_finite,
+                                   "finite": finite}
 
     return step
 

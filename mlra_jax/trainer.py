@@ -223,12 +223,15 @@ def _train(setup: Setup, workdir: Path) -> TrainResult:
         """Fetch the pending steps' metrics; a non-finite loss stops the run before anything is saved."""
         for s, metrics in pending:
             values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            if not math.isfinite(values["loss"]):
+            if not (math.isfinite(values["loss"]) and values.get("finite", 1.0)):
                 good = checkpointer.steps()
+                parameters = "finite" if values.get("params_finite", 1.0) else "NOT finite"
                 raise TrainingDiverged(
-                    f"loss is {values['loss']} at step {s}; training stopped and nothing from this point was saved. "
-                    f"The last good checkpoint is {checkpointer.directory / str(good[-1]) if good else 'none'}; "
-                    f"lower train.peak_lr or check the data, then resume")
+                    f"loss is {values['loss']} at step {s} (gradient norm {values['grad_norm']}, updated parameters "
+                    f"{parameters}); training stopped and nothing from this point was saved. The last finite step "
+                    f"is {s - 1}; the last good checkpoint is "
+                    f"{checkpointer.directory / str(good[-1]) if good else 'none'}; lower train.peak_lr or check "
+                    f"the data, then resume")
             interval.append(values)
         pending.clear()
 

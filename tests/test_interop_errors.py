@@ -54,6 +54,29 @@ def test_non_finite_values():
                                  "NaN or inf.*c_fc1")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
+def test_non_finite_values_in_every_float_dtype(dtype):
+    """bfloat16 is no numpy float type, so a plain numpy check lets its NaN through."""
+    import ml_dtypes
+
+    poisoned = STATE_DICT["transformer.h.0.mlp.c_proj.weight"].astype(getattr(ml_dtypes, dtype, dtype))
+    poisoned[1, 2] = -np.inf if dtype == "float16" else np.nan
+    assert_fails_and_keeps_model(dict(STATE_DICT, **{"transformer.h.0.mlp.c_proj.weight": poisoned}),
+                                 "NaN or inf.*c_proj")
+
+
+def test_values_that_overflow_the_parameter_dtype():
+    big = STATE_DICT["transformer.h.1.attn.c_proj.weight"].astype(np.float64)
+    big[0, 0] = 1e39  # finite in float64, inf in float32
+    assert_fails_and_keeps_model(dict(STATE_DICT, **{"transformer.h.1.attn.c_proj.weight": big}),
+                                 r"beyond the largest float32 .*c_proj.weight \(\|x\| up to 1e\+39\)")
+    half = dataclasses.replace(CFG, param_dtype="float16")
+    large = STATE_DICT["transformer.h.1.attn.c_proj.weight"].astype(np.float32)
+    large[0, 0] = 7e4
+    assert_fails_and_keeps_model(dict(STATE_DICT, **{"transformer.h.1.attn.c_proj.weight": large}),
+                                 "beyond the largest float16", cfg=half)
+
+
 def test_tied_head_and_torch_style_inputs_are_accepted():
     model = init_model(CFG)
     state_dict = dict(STATE_DICT, **{"lm_head.weight": STATE_DICT["transformer.wte.weight"]})

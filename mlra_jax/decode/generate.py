@@ -11,6 +11,7 @@ logits in a batch as alone (RoPE is translation equivariant, paper App. B).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import jax
@@ -40,7 +41,8 @@ class Sampling:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+        temperature_ok = math.isfinite(self.temperature) and self.temperature >= 0
+        if not temperature_ok or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise GenerationError(f"temperature={self.temperature} must be >= 0, top_k={self.top_k} >= 0 and "
                                   f"top_p={self.top_p} in (0, 1]")
 

@@ -12,6 +12,7 @@ import re
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -96,14 +97,29 @@ def _check_keys(state_dict: Mapping[str, Any], expected: Mapping[str, tuple[int,
                              f"{guess_variant(keys)}; build the model with that variant's config")
 
 
-def _check_values(arrays: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]]) -> None:
+def _widened(a: np.ndarray) -> np.ndarray | None:
+    """A float array in at least float32 (bfloat16 and float16 exactly), None for other dtypes."""
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        return None
+    return a.astype(np.float32) if a.dtype.itemsize < 4 else a
+
+
+def _check_values(arrays: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]],
+                  dtype: np.dtype) -> None:
     wrong = [f"{k}: expected {expected[k]}, got {a.shape}" for k, a in arrays.items() if a.shape != expected[k]]
     if wrong:
         raise StateDictError(f"{len(wrong)} tensors have the wrong shape for this config (check n_embd, n_head, "
                              f"head dims, ranks and intermediate_size): {'; '.join(wrong[:4])}")
-    bad = [k for k, a in arrays.items() if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all()]
+    widened = {k: w for k, a in arrays.items() if (w := _widened(a)) is not None and w.size}
+    bad = [k for k, w in widened.items() if not np.isfinite(w).all()]
     if bad:
         raise StateDictError(f"{len(bad)} tensors hold NaN or inf, the checkpoint is corrupt: {', '.join(bad[:4])}")
+    limit = float(jnp.finfo(dtype).max)
+    large = [f"{k} (|x| up to {float(np.abs(w).max()):.3g})" for k, w in widened.items() if np.abs(w).max() > limit]
+    if large:
+        raise StateDictError(f"{len(large)} tensors hold values beyond the largest {np.dtype(dtype).name} "
+                             f"({limit:.3g}), the parameter dtype they would become inf in: {', '.join(large[:4])}; "
+                             f"load into a wider param_dtype or check the checkpoint")
     if TIED_KEY in arrays and not np.array_equal(arrays[TIED_KEY], arrays[EMBEDDING_KEY]):
         raise StateDictError(f"{TIED_KEY} differs from {EMBEDDING_KEY}, but this model ties them; "
                              f"the checkpoint is not from the reference implementation")
@@ -132,8 +148,8 @@ def from_state_dict(state_dict: Mapping[str, Any], cfg: ModelConfig) -> dict[str
     expected = reference_shapes(cfg)
     _check_keys(state_dict, expected, cfg)
     arrays = {k: _as_numpy(v) for k, v in state_dict.items()}
-    _check_values(arrays, expected)
     dtype = np.dtype(cfg.weight_dtype)
+    _check_values(arrays, expected, dtype)
     return {p: np.asarray(v, dtype=dtype) for p, v in convert_from_reference(arrays, cfg).items()}
 
 

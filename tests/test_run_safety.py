@@ -1,0 +1,54 @@
+"""Nothing destroys a run: a read-only command changes nothing; when no checkpoint restores for a reason
+that is not damage (here a changed model), training stops with exit 2 and touches nothing; a non-finite
+state never reaches a checkpoint."""
+
+import json
+
+import jax
+import pytest
+
+from helpers import MICRO, micro_experiment
+from mlra_jax.generate import main as generate_main
+from mlra_jax.train import main as train_main
+from mlra_jax.trainer import TrainingDiverged, train
+
+
+def listing(path):
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def trained_run(tmp_path):
+    train(micro_experiment("mlra4_tiny", "--train.total_steps=8", "--train.eval_every=0"), tmp_path,
+          devices=jax.devices()[:1])
+    return listing(tmp_path / "checkpoints"), (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_generate_on_a_run_of_another_model_changes_nothing(tmp_path, capsys):
+    checkpoints, _ = trained_run(tmp_path)
+    config = json.loads((tmp_path / "experiment.json").read_text())
+    config["model"]["n_embd"] = 32  # experiment.json now names another model than the checkpoints hold
+    (tmp_path / "experiment.json").write_text(json.dumps(config))
+    assert generate_main(["--checkpoint", str(tmp_path), "--prompt", "x", "--max_new_tokens", "2"]) == 2
+    assert "none of the 2 checkpoints" in capsys.readouterr().err
+    assert listing(tmp_path / "checkpoints") == checkpoints  # nothing renamed to .damaged
+
+
+def test_training_a_changed_model_stops_without_touching_the_run(tmp_path, capsys):
+    checkpoints, metrics = trained_run(tmp_path)
+    (tmp_path / "experiment.json").unlink()  # without it, only the checkpoints can tell
+    code = train_main(["--experiment=mlra4_tiny", f"--workdir={tmp_path}", *MICRO, "--model.n_embd=32",
+                       "--train.eval_every=0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "none of the 2 checkpoints" in err and "Nothing was changed" in err
+    assert listing(tmp_path / "checkpoints") == checkpoints
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics  # not restarted from step 0
+
+
+def test_non_finite_parameters_behind_a_finite_loss_never_reach_a_checkpoint(tmp_path):
+    """peak_lr=1e6: step 4's loss is still finite but its gradient norm and updated weights are not."""
+    experiment = micro_experiment("mlra4_tiny", "--train.peak_lr=1e6", "--train.eval_every=0", "--checkpoint.every=4")
+    with pytest.raises(TrainingDiverged, match=r"at step 4 \(gradient norm nan, updated parameters NOT finite\).*"
+                                               r"last finite step is 3; the last good checkpoint is none"):
+        train(experiment, tmp_path, devices=jax.devices()[:1])
+    assert not list((tmp_path / "checkpoints").glob("[0-9]*"))  # step 4 was not saved
+    assert all(json.loads(line)["step"] <= 3 for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
