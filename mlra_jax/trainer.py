@@ -29,6 +29,7 @@ from mlra_jax.metrics import MetricWriter, format_line, peak_flops, progress_bar
 from mlra_jax.model import abstract_model, count_params, init_model
 from mlra_jax.optim import learning_rate_schedule, make_optimizer
 from mlra_jax.params import logical_axes
+from mlra_jax.run_lock import RunLock
 from mlra_jax.sharding import (batch_sharding, bytes_per_device, data_parallel_size, make_mesh, replicated,
                                tree_shardings)
 from mlra_jax.train_step import loss_fn, make_train_step, micro_batch_sharding
@@ -175,10 +176,15 @@ def train(experiment: Experiment, workdir: Path, devices: list[jax.Device] | Non
     """Train (or resume) `experiment` in `workdir` until train.total_steps or a stop signal."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    _check_workdir(workdir, experiment)
-    setup = build_setup(experiment, devices)
-    with jax.set_mesh(setup.mesh):  # the model reads the TP degree from the mesh in context
-        return _train(setup, workdir)
+    lock = RunLock(workdir).acquire() if jax.process_index() == 0 else None  # one writer per run
+    try:
+        _check_workdir(workdir, experiment)
+        setup = build_setup(experiment, devices)
+        with jax.set_mesh(setup.mesh):  # the model reads the TP degree from the mesh in context
+            return _train(setup, workdir)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _train(setup: Setup, workdir: Path) -> TrainResult:

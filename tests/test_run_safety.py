@@ -52,3 +52,16 @@ def test_non_finite_parameters_behind_a_finite_loss_never_reach_a_checkpoint(tmp
         train(experiment, tmp_path, devices=jax.devices()[:1])
     assert not list((tmp_path / "checkpoints").glob("[0-9]*"))  # step 4 was not saved
     assert all(json.loads(line)["step"] <= 3 for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
+
+
+def test_a_second_writer_is_refused_and_a_dead_holder_is_not_in_the_way(tmp_path):
+    from mlra_jax.config import ConfigError
+    from mlra_jax.run_lock import RunLock
+
+    experiment = micro_experiment("mlra4_tiny", "--train.total_steps=4", "--train.eval_every=0")
+    with RunLock(tmp_path):  # another training process holds the run
+        with pytest.raises(ConfigError, match=r"in use by another training process \(host .* pid \d+\)"):
+            train(experiment, tmp_path, devices=jax.devices()[:1])
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
+    (tmp_path / "lock").write_text("host gone pid 999999\n")  # left by a killed run: the OS lock is gone
+    assert train(experiment, tmp_path, devices=jax.devices()[:1]).step == 4

@@ -1,0 +1,50 @@
+"""One writer per run directory: an exclusive lock held by the training process for the whole run.
+
+The lock is an OS file lock (flock) on `WORKDIR/lock`, which the kernel releases when the
+process ends however it ends, so a killed run leaves no stale lock; the file keeps the
+holder's host and pid for the message a second writer gets. Local and NFS-style folders only.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+from mlra_jax.config import ConfigError
+
+
+class RunLock:
+    def __init__(self, workdir: Path):
+        self.path = Path(workdir) / "lock"
+        self._file = None
+
+    def acquire(self) -> RunLock:
+        handle = open(self.path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "an unknown process"
+            handle.close()
+            raise ConfigError(f"{self.path.parent} is in use by another training process ({holder}); wait for it "
+                              f"to finish or stop it, or use another --workdir") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
+        handle.flush()
+        self._file = handle
+        return self
+
+    def release(self) -> None:
+        if self._file is not None:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
