@@ -52,10 +52,12 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_state), metadata=ocp.args.JsonRestore()))
         return step, restored["state"], restored["metadata"]
 
-    def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict[str, Any]] | None:
+    def restore_latest(self, abstract_state: Any, required_metadata: tuple[str, ...] = ()
+                       ) -> tuple[int, Any, dict[str, Any]] | None:
         """(step, state, metadata) of the newest checkpoint that restores, or None if there is none.
 
-        `abstract_state` holds jax.ShapeDtypeStructs with the target shardings. Newer steps that fail
+        `abstract_state` holds jax.ShapeDtypeStructs with the target shardings; metadata that lacks a key
+        of `required_metadata` fails the step like unreadable bytes. Newer steps that fail
         are set aside (renamed `STEP.damaged`) only once an older one restores, which shows the fault is
         theirs; a read-only checkpointer only skips them. When every step fails (a changed model, an
         unreadable folder, too little memory) nothing is touched and CheckpointError says why."""
@@ -63,6 +65,9 @@ class Checkpointer:
         for step in reversed(self.steps()):
             try:
                 restored = self.restore_step(step, abstract_state)
+                missing = [k for k in required_metadata if not isinstance(restored[2], dict) or k not in restored[2]]
+                if missing:
+                    raise ValueError(f"its metadata lacks {', '.join(missing)}")
             except Exception as err:  # noqa: BLE001 - judged below, once an older step restores or none does
                 failures.append((step, err))
                 continue

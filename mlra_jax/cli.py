@@ -7,8 +7,10 @@ an error names the field and the values it accepts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 from mlra_jax.config import CheckpointConfig, ConfigError, DataConfig, Experiment, MeshConfig, ModelConfig, TrainConfig
@@ -77,6 +79,18 @@ def experiment_from_dict(data: dict[str, Any]) -> Experiment:
     sections = {name: cls(**data[name]) for name, cls in SECTIONS.items() if name in data}
     rest = {k: v for k, v in data.items() if k not in SECTIONS}
     return Experiment(**rest, **sections)
+
+
+def read_run_config(path: Path) -> dict[str, Any]:
+    """A run's experiment.json as a dict, or a ConfigError that names the file when it is not one."""
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+            raise ValueError("no 'model' section")
+        return data
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(f"{path} is not a run's experiment.json ({type(err).__name__}: {err}); it records the "
+                          f"configuration the run was trained with: restore it, or use another --workdir") from None
 
 
 def fields_help() -> str:

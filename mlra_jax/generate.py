@@ -21,7 +21,7 @@ import jax
 from flax import nnx
 
 from mlra_jax.checkpoint import CheckpointError, Checkpointer
-from mlra_jax.cli import experiment_from_dict
+from mlra_jax.cli import experiment_from_dict, read_run_config
 from mlra_jax.config import CheckpointConfig, ConfigError, MeshConfig
 from mlra_jax.data.tokenizer import EOT, gpt2_tokenizer
 from mlra_jax.decode.generate import GenerationError, Generator, Sampling
@@ -36,7 +36,10 @@ def load_model(run_dir: Path, step: int | None = None) -> tuple[Transformer, int
     if not config_path.exists():
         raise ConfigError(f"{run_dir} is not a run directory (no experiment.json); pass the --workdir of a "
                           f"training run")
-    experiment = experiment_from_dict(json.loads(config_path.read_text()))
+    try:
+        experiment = experiment_from_dict(read_run_config(config_path))
+    except TypeError as err:  # fields this version does not know
+        raise ConfigError(f"{config_path} does not describe an experiment of this version ({err})") from None
     setup = build_setup(dataclasses.replace(experiment, mesh=MeshConfig(data=1)), jax.devices()[:1])
     checkpointer = Checkpointer(run_dir / "checkpoints", CheckpointConfig(), read_only=True)
     if step is not None and step not in checkpointer.steps():

@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 
 from mlra_jax.checkpoint import Checkpointer
+from mlra_jax.cli import read_run_config
 from mlra_jax.config import RUNTIME_FIELDS, ConfigError, Experiment
 from mlra_jax.data.pipeline import train_dataset, train_iterator, validation_batches
 from mlra_jax.metrics import MetricWriter, format_line, peak_flops, progress_bar, training_flops_per_token
@@ -156,7 +157,7 @@ def _check_workdir(workdir: Path, experiment: Experiment) -> None:
     path = workdir / "experiment.json"
     current = dataclasses.asdict(experiment)
     if path.exists():
-        saved = json.loads(path.read_text())
+        saved = read_run_config(path)
         changed = {k: (saved["model"].get(k), v) for k, v in current["model"].items()
                    if saved["model"].get(k) != v and k not in RUNTIME_FIELDS}
         if changed:
@@ -202,7 +203,7 @@ def _train(setup: Setup, workdir: Path) -> TrainResult:
 
     checkpointer = Checkpointer(workdir / "checkpoints", experiment.checkpoint)
     writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
-    restored = checkpointer.restore_latest(setup.abstract_state)
+    restored = checkpointer.restore_latest(setup.abstract_state, required_metadata=("step", "data_iterator"))
     if restored is None:
         step, state = 0, init_state(setup)
         log.info("initialized a new run in %s", workdir)

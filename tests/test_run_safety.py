@@ -65,3 +65,33 @@ def test_a_second_writer_is_refused_and_a_dead_holder_is_not_in_the_way(tmp_path
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
     (tmp_path / "lock").write_text("host gone pid 999999\n")  # left by a killed run: the OS lock is gone
     assert train(experiment, tmp_path, devices=jax.devices()[:1]).step == 4
+
+
+def test_checkpoint_metadata_without_the_data_position_is_set_aside(tmp_path, caplog):
+    experiment = micro_experiment("mlra4_tiny", "--train.total_steps=8", "--train.eval_every=0")
+    train(experiment, tmp_path, devices=jax.devices()[:1])
+    (tmp_path / "checkpoints" / "8" / "metadata" / "metadata").write_text("{}")  # valid JSON, wrong content
+    with caplog.at_level("WARNING"):
+        result = train(experiment, tmp_path, devices=jax.devices()[:1])
+    assert result.step == 8 and "metadata lacks step, data_iterator" in caplog.text
+    assert (tmp_path / "checkpoints" / "8.damaged").is_dir()  # kept for inspection; step 8 recomputed from 4
+
+
+def test_a_garbage_experiment_json_is_named_not_a_traceback(tmp_path, capsys):
+    trained_run(tmp_path)
+    (tmp_path / "experiment.json").write_text("{not json")
+    assert generate_main(["--checkpoint", str(tmp_path), "--prompt", "x"]) == 2
+    assert "experiment.json is not a run's experiment.json (JSONDecodeError" in capsys.readouterr().err
+    assert train_main(["--experiment=mlra4_tiny", f"--workdir={tmp_path}", *MICRO]) == 2
+    assert "restore it, or use another --workdir" in capsys.readouterr().err
+    assert (tmp_path / "experiment.json").read_text() == "{not json"  # left as it was
+
+
+def test_top_k_beyond_the_vocabulary_is_refused():
+    from experiments.tiny import tiny_model
+    from mlra_jax.decode.generate import GenerationError, Generator, Sampling
+    from mlra_jax.model import init_model
+
+    generator = Generator(init_model(tiny_model("gqa", n_layer=1, vocab_size=64)), max_len=16)
+    with pytest.raises(GenerationError, match="top_k=65 exceeds the vocabulary of 64 tokens"):
+        generator.generate([[1, 2]], Sampling(max_new_tokens=2, temperature=1.0, top_k=65))

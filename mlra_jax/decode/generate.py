@@ -121,6 +121,9 @@ class Generator:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling = Sampling()) -> list[list[int]]:
         """New tokens per prompt, ending at (and including) EOS or after max_new_tokens."""
         self.check(prompts, sampling.max_new_tokens)
+        if sampling.top_k > self.cfg.vocab_size:
+            raise GenerationError(f"top_k={sampling.top_k} exceeds the vocabulary of {self.cfg.vocab_size} tokens; "
+                                  f"use top_k <= {self.cfg.vocab_size} (0 disables it)")
         logits, state = self.prefill(prompts)
         key = jax.random.key(sampling.seed)
         outputs: list[list[int]] = [[] for _ in prompts]
