@@ -6,6 +6,7 @@ metrics.jsonl, tensorboard/, experiment.json); notebooks call it directly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -177,15 +178,11 @@ def train(experiment: Experiment, workdir: Path, devices: list[jax.Device] | Non
     """Train (or resume) `experiment` in `workdir` until train.total_steps or a stop signal."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(workdir).acquire() if jax.process_index() == 0 else None  # one writer per run
-    try:
+    with RunLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():  # one writer per run
         _check_workdir(workdir, experiment)
         setup = build_setup(experiment, devices)
         with jax.set_mesh(setup.mesh):  # the model reads the TP degree from the mesh in context
             return _train(setup, workdir)
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 def _train(setup: Setup, workdir: Path) -> TrainResult:
@@ -230,9 +227,9 @@ def _train(setup: Setup, workdir: Path) -> TrainResult:
         """Fetch the pending steps' metrics; a non-finite loss stops the run before anything is saved."""
         for s, metrics in pending:
             values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            if not (math.isfinite(values["loss"]) and values.get("finite", 1.0)):
+            if not (math.isfinite(values["loss"]) and values["finite"]):
                 good = checkpointer.steps()
-                parameters = "finite" if values.get("params_finite", 1.0) else "NOT finite"
+                parameters = "finite" if values["params_finite"] else "NOT finite"
                 raise TrainingDiverged(
                     f"loss is {values['loss']} at step {s} (gradient norm {values['grad_norm']}, updated parameters "
                     f"{parameters}); training stopped and nothing from this point was saved. The last finite step "
