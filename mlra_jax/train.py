@@ -6,7 +6,9 @@
 
 A run lives in --workdir (default runs/NAME): checkpoints/ (Orbax), metrics.jsonl,
 tensorboard/ and experiment.json. Running the same command again resumes from the
-latest complete checkpoint; SIGTERM saves a checkpoint and exits.
+latest complete checkpoint; SIGTERM saves a checkpoint and exits. Resuming with another
+data order or schedule (batch size, seq_len, total_steps, learning rate, seed, data) is
+refused unless --allow_changed names the fields.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import jax
 
 from experiments import all_experiments, get_experiment
-from mlra_jax.cli import apply_overrides, fields_help
+from mlra_jax.cli import apply_overrides, disk_full, fields_help
 from mlra_jax.config import ConfigError, Experiment
 from mlra_jax.data.shards import DataError
 from mlra_jax.xla_flags import apply_gpu_defaults
@@ -39,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
                              "(simulate N CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     parser.add_argument("--compile", action="store_true", help="with --dry_run: also compile the train step and "
                         "report XLA's memory analysis (activations included)")
+    parser.add_argument("--allow_changed", default="", metavar="FIELD,...",
+                        help="resume although these data-order or schedule settings differ from the run's "
+                             "experiment.json (e.g. train.global_batch_size,train.total_steps); the run continues at "
+                             "the next unseen example")
     parser.add_argument("--distributed", action="store_true",
                         help="call jax.distributed.initialize() first (multi-host; see launch/); the coordinator is "
                              "found automatically on TPU pods, SLURM, Open MPI and Kubernetes, or given below")
@@ -90,13 +96,21 @@ def main(argv: list[str] | None = None) -> int:
         from mlra_jax.trainer import TrainingDiverged, train
 
         workdir = args.workdir or Path("runs") / experiment.name
-        result = train(experiment, workdir)
+        result = train(experiment, workdir, allow_changed=tuple(filter(None, args.allow_changed.split(","))))
     except (ConfigError, DataError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
+    except Exception as err:
+        full = disk_full(err)
+        if full is None:
+            raise
+        print(f"error: no space left on the device while writing {full.filename or 'the run'} ({full.strerror}); free "
+              f"space there and run the same command again: it resumes from the newest complete checkpoint in "
+              f"{(args.workdir or Path('runs') / args.experiment).absolute() / 'checkpoints'}", file=sys.stderr)
+        return 2
     where = workdir.absolute()
     print(f"{'stopped' if result.stopped_by_signal else 'finished'} at step {result.step}"
           f"{f' (last step loss {result.last_loss:.4f})' if result.last_loss is not None else ''}. Checkpoints: "

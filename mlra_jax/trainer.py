@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import signal
@@ -24,13 +23,13 @@ import optax
 from flax import nnx
 
 from mlra_jax.checkpoint import Checkpointer
-from mlra_jax.cli import read_run_config
-from mlra_jax.config import RUNTIME_FIELDS, ConfigError, Experiment
+from mlra_jax.config import ConfigError, Experiment
 from mlra_jax.data.pipeline import train_dataset, train_iterator, validation_batches
 from mlra_jax.metrics import MetricWriter, format_line, peak_flops, progress_bar, training_flops_per_token
 from mlra_jax.model import abstract_model, count_params, init_model
 from mlra_jax.optim import learning_rate_schedule, make_optimizer
 from mlra_jax.params import logical_axes
+from mlra_jax.resume_check import check_resume
 from mlra_jax.run_lock import RunLock
 from mlra_jax.sharding import (batch_sharding, bytes_per_device, data_parallel_size, make_mesh, replicated,
                                tree_shardings)
@@ -153,20 +152,6 @@ class _StopSignal:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def _check_workdir(workdir: Path, experiment: Experiment) -> None:
-    """A workdir holds one model: resuming with another model config is an error, not a silent restart."""
-    path = workdir / "experiment.json"
-    current = dataclasses.asdict(experiment)
-    if path.exists():
-        saved = read_run_config(path)
-        changed = {k: (saved["model"].get(k), v) for k, v in current["model"].items()
-                   if saved["model"].get(k) != v and k not in RUNTIME_FIELDS}
-        if changed:
-            detail = ", ".join(f"model.{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
-            raise ConfigError(f"{workdir} holds a run of a different model ({detail}); use another --workdir")
-    path.write_text(json.dumps(current, indent=1))
-
-
 @dataclasses.dataclass
 class TrainResult:
     step: int
@@ -174,12 +159,17 @@ class TrainResult:
     stopped_by_signal: bool
 
 
-def train(experiment: Experiment, workdir: Path, devices: list[jax.Device] | None = None) -> TrainResult:
-    """Train (or resume) `experiment` in `workdir` until train.total_steps or a stop signal."""
+def train(experiment: Experiment, workdir: Path, devices: list[jax.Device] | None = None,
+          allow_changed: tuple[str, ...] = ()) -> TrainResult:
+    """Train (or resume) `experiment` in `workdir` until train.total_steps or a stop signal.
+
+    `allow_changed` names the data-order and schedule fields (resume_check.TRAJECTORY_FIELDS) that
+    may differ from the run's experiment.json when resuming."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     with RunLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():  # one writer per run
-        _check_workdir(workdir, experiment)
+        has_checkpoints = any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*"))
+        check_resume(workdir, experiment, has_checkpoints, allow_changed, write=jax.process_index() == 0)
         setup = build_setup(experiment, devices)
         with jax.set_mesh(setup.mesh):  # the model reads the TP degree from the mesh in context
             return _train(setup, workdir)
@@ -191,24 +181,24 @@ def _train(setup: Setup, workdir: Path) -> TrainResult:
     log.info("%s: %s parameters, mesh %s over %d devices (%s)", experiment.name, f"{setup.num_params:,}",
              dict(setup.mesh.shape), setup.mesh.size, setup.mesh.devices.flat[0].device_kind)
 
+    checkpointer = Checkpointer(workdir / "checkpoints", experiment.checkpoint)
+    writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
+    restored = checkpointer.restore_latest(setup.abstract_state, required_metadata=("step", "examples"))
+    if restored is None:
+        step, examples, window, state = 0, 0, [], init_state(setup)
+        log.info("initialized a new run in %s", workdir)
+    else:
+        step, state, metadata = restored
+        examples, window = metadata["examples"], metadata.get("log_window", [])
+        log.info("resumed from %s at step %d (example %d)", checkpointer.directory / str(step), step, examples)
+    writer.truncate_after(step)
+    # The data continues at the next unseen example, whatever the batch size now.
     dataset = train_dataset(experiment.data, train_cfg.seq_len, cfg.vocab_size, train_cfg.seed, setup.local_batch,
-                            jax.process_index(), jax.process_count())
+                            jax.process_index(), jax.process_count(), start_example=examples)
     iterator = train_iterator(dataset, experiment.data)
     val = (validation_batches(experiment.data, train_cfg.seq_len, cfg.vocab_size, setup.local_batch,
                               train_cfg.eval_batches, jax.process_index(), jax.process_count())
            if train_cfg.eval_every else [])
-
-    checkpointer = Checkpointer(workdir / "checkpoints", experiment.checkpoint)
-    writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
-    restored = checkpointer.restore_latest(setup.abstract_state, required_metadata=("step", "data_iterator"))
-    if restored is None:
-        step, state = 0, init_state(setup)
-        log.info("initialized a new run in %s", workdir)
-    else:
-        step, state, metadata = restored
-        iterator.set_state(metadata["data_iterator"])
-        log.info("resumed from %s at step %d", checkpointer.directory / str(step), step)
-    writer.truncate_after(step)
 
     train_step = jit_train_step(setup)
     eval_step = jax.jit(lambda p, t: loss_fn(setup.graphdef, p, t, train_cfg.loss_chunk),
@@ -220,8 +210,10 @@ def _train(setup: Setup, workdir: Path) -> TrainResult:
     stop = _StopSignal()
     bar = progress_bar(train_cfg.total_steps, step) if jax.process_index() == 0 else None
     pending: list[tuple[int, dict[str, jax.Array]]] = []  # device metrics not yet checked
-    interval: list[dict[str, float]] = []  # checked metrics since the last log line
-    interval_start, paused, last_loss = time.perf_counter(), 0.0, None
+    # Checked metrics since the last log line; saved with each checkpoint, so resumed averages equal
+    # uninterrupted ones. Throughput counts only the steps this process timed.
+    interval: list[dict[str, float]] = window
+    timed, interval_start, paused, last_loss = 0, time.perf_counter(), 0.0, None
 
     def check_pending() -> None:
         """Fetch the pending steps' metrics; a non-finite loss stops the run before anything is saved."""
@@ -236,14 +228,14 @@ def _train(setup: Setup, workdir: Path) -> TrainResult:
                     f"is {s - 1}; the last good checkpoint is "
                     f"{checkpointer.directory / str(good[-1]) if good else 'none'}; lower train.peak_lr or check "
                     f"the data, then resume")
-            interval.append(values)
+            interval.append({"loss": values["loss"], "grad_norm": values["grad_norm"]})
         pending.clear()
 
     def save(at_step: int) -> None:
         nonlocal paused
         start = time.perf_counter()
         check_pending()
-        checkpointer.save(at_step, state, {"step": at_step, "data_iterator": iterator.get_state(),
+        checkpointer.save(at_step, state, {"step": at_step, "examples": examples, "log_window": list(interval),
                                            "experiment": experiment.name})
         paused += time.perf_counter() - start
 
@@ -256,7 +248,7 @@ def _train(setup: Setup, workdir: Path) -> TrainResult:
                 return TrainResult(step, last_loss, stopped_by_signal=True)
             batch = global_batch(setup, next(iterator))
             state["params"], state["opt_state"], metrics = train_step(state["params"], state["opt_state"], batch)
-            step += 1
+            step, examples, timed = step + 1, examples + train_cfg.global_batch_size, timed + 1
             pending.append((step, metrics))
             if bar is not None:
                 bar.update(1)
@@ -264,14 +256,14 @@ def _train(setup: Setup, workdir: Path) -> TrainResult:
             if step % train_cfg.log_every == 0 or step == train_cfg.total_steps:
                 check_pending()
                 elapsed = time.perf_counter() - interval_start - paused
-                tokens_per_s = len(interval) * tokens_per_step / elapsed
+                tokens_per_s = timed * tokens_per_step / elapsed
                 last_loss = interval[-1]["loss"]
                 record.update(loss=float(np.mean([m["loss"] for m in interval])),
                               grad_norm=interval[-1]["grad_norm"], lr=float(schedule(step - 1)),
-                              tokens_per_s=tokens_per_s, step_time_s=elapsed / len(interval),
+                              tokens_per_s=tokens_per_s, step_time_s=elapsed / timed,
                               mfu=flops_per_token * tokens_per_s / (peak * setup.mesh.size) if peak else None)
                 interval.clear()
-                interval_start, paused = time.perf_counter(), 0.0
+                timed, interval_start, paused = 0, time.perf_counter(), 0.0
             if val and train_cfg.eval_every and (step % train_cfg.eval_every == 0 or step == train_cfg.total_steps):
                 start = time.perf_counter()
                 losses = [eval_step(state["params"], global_batch(setup, b)) for b in val]

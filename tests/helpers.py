@@ -56,3 +56,10 @@ def losses(workdir: Path) -> dict[int, float]:
 
 def with_train(experiment, **changes):
     return dataclasses.replace(experiment, train=dataclasses.replace(experiment.train, **changes))
+
+
+def records(workdir: Path) -> dict[int, dict]:
+    """step -> the logged values that do not depend on timing."""
+    timing = {"tokens_per_s", "step_time_s", "mfu"}
+    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if k not in timing} for r in lines}

@@ -1,5 +1,6 @@
 """Runs in subprocesses: SIGKILL then resume is exact, SIGTERM checkpoints, checkpoints change meshes."""
 
+import random
 import shutil
 import sys
 import signal
@@ -7,9 +8,10 @@ import subprocess
 import time
 
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
-from helpers import ROOT, losses, run_training, subprocess_env, train_command
+from helpers import ROOT, losses, records, run_training, subprocess_env, train_command
 
 LONG = ["--train.total_steps=36", "--checkpoint.every=4", "--train.eval_every=18"]
 
@@ -46,6 +48,65 @@ def test_sigkill_then_resume_gives_the_same_losses_bitwise(tmp_path, uninterrupt
     resumed = losses(tmp_path)
     assert sorted(resumed) == sorted(uninterrupted) == list(range(1, 37))
     assert resumed == uninterrupted  # float equality, step for step
+
+
+# checkpoints every 2 steps (so kills often land in a save), averaged log lines every 3
+MANY = ["--train.total_steps=100", "--checkpoint.every=2", "--train.log_every=3", "--train.eval_every=10"]
+
+
+def saved_steps(workdir):
+    return {int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit()}
+
+
+def saving(workdir):
+    return any((workdir / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
+
+
+def kill_at_a_random_moment(workdir, rng, mid_save):
+    """Run until a checkpoint newer than the resumed one exists, then SIGKILL at once while a save is in
+    flight (mid_save) or after a random pause. True if the kill landed in a save."""
+    resumed_from = max(saved_steps(workdir), default=0)
+    process = subprocess.Popen(train_command(workdir, *MANY), env=subprocess_env(), cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while max(saved_steps(workdir), default=0) <= resumed_from and time.time() < deadline:
+        assert process.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.005)
+    if mid_save:
+        for _ in range(2000):
+            if saving(workdir) or process.poll() is not None:
+                break
+            time.sleep(0.001)
+    else:
+        time.sleep(rng.uniform(0, 0.3))
+    in_save = saving(workdir)
+    process.kill()
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, "the run finished before the kill"
+    return in_save
+
+
+def final_weights(workdir):
+    return ocp.StandardCheckpointer().restore(workdir / "checkpoints" / "100" / "state")
+
+
+def test_ten_kills_at_random_moments_leave_metrics_and_weights_bit_identical(tmp_path):
+    run_training(tmp_path / "whole", *MANY)
+    rng, workdir = random.Random(2026), tmp_path / "killed"
+    in_save = [kill_at_a_random_moment(workdir, rng, mid_save=k % 2 == 1) for k in range(10)]
+    assert any(in_save), "no kill landed in a save"
+    assert max(saved_steps(workdir)) < 100
+    run_training(workdir, *MANY)
+    assert records(workdir) == records(tmp_path / "whole")  # loss averages, grad norms, lr, val_loss: exact
+    whole, killed = final_weights(tmp_path / "whole"), final_weights(workdir)
+    assert jax_tree_equal(whole, killed)
+
+
+def jax_tree_equal(a, b):
+    import jax
+
+    leaves = jax.tree.leaves(jax.tree.map(lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)), a, b))
+    return len(leaves) > 0 and all(leaves)
 
 
 def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path, uninterrupted):

@@ -73,7 +73,7 @@ def test_checkpoint_metadata_without_the_data_position_is_set_aside(tmp_path, ca
     (tmp_path / "checkpoints" / "8" / "metadata" / "metadata").write_text("{}")  # valid JSON, wrong content
     with caplog.at_level("WARNING"):
         result = train(experiment, tmp_path, devices=jax.devices()[:1])
-    assert result.step == 8 and "metadata lacks step, data_iterator" in caplog.text
+    assert result.step == 8 and "metadata lacks step, examples" in caplog.text
     assert (tmp_path / "checkpoints" / "8.damaged").is_dir()  # kept for inspection; step 8 recomputed from 4
 
 

@@ -4,7 +4,8 @@ An example is a window of seq_len + 1 tokens (inputs and shifted targets) at a
 multiple of seq_len inside one shard. Training shuffles the windows with a seed,
 reshuffles every epoch, and gives process p of P the examples p, p + P, ... so that
 the P local batches of step s together form global batch s; batch s is a pure
-function of (seed, s), and the iterator's state is saved with each checkpoint.
+function of (seed, s). A checkpoint records how many examples were consumed, and a resumed run
+starts the stream there, so a run resumed with another batch size continues at the right example.
 """
 
 from __future__ import annotations
@@ -54,10 +55,13 @@ def data_directory(cfg: DataConfig) -> Path:
 
 
 def train_dataset(cfg: DataConfig, seq_len: int, vocab_size: int, seed: int, local_batch: int,
-                  process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
-    """Local batches [local_batch, seq_len + 1]; element s feeds optimizer step s + 1."""
+                  process_index: int = 0, process_count: int = 1, start_example: int = 0) -> grain.MapDataset:
+    """Local batches [local_batch, seq_len + 1] of the shuffled example stream from `start_example` (the
+    examples earlier steps consumed, a multiple of process_count): element s feeds the s + 1-th step from there."""
+    if start_example % process_count:
+        raise DataError(f"start_example={start_example} does not split over {process_count} processes")
     windows = TokenWindows(find_shards(data_directory(cfg), cfg.train_pattern), seq_len, vocab_size)
-    examples = grain.MapDataset.source(windows).shuffle(seed=seed).repeat()
+    examples = grain.MapDataset.source(windows).shuffle(seed=seed).repeat()[start_example:]
     return examples[process_index::process_count].batch(local_batch, drop_remainder=True)
 
 

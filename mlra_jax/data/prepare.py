@@ -9,85 +9,28 @@ under --text_field), .parquet (a column named --text_field), folders of those, a
 where the network allows, `hf:NAME[:CONFIG]` (Hugging Face datasets, streamed) or
 `tfds:NAME` (TensorFlow Datasets). The first --val_documents documents go to
 `{prefix}_val_000000.bin`, the rest to `{prefix}_train_000001.bin`, ... (llm.c's naming).
+The folder appears only when complete, with prepare.json (inputs, documents, tokens per shard);
+a non-empty --output is replaced only with --overwrite.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
+import datetime
+import errno
 import itertools
 import json
+import shutil
 import sys
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import tiktoken
 
-from mlra_jax.data.shards import DataError, write_shard
+from mlra_jax.data.documents import input_files, iter_documents
+from mlra_jax.data.shards import MARKER, DataError, open_shard, write_shard
 from mlra_jax.data.tokenizer import encode_documents, gpt2_tokenizer
-
-_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
-
-
-def _read_file(path: Path, text_field: str) -> Iterator[str]:
-    name = path.name
-    if name.endswith(".txt"):
-        yield path.read_text(encoding="utf-8")
-    elif name.endswith((".jsonl", ".jsonl.gz")):
-        opener = gzip.open if name.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                record = json.loads(line)
-                if text_field not in record:
-                    raise DataError(f"{path}:{number} has no field {text_field!r} (fields: {', '.join(record)}); "
-                                    f"pass --text_field")
-                yield record[text_field]
-    elif name.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as err:
-            raise DataError("reading .parquet needs pyarrow: pip install pyarrow") from err
-        table = pq.ParquetFile(path)
-        if text_field not in table.schema_arrow.names:
-            raise DataError(f"{path} has no column {text_field!r} (columns: {', '.join(table.schema_arrow.names)}); "
-                            f"pass --text_field")
-        for batch in table.iter_batches(columns=[text_field]):
-            yield from batch.column(0).to_pylist()
-    else:
-        raise DataError(f"{path}: unsupported file type; use one of {', '.join(_SUFFIXES)}")
-
-
-def iter_documents(source: str, text_field: str = "text") -> Iterator[str]:
-    """Documents from a local file or folder, an `hf:` dataset or a `tfds:` dataset."""
-    if source.startswith("hf:"):
-        name, _, config = source[3:].partition(":")
-        try:
-            import datasets
-        except ImportError as err:
-            raise DataError("hf: inputs need the Hugging Face datasets package: pip install datasets") from err
-        for record in datasets.load_dataset(name, config or None, split="train", streaming=True):
-            yield record[text_field]
-        return
-    if source.startswith("tfds:"):
-        try:
-            import tensorflow_datasets as tfds
-        except ImportError as err:
-            raise DataError("tfds: inputs need tensorflow-datasets: pip install tensorflow-datasets") from err
-        for record in tfds.as_numpy(tfds.load(source[5:], split="train")):
-            value = record[text_field]
-            yield value.decode("utf-8") if isinstance(value, bytes) else value
-        return
-    path = Path(source)
-    if not path.exists():
-        raise DataError(f"input {source} does not exist (a file, a folder, hf:NAME or tfds:NAME)")
-    files = sorted(p for p in path.rglob("*") if p.name.endswith(_SUFFIXES)) if path.is_dir() else [path]
-    if not files:
-        raise DataError(f"folder {path} holds no {', '.join(_SUFFIXES)} files")
-    for file in files:
-        yield from _read_file(file, text_field)
 
 
 def write_token_shards(tokenizer: tiktoken.Encoding, documents: Iterable[str], out_dir: Path, prefix: str,
@@ -120,14 +63,86 @@ def write_token_shards(tokenizer: tiktoken.Encoding, documents: Iterable[str], o
     return paths
 
 
+class _Counted:
+    """An iterator that counts what passed through it."""
+
+    def __init__(self, items: Iterable[str]):
+        self.items, self.count = iter(items), 0
+
+    def __iter__(self) -> Iterator[str]:
+        for item in self.items:
+            self.count += 1
+            yield item
+
+
+def _check_output(output: Path, inputs: list[Path], overwrite: bool) -> None:
+    """Refuse an output that would mix old shards with new ones or swallow the input; nothing is written."""
+    if output.exists() and not output.is_dir():
+        raise DataError(f"--output {output} is a file; give a folder for the shards")
+    for file in inputs:
+        if file.absolute().is_relative_to(output.absolute()):
+            raise DataError(f"the input {file} lies inside --output {output}; write the shards to another folder")
+    existing = sorted(output.iterdir()) if output.is_dir() else []
+    if existing and not overwrite:
+        names = ", ".join(p.name for p in existing[:5]) + (", ..." if len(existing) > 5 else "")
+        raise DataError(f"--output {output} is not empty (it holds {names}); pass --overwrite to replace the shards a "
+                        f"previous prepare wrote there, or choose another folder. Nothing was written")
+    foreign = [p.name for p in existing if not (p.name == MARKER or (p.is_file() and p.name.endswith(".bin")))]
+    if foreign:
+        raise DataError(f"--overwrite replaces only token shards and {MARKER}, but --output {output} also holds "
+                        f"{', '.join(foreign[:5])}; move them away or choose another folder. Nothing was written")
+
+
+def _write_error(err: OSError, output: Path) -> DataError:
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DataError(f"no space left on the disk of {output.parent.absolute()} while writing {err.filename or 'a shard'};"
+                         f" free space there or choose another --output. {output} was left as it was")
+    return DataError(f"cannot write {err.filename or output}: {err.strerror or err}. {output} was left as it was")
+
+
 def prepare(source: str, output: Path, prefix: str, val_documents: int, shard_tokens: int,
-            text_field: str = "text") -> tuple[list[Path], list[Path]]:
-    tokenizer = gpt2_tokenizer()
-    documents = iter_documents(source, text_field)
-    val = (write_token_shards(tokenizer, itertools.islice(documents, val_documents), output, f"{prefix}_val",
-                              shard_tokens) if val_documents else [])
-    train = write_token_shards(tokenizer, documents, output, f"{prefix}_train", shard_tokens, first_index=len(val))
-    return val, train
+            text_field: str = "text", overwrite: bool = False) -> dict[str, Any]:
+    """Tokenize `source` into shards in `output` and return what the marker file records.
+
+    The shards are written into a hidden sibling folder that replaces `output` only when complete (with
+    the marker `prepare.json`: inputs, documents and tokens per shard), so an interrupted prepare leaves
+    `output` as it was and never a partial set under its name."""
+    output = Path(output)
+    files = input_files(source)
+    _check_output(output, files, overwrite)
+    staging = output.parent / f".{output.name}.partial"
+    if staging.exists():  # left by an interrupted prepare
+        shutil.rmtree(staging)
+    try:
+        tokenizer = gpt2_tokenizer()
+        documents = iter_documents(source, text_field)
+        val_docs, train_docs = _Counted(itertools.islice(documents, val_documents)), _Counted(documents)
+        val = write_token_shards(tokenizer, val_docs, staging, f"{prefix}_val", shard_tokens) if val_documents else []
+        train = write_token_shards(tokenizer, train_docs, staging, f"{prefix}_train", shard_tokens,
+                                   first_index=len(val))
+        record = {"format": "llm.c token shards (uint16, version 1)", "tokenizer": "gpt2",
+                  "inputs": [str(f.absolute()) for f in files] or [source], "text_field": text_field,
+                  "documents": {"val": val_docs.count, "train": train_docs.count},
+                  "tokens": {"val": sum(open_shard(p).size for p in val),
+                             "train": sum(open_shard(p).size for p in train)},
+                  "shards": {p.name: int(open_shard(p).size) for p in val + train},
+                  "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        (staging / MARKER).write_text(json.dumps(record, indent=1))
+    except OSError as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise _write_error(err, output) from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if output.exists():
+        replaced = output.parent / f".{output.name}.replaced"
+        shutil.rmtree(replaced, ignore_errors=True)
+        output.rename(replaced)
+        staging.rename(output)
+        shutil.rmtree(replaced)
+    else:
+        staging.rename(output)
+    return record
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,15 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val_documents", type=int, default=1000, help="documents in the validation shard")
     parser.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard")
     parser.add_argument("--text_field", default="text", help="the text field of .jsonl/.parquet/datasets records")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the shards in a non-empty --output (it must hold only shards and prepare.json)")
     args = parser.parse_args(argv)
     try:
-        val, train = prepare(args.input, args.output, args.prefix, args.val_documents, args.shard_tokens,
-                             args.text_field)
+        record = prepare(args.input, args.output, args.prefix, args.val_documents, args.shard_tokens,
+                         args.text_field, args.overwrite)
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    for path in val + train:
-        print(path)
+    for name, tokens in record["shards"].items():
+        print(f"{args.output / name}  {tokens:,} tokens")
+    print(f"{record['documents']['val']:,} validation and {record['documents']['train']:,} training documents; "
+          f"{args.output / MARKER} lists the inputs")
     return 0
 
 

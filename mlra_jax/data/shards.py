@@ -4,6 +4,7 @@ write this format."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import numpy as np
 MAGIC, VERSION = 20240520, 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
+MARKER = "prepare.json"  # written by prepare beside the shards it made: inputs and tokens per shard
 
 
 class DataError(ValueError):
@@ -34,6 +36,16 @@ def write_shard(path: Path, tokens: np.ndarray) -> None:
 
 def open_shard(path: Path) -> np.ndarray:
     """The tokens of a shard as a read-only uint16 memmap, after checking header and size."""
+    try:
+        return _open_shard(path)
+    except OSError as err:
+        raise DataError(f"{path}: cannot be read ({err.strerror or err}); check that it is a readable token shard "
+                        f"file and its permissions") from None
+
+
+def _open_shard(path: Path) -> np.ndarray:
+    if path.is_dir():
+        raise DataError(f"{path} is a folder, not a token shard; rename it or narrow the data pattern")
     size = path.stat().st_size
     if size < HEADER_BYTES:
         raise DataError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte llm.c header; the file is "
@@ -61,4 +73,19 @@ def find_shards(directory: Path, pattern: str) -> list[Path]:
         present = ", ".join(sorted(p.name for p in directory.iterdir())[:8]) or "nothing"
         raise DataError(f"no file in {directory} matches {pattern!r} (it holds: {present}); set "
                         f"--data.train_pattern / --data.val_pattern")
+    folders = [p.name for p in paths if p.is_dir()]
+    if folders:
+        raise DataError(f"{directory}: {', '.join(folders[:5])} match the shard pattern {pattern!r} but are folders; "
+                        f"rename them or narrow --data.train_pattern / --data.val_pattern")
+    marker = directory / MARKER
+    if marker.is_file():  # shards not made by the prepare that wrote the marker would be mixed in silently
+        try:
+            listed = json.loads(marker.read_text())["shards"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise DataError(f"{marker} is damaged ({type(err).__name__}); re-create the folder with "
+                            f"python -m mlra_jax.data.prepare --overwrite") from None
+        strangers = [p.name for p in paths if p.name not in listed]
+        if strangers:
+            raise DataError(f"{directory}: {', '.join(strangers[:5])} match {pattern!r} but were not written by the "
+                            f"prepare that made this folder ({MARKER}); remove them or narrow the data pattern")
     return paths
