@@ -48,8 +48,15 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def restore_step(self, step: int, abstract_state: Any) -> tuple[int, Any, dict[str, Any]]:
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), metadata=ocp.args.JsonRestore()))
+        """`abstract_state` may hold only some top-level entries ({"params": ...} for serving): only those
+        are read."""
+        if set(abstract_state) == {"params", "opt_state", "rng"}:
+            state_args = ocp.args.StandardRestore(abstract_state)
+        else:
+            state_args = ocp.args.PyTreeRestore(item=abstract_state, partial_restore=True,
+                                                restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=state_args,
+                                                                      metadata=ocp.args.JsonRestore()))
         return step, restored["state"], restored["metadata"]
 
     def restore_latest(self, abstract_state: Any, required_metadata: tuple[str, ...] = ()

@@ -11,7 +11,6 @@ padding; decoding stops at <|endoftext|> or after --max_new_tokens.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -22,16 +21,15 @@ from flax import nnx
 
 from mlra_jax.checkpoint import CheckpointError, Checkpointer
 from mlra_jax.cli import experiment_from_dict, read_run_config
-from mlra_jax.config import CheckpointConfig, ConfigError, MeshConfig
+from mlra_jax.config import CheckpointConfig, ConfigError
 from mlra_jax.data.tokenizer import EOT, gpt2_tokenizer
 from mlra_jax.decode.generate import GenerationError, Generator, Sampling
 from mlra_jax.model import Transformer, abstract_model
 
 
 def load_model(run_dir: Path, step: int | None = None) -> tuple[Transformer, int]:
-    """The model of a run's newest (or given) checkpoint, on one device; (model, step)."""
-    from mlra_jax.trainer import build_setup
-
+    """The model of a run's newest (or given) checkpoint, on one device; (model, step). Only the
+    parameters are read (not the optimizer state)."""
     config_path = run_dir / "experiment.json"
     if not config_path.exists():
         raise ConfigError(f"{run_dir} is not a run directory (no experiment.json); pass the --workdir of a "
@@ -40,13 +38,16 @@ def load_model(run_dir: Path, step: int | None = None) -> tuple[Transformer, int
         experiment = experiment_from_dict(read_run_config(config_path))
     except TypeError as err:  # fields this version does not know
         raise ConfigError(f"{config_path} does not describe an experiment of this version ({err})") from None
-    setup = build_setup(dataclasses.replace(experiment, mesh=MeshConfig(data=1)), jax.devices()[:1])
+    model = abstract_model(experiment.model)
+    graphdef, device = nnx.split(model)[0], jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                                       nnx.to_pure_dict(nnx.state(model, nnx.Param)))}
     checkpointer = Checkpointer(run_dir / "checkpoints", CheckpointConfig(), read_only=True)
     if step is not None and step not in checkpointer.steps():
         raise ConfigError(f"no checkpoint at step {step} in {checkpointer.directory} (steps: {checkpointer.steps()})")
     try:
-        restored = (checkpointer.restore_latest(setup.abstract_state) if step is None else
-                    checkpointer.restore_step(step, setup.abstract_state))
+        restored = (checkpointer.restore_latest(abstract) if step is None else
+                    checkpointer.restore_step(step, abstract))
     except CheckpointError:
         raise
     except Exception as err:  # noqa: BLE001 - any failure of the named step, reported without a traceback
@@ -56,7 +57,6 @@ def load_model(run_dir: Path, step: int | None = None) -> tuple[Transformer, int
         checkpointer.close()
     if restored is None:
         raise ConfigError(f"{run_dir / 'checkpoints'} holds no complete checkpoint")
-    graphdef = nnx.split(abstract_model(experiment.model))[0]
     return nnx.merge(graphdef, restored[1]["params"]), restored[0]
 
 

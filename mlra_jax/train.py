@@ -61,7 +61,7 @@ def initialize_distributed(args: argparse.Namespace) -> None:
 
 
 def dry_run(experiment: Experiment, compile_step: bool) -> None:
-    from mlra_jax.trainer import build_setup, compiled_memory, memory_estimate
+    from mlra_jax.training.state import build_setup, compiled_memory, memory_estimate
 
     setup = build_setup(experiment)
     print(json.dumps(dataclasses.asdict(experiment), indent=1))
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             dry_run(experiment, args.compile)
             return 0
-        from mlra_jax.trainer import TrainingDiverged, train
+        from mlra_jax.training.loop import TrainingDiverged, train
 
         workdir = args.workdir or Path("runs") / experiment.name
         result = train(experiment, workdir, allow_changed=tuple(filter(None, args.allow_changed.split(","))))

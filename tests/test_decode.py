@@ -16,7 +16,7 @@ from mlra_jax.decode.cache import init_cache
 from mlra_jax.decode.generate import GenerationError, Generator, Sampling, sample
 from mlra_jax.generate import main as generate_main
 from mlra_jax.model import init_model
-from mlra_jax.trainer import train
+from mlra_jax.training.loop import train
 from test_info import TABLE1
 
 

@@ -16,7 +16,7 @@ from mlra_jax.config import VARIANTS, MeshConfig
 from mlra_jax.model import init_model
 from mlra_jax.params import logical_axes
 from mlra_jax.sharding import batch_sharding, make_mesh, tree_shardings
-from mlra_jax.train_step import loss_fn
+from mlra_jax.training.step import loss_fn
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 

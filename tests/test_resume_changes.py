@@ -12,7 +12,7 @@ from helpers import MICRO, micro_experiment, records
 from mlra_jax.config import DataConfig
 from mlra_jax.data.pipeline import train_dataset
 from mlra_jax.train import main as train_main
-from mlra_jax.trainer import train
+from mlra_jax.training.loop import train
 
 ONE_DEVICE = jax.devices()[:1]
 

@@ -10,7 +10,7 @@ import pytest
 from helpers import MICRO, micro_experiment
 from mlra_jax.generate import main as generate_main
 from mlra_jax.train import main as train_main
-from mlra_jax.trainer import TrainingDiverged, train
+from mlra_jax.training.loop import TrainingDiverged, train
 
 
 def listing(path):
@@ -56,7 +56,7 @@ def test_non_finite_parameters_behind_a_finite_loss_never_reach_a_checkpoint(tmp
 
 def test_a_second_writer_is_refused_and_a_dead_holder_is_not_in_the_way(tmp_path):
     from mlra_jax.config import ConfigError
-    from mlra_jax.run_lock import RunLock
+    from mlra_jax.training.run_lock import RunLock
 
     experiment = micro_experiment("mlra4_tiny", "--train.total_steps=4", "--train.eval_every=0")
     with RunLock(tmp_path):  # another training process holds the run

@@ -9,7 +9,7 @@ from helpers import micro_experiment
 from mlra_jax.config import ConfigError, MeshConfig
 from mlra_jax.metrics import peak_flops, training_flops_per_token
 from mlra_jax.sharding import logical_to_spec, make_mesh, mesh_shape
-from mlra_jax.trainer import build_setup, init_state
+from mlra_jax.training.state import build_setup, init_state
 
 
 def test_mesh_fills_minus_one_and_rejects_bad_shapes():

@@ -17,7 +17,7 @@ from mlra_jax.model import init_model
 from mlra_jax.params import logical_axes
 from mlra_jax.sharding import batch_sharding, make_mesh, tree_shardings
 from mlra_jax.tensor_parallel import per_device_bytes
-from mlra_jax.train_step import loss_fn
+from mlra_jax.training.step import loss_fn
 from test_info import TABLE1
 
 TP_DEGREES = (2, 4, 8)

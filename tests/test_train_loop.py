@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from helpers import losses, micro_experiment
-from mlra_jax import trainer
+from mlra_jax.training import state as training_state
 from mlra_jax.checkpoint import Checkpointer
 from mlra_jax.train import main as train_main
-from mlra_jax.trainer import TrainingDiverged, train
+from mlra_jax.training.loop import TrainingDiverged, train
 
 ONE_DEVICE = jax.devices()[:1]  # the loop's logic; meshes of several devices are tested in test_resume
 
@@ -35,7 +35,7 @@ def test_each_family_trains_on_the_builtin_corpus(tmp_path, name):
 
 def _poison(monkeypatch, from_step):
     """Make the train step return NaN parameters and loss from optimizer step `from_step` on."""
-    real = trainer.make_train_step
+    real = training_state.make_train_step
 
     def poisoned(*args, **kwargs):
         step = real(*args, **kwargs)
@@ -48,7 +48,7 @@ def _poison(monkeypatch, from_step):
 
         return bad
 
-    monkeypatch.setattr(trainer, "make_train_step", poisoned)
+    monkeypatch.setattr(training_state, "make_train_step", poisoned)
 
 
 def test_nan_loss_stops_and_never_overwrites_the_last_good_checkpoint(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ from experiments.tiny import tiny_model
 from mlra_jax.config import VARIANTS, TrainConfig
 from mlra_jax.model import init_model
 from mlra_jax.optim import learning_rate_schedule, make_optimizer
-from mlra_jax.train_step import make_train_step
+from mlra_jax.training.step import make_train_step
 
 STEPS = 25
 

@@ -12,8 +12,9 @@ from helpers import micro_experiment
 from mlra_jax import xla_flags
 from mlra_jax.config import ConfigError, TrainConfig
 from mlra_jax.model import init_model
-from mlra_jax.train_step import compute_params, loss_fn
-from mlra_jax.trainer import build_setup, train
+from mlra_jax.training.step import compute_params, loss_fn
+from mlra_jax.training.loop import train
+from mlra_jax.training.state import build_setup
 
 
 def count_primitive(jaxpr, name):

@@ -72,7 +72,7 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
     from mlra_jax.benchmarks.common import median_time, profiled_time
     from mlra_jax.cli import apply_overrides
     from mlra_jax.metrics import peak_flops, training_flops_per_token
-    from mlra_jax.trainer import build_setup, global_batch, init_state, jit_train_step
+    from mlra_jax.training.state import build_setup, global_batch, init_state, jit_train_step
 
     setup = build_setup(apply_overrides(get_experiment(name), overrides))
     train, cfg = setup.experiment.train, setup.experiment.model

@@ -1,0 +1,217 @@
+"""The training loop: resume, step, log, evaluate, checkpoint, stop.
+
+`train(experiment, workdir)` runs or resumes a run in `workdir` (checkpoints/, metrics.jsonl,
+tensorboard/, experiment.json); notebooks call it directly. `TrainingLoop` holds one run's
+moving parts; each concern is one method (`step`, `log`, `evaluate`, `save`), so a subclass
+can extend one without touching the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from mlra_jax.checkpoint import Checkpointer
+from mlra_jax.config import Experiment
+from mlra_jax.data.pipeline import train_dataset, train_iterator, validation_batches
+from mlra_jax.metrics import MetricWriter, format_line, peak_flops, progress_bar, training_flops_per_token
+from mlra_jax.optim import learning_rate_schedule
+from mlra_jax.sharding import batch_sharding
+from mlra_jax.training.resume_check import check_resume
+from mlra_jax.training.run_lock import RunLock
+from mlra_jax.training.state import Setup, build_setup, global_batch, init_state, jit_train_step
+from mlra_jax.training.step import loss_fn
+
+log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or inf; nothing after the last good checkpoint was saved."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    step: int
+    last_loss: float | None
+    stopped_by_signal: bool
+
+
+class _StopSignal:
+    """Records SIGTERM (preemption notice) so the loop can checkpoint and exit cleanly."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signum
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+class TrainingLoop:
+    """One run: restores the newest checkpoint (or initializes), then `run()` trains to total_steps."""
+
+    def __init__(self, setup: Setup, workdir: Path):
+        self.setup, self.experiment = setup, setup.experiment
+        self.cfg, self.train_cfg = setup.experiment.model, setup.experiment.train
+        self.is_writer = jax.process_index() == 0
+        self.checkpointer = Checkpointer(workdir / "checkpoints", self.experiment.checkpoint)
+        self.writer = MetricWriter(workdir, enabled=self.is_writer)
+        self._restore(workdir)
+        self.writer.truncate_after(self.step)
+        train_cfg, data = self.train_cfg, self.experiment.data
+        # The data continues at the next unseen example, whatever the batch size now.
+        dataset = train_dataset(data, train_cfg.seq_len, self.cfg.vocab_size, train_cfg.seed, setup.local_batch,
+                                jax.process_index(), jax.process_count(), start_example=self.examples)
+        self.iterator = train_iterator(dataset, data)
+        self.val = (validation_batches(data, train_cfg.seq_len, self.cfg.vocab_size, setup.local_batch,
+                                       train_cfg.eval_batches, jax.process_index(), jax.process_count())
+                    if train_cfg.eval_every else [])
+        self.train_step = jit_train_step(setup)
+        self.eval_step = jax.jit(lambda p, t: loss_fn(setup.graphdef, p, t, train_cfg.loss_chunk),
+                                 in_shardings=(setup.state_shardings["params"], batch_sharding(setup.mesh)))
+        self.schedule = learning_rate_schedule(train_cfg)
+        self.flops_per_token = training_flops_per_token(self.cfg, train_cfg.seq_len)
+        self.peak = peak_flops(setup.mesh.devices.flat[0])
+        self.pending: list[tuple[int, dict[str, jax.Array]]] = []  # device metrics not yet checked
+        self.timed, self.interval_start, self.paused, self.last_loss = 0, time.perf_counter(), 0.0, None
+
+    def _restore(self, workdir: Path) -> None:
+        restored = self.checkpointer.restore_latest(self.setup.abstract_state, required_metadata=("step", "examples"))
+        # `window`: checked metrics since the last log line, saved with each checkpoint so that resumed
+        # averages equal uninterrupted ones.
+        if restored is None:
+            self.step, self.examples, self.window, self.state = 0, 0, [], init_state(self.setup)
+            log.info("initialized a new run in %s", workdir)
+            return
+        self.step, self.state, metadata = restored
+        self.examples, self.window = metadata["examples"], metadata.get("log_window", [])
+        log.info("resumed from %s at step %d (example %d)", self.checkpointer.directory / str(self.step), self.step,
+                 self.examples)
+
+    def run(self) -> TrainResult:
+        stop = _StopSignal()
+        bar = progress_bar(self.train_cfg.total_steps, self.step) if self.is_writer else None
+        try:
+            while self.step < self.train_cfg.total_steps:
+                if stop.received is not None or self.checkpointer.reached_preemption(self.step):
+                    log.warning("stop signal received: saving a checkpoint at step %d and exiting", self.step)
+                    self.save()
+                    self.checkpointer.wait()
+                    return TrainResult(self.step, self.last_loss, stopped_by_signal=True)
+                self.train_one_step()
+                if bar is not None:
+                    bar.update(1)
+                record = {**self.log_values(), **self.evaluate()}
+                if record and self.is_writer:
+                    self.writer.write(self.step, record)
+                    message = format_line(self.step, self.train_cfg.total_steps, record)
+                    bar.write(message) if bar is not None else log.info(message)
+                if self._due(self.experiment.checkpoint.every):
+                    self.save()
+            self.check_pending()
+            return TrainResult(self.step, self.last_loss, stopped_by_signal=False)
+        finally:
+            stop.restore()
+            if bar is not None:
+                bar.close()
+            self.checkpointer.close()
+            self.writer.close()
+
+    def _due(self, every: int) -> bool:
+        return self.step % every == 0 or self.step == self.train_cfg.total_steps
+
+    def train_one_step(self) -> None:
+        """Dispatch one optimizer step (asynchronously: its metrics are checked later)."""
+        batch = global_batch(self.setup, next(self.iterator))
+        state = self.state
+        state["params"], state["opt_state"], metrics = self.train_step(state["params"], state["opt_state"], batch)
+        self.step, self.examples, self.timed = self.step + 1, self.examples + self.train_cfg.global_batch_size, \
+            self.timed + 1
+        self.pending.append((self.step, metrics))
+
+    def check_pending(self) -> None:
+        """Fetch the pending steps' metrics; a non-finite one stops the run before anything is saved."""
+        for step, metrics in self.pending:
+            values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            if not (math.isfinite(values["loss"]) and values["finite"]):
+                good = self.checkpointer.steps()
+                parameters = "finite" if values["params_finite"] else "NOT finite"
+                raise TrainingDiverged(
+                    f"loss is {values['loss']} at step {step} (gradient norm {values['grad_norm']}, updated "
+                    f"parameters {parameters}); training stopped and nothing from this point was saved. The last "
+                    f"finite step is {step - 1}; the last good checkpoint is "
+                    f"{self.checkpointer.directory / str(good[-1]) if good else 'none'}; lower train.peak_lr or "
+                    f"check the data, then resume")
+            self.window.append({"loss": values["loss"], "grad_norm": values["grad_norm"]})
+        self.pending.clear()
+
+    def log_values(self) -> dict[str, Any]:
+        """The averaged metrics of the steps since the last line, when a line is due; else {}.
+        Throughput counts only the steps this process timed."""
+        if not self._due(self.train_cfg.log_every):
+            return {}
+        self.check_pending()
+        elapsed = time.perf_counter() - self.interval_start - self.paused
+        tokens_per_s = self.timed * self.train_cfg.global_batch_size * self.train_cfg.seq_len / elapsed
+        self.last_loss = self.window[-1]["loss"]
+        record = dict(loss=float(np.mean([m["loss"] for m in self.window])), grad_norm=self.window[-1]["grad_norm"],
+                      lr=float(self.schedule(self.step - 1)), tokens_per_s=tokens_per_s,
+                      step_time_s=elapsed / self.timed,
+                      mfu=(self.flops_per_token * tokens_per_s / (self.peak * self.setup.mesh.size)
+                           if self.peak else None))
+        self.window.clear()
+        self.timed, self.interval_start, self.paused = 0, time.perf_counter(), 0.0
+        return record
+
+    def evaluate(self) -> dict[str, float]:
+        """The validation loss, when one is due; else {}. Its time is not counted as training time."""
+        if not (self.val and self.train_cfg.eval_every and self._due(self.train_cfg.eval_every)):
+            return {}
+        start = time.perf_counter()
+        losses = [self.eval_step(self.state["params"], global_batch(self.setup, b)) for b in self.val]
+        self.paused += time.perf_counter() - start
+        return {"val_loss": float(np.mean(jax.device_get(losses)))}
+
+    def save(self) -> None:
+        """Check the pending steps, then start an (asynchronous) checkpoint of the current step."""
+        start = time.perf_counter()
+        self.check_pending()
+        self.checkpointer.save(self.step, self.state, {"step": self.step, "examples": self.examples,
+                                                       "log_window": list(self.window),
+                                                       "experiment": self.experiment.name})
+        self.paused += time.perf_counter() - start
+
+
+def train(experiment: Experiment, workdir: Path, devices: list[jax.Device] | None = None,
+          allow_changed: tuple[str, ...] = ()) -> TrainResult:
+    """Train (or resume) `experiment` in `workdir` until train.total_steps or a stop signal.
+
+    `allow_changed` names the data-order and schedule fields (resume_check.TRAJECTORY_FIELDS) that
+    may differ from the run's experiment.json when resuming."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    with RunLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():  # one writer per run
+        has_checkpoints = any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*"))
+        check_resume(workdir, experiment, has_checkpoints, allow_changed, write=jax.process_index() == 0)
+        setup = build_setup(experiment, devices)
+        with jax.set_mesh(setup.mesh):  # the model reads the TP degree from the mesh in context
+            log.info("%s: %s parameters, mesh %s over %d devices (%s)", setup.experiment.name,
+                     f"{setup.num_params:,}", dict(setup.mesh.shape), setup.mesh.size,
+                     setup.mesh.devices.flat[0].device_kind)
+            return TrainingLoop(setup, workdir).run()
