@@ -20,7 +20,7 @@ from pathlib import Path
 
 import jax
 
-from experiments import all_experiments, get_experiment
+from mlra_jax.experiments import all_experiments, get_experiment
 from mlra_jax.cli import apply_overrides, fields_help
 from mlra_jax.config import ConfigError, Experiment
 from mlra_jax.data.shards import DataError

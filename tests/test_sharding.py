@@ -4,7 +4,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from experiments import get_experiment
+from mlra_jax.experiments import get_experiment
 from helpers import micro_experiment
 from mlra_jax.config import ConfigError, MeshConfig
 from mlra_jax.metrics import peak_flops, training_flops_per_token

@@ -58,7 +58,7 @@ def latent_attention(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, 
     decode kernel; the others run XLA (the flash kernels do not cover this shape).
     """
     if impl == "pallas":
-        from pallas_kernels.latent_decode import latent_decode_attention
+        from mlra_jax.attention.latent_kernels import latent_decode_attention
 
         return latent_decode_attention(q_rope, q_latent, k_rope, latent, scale=scale, mask=mask)
     logits = (einsum("btnhr,bsnr->bnhts", q_latent, latent, preferred_element_type=jnp.float32)

@@ -67,7 +67,7 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
     import jax
     import jax.numpy as jnp
 
-    from experiments import get_experiment
+    from mlra_jax.experiments import get_experiment
     from mlra_jax.attention import fused
     from mlra_jax.benchmarks.common import median_time, profiled_time
     from mlra_jax.cli import apply_overrides
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from mlra_jax.benchmarks.common import environment, earlier_results, save
 
-    from experiments import get_experiment
+    from mlra_jax.experiments import get_experiment
 
     names = args.experiments.split(",")
     planned = {(name, per_device, remat or get_experiment(name).model.remat, tp)
