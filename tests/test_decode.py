@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers import micro_experiment
+from mlra_jax.decode.generate import GenerationError, Generator, Sampling, sample
 from mlra_jax.experiments.analysis import TABLE_VARIANTS, analysis_config
 from mlra_jax.experiments.tiny import tiny_model
-from helpers import micro_experiment
-from mlra_jax.variants import LATENT_VARIANTS, VARIANTS
-from mlra_jax.kv_cache import init_cache
-from mlra_jax.decode.generate import GenerationError, Generator, Sampling, sample
 from mlra_jax.generate import main as generate_main
+from mlra_jax.kv_cache import init_cache
 from mlra_jax.model import init_model
 from mlra_jax.trainer import train
+from mlra_jax.variants import LATENT_VARIANTS, VARIANTS
 from test_info import TABLE1
 
 

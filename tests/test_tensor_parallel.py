@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mlra_jax.config import ConfigError, MeshConfig
 from mlra_jax.experiments.analysis import TABLE_VARIANTS, analysis_config
 from mlra_jax.experiments.tiny import tiny_model
-from mlra_jax.config import ConfigError, MeshConfig
 from mlra_jax.kv_cache import init_cache, measured_kv_bytes_per_token
 from mlra_jax.model import init_model
 from mlra_jax.params import logical_axes

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.config import TrainConfig
+from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.model import init_model
 from mlra_jax.optim import learning_rate_schedule, make_optimizer
 from mlra_jax.train_step import make_train_step

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlra_jax.variants import VARIANTS
 from mlra_jax.xla_flags import apply_gpu_defaults
 
 
@@ -138,8 +139,7 @@ def mark_best(results: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlra_jax.benchmarks.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--experiments", default=",".join(f"{v}_2p9b" for v in (
-        "mha", "mqa", "gqa", "mla", "mfa", "tpa", "gla2", "gla4", "gta", "mlra2", "mlra4")))
+    parser.add_argument("--experiments", default=",".join(f"{v}_2p9b" for v in VARIANTS))
     parser.add_argument("--n_layer", type=int, default=8, help="layers (0: the experiment's own)")
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--batch_per_device", default="4", help="sequences per data-parallel replica per micro-batch "
