@@ -2,9 +2,11 @@
 and the settings of the paper's analysis tables (`analysis.py`).
 
     python -m mlra_jax.info --list        # every experiment with a one-line description
+
+The folder installs as `mlra_jax.experiments` (pyproject's package-dir), a name no other package takes.
 """
 
-from experiments import paper, tiny  # noqa: F401  (registration)
-from experiments.registry import all_experiments, experiment_names, get_experiment, register
+from mlra_jax.experiments import paper, tiny  # noqa: F401  (registration)
+from mlra_jax.experiments.registry import all_experiments, experiment_names, get_experiment, register
 
 __all__ = ["all_experiments", "experiment_names", "get_experiment", "register"]

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments.registry import register
 from mlra_jax.config import Experiment, MeshConfig, ModelConfig, TrainConfig
+from mlra_jax.experiments.registry import register
+from mlra_jax.variants import SPECS
 
 # Layers unrolled (scanning them costs a stacked-activation copy per layer on GPUs) and remat keeping the
 # projections and the fused attention: the fastest measured on an H100 (experiments/results/README.md).
@@ -37,9 +38,6 @@ _MAIN: dict[str, tuple[dict[str, Any], int]] = {
     "mlra2": (dict(q_lora_rank=1024, **_LATENT), 10048),
     "mlra4": (dict(q_lora_rank=1024, **_LATENT), 9880),
 }
-_NAMES = {"mha": "MHA", "mqa": "MQA", "gqa": "GQA", "mla": "MLA", "mfa": "MFA", "tpa": "TPA", "gla2": "GLA-2",
-          "gla4": "GLA-4", "gta": "GTA", "mlra2": "MLRA-2", "mlra4": "MLRA-4"}
-_REFERENCE_BASE = {"gla2": "gla_2", "gla4": "gla_4", "mlra2": "mlra_2", "mlra4": "mlra_4"}
 
 
 def _model(variant: str, intermediate_size: int | None = None, **changes: Any) -> ModelConfig:
@@ -53,26 +51,28 @@ def _add(name: str, description: str, model: ModelConfig, reference_key: str) ->
 
 
 def _ref(variant: str) -> str:
-    return _REFERENCE_BASE.get(variant, variant)
+    return SPECS[variant].reference_name
+
+
+def _name(variant: str) -> str:
+    return SPECS[variant].display_name
 
 
 for _v in _MAIN:
-    _add(f"{_v}_2p9b", f"{_NAMES[_v]} 2.9B, main results (Tables 3-4)", _model(_v), _ref(_v))
+    _add(f"{_v}_2p9b", f"{_name(_v)} 2.9B, main results (Tables 3-4)", _model(_v), _ref(_v))
 
 for _v, _ffn, _changes in (("gqa", 7680, dict(group_size=8)), ("mla", 7320, {}), ("gla2", 8344, {})):
-    _add(f"{_v}_double_heads_2p9b", f"{_NAMES[_v]} 2.9B with 48 heads, same KV cache (double-heads ablation)",
+    _add(f"{_v}_double_heads_2p9b", f"{_name(_v)} 2.9B with 48 heads, same KV cache (double-heads ablation)",
          _model(_v, _ffn, n_head=48, **_changes), f"{_ref(_v)}_double_heads")
 
 for _v in ("gla2", "gqa", "gta", "mfa", "mha", "mla", "mqa", "tpa"):
-    _add(f"{_v}_normal_init_2p9b", f"{_NAMES[_v]} 2.9B with N(0, 0.02) output projections (initialization ablation)",
+    _add(f"{_v}_normal_init_2p9b", f"{_name(_v)} 2.9B with N(0, 0.02) output projections (initialization ablation)",
          _model(_v, output_init="normal"), f"{_ref(_v)}_normal_initialization")
 
 for _v in ("gla2", "mla", "mlra2"):
-    _add(f"{_v}_no_scale_2p9b", f"{_NAMES[_v]} 2.9B without the latent scaling (scaling ablation)",
+    _add(f"{_v}_no_scale_2p9b", f"{_name(_v)} 2.9B without the latent scaling (scaling ablation)",
          _model(_v, latent_scale=False), f"{_ref(_v)}_no_scale_xxl")
 
 for _v, _ffn in (("gla2", 9024), ("gqa", 8704), ("mla", 8424), ("mlra2", 9024), ("mlra4", 8856)):
-    _add(f"{_v}_gated_2p9b", f"{_NAMES[_v]} 2.9B with gated attention (gating study)", _model(_v, _ffn, gated=True),
+    _add(f"{_v}_gated_2p9b", f"{_name(_v)} 2.9B with gated attention (gating study)", _model(_v, _ffn, gated=True),
          f"{_ref(_v)}_gated_xxl")
-
-VARIANT_NAMES = _NAMES

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments.paper import VARIANT_NAMES
-from experiments.registry import register
 from mlra_jax.config import CheckpointConfig, DataConfig, Experiment, ModelConfig, TrainConfig
+from mlra_jax.experiments.registry import register
+from mlra_jax.variants import SPECS
 
 _LATENT = dict(q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16)
 _ATTENTION: dict[str, dict[str, Any]] = {
@@ -37,6 +37,6 @@ def tiny_model(variant: str, **changes: Any) -> ModelConfig:
 
 
 for _v in _ATTENTION:
-    register(Experiment(name=f"{_v}_tiny", description=f"{VARIANT_NAMES[_v]}, 4 layers, d=128: trains on a CPU "
+    register(Experiment(name=f"{_v}_tiny", description=f"{SPECS[_v].display_name}, 4 layers, d=128: trains on a CPU "
                         f"in minutes on the built-in corpus", model=tiny_model(_v), train=TINY_TRAIN,
                         data=DataConfig(dataset="builtin"), checkpoint=CheckpointConfig(every=100, keep=2)))

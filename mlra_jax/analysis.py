@@ -14,7 +14,7 @@ import dataclasses
 
 from mlra_jax.attention import DecodeShape, attention_class
 from mlra_jax.attention.base import CacheComponent
-from mlra_jax.config import LATENT_LAYOUTS, ModelConfig
+from mlra_jax.config import ModelConfig
 from mlra_jax.tensor_parallel import UnitPlan
 
 
@@ -37,13 +37,6 @@ def replicated_under(cfg: ModelConfig, tp: int) -> list[str]:
     return [c.name for c in cache_layout(cfg) if UnitPlan(c.units, tp).replicated_fallback]
 
 
-def head_dim_unit(cfg: ModelConfig) -> int:
-    """The paper's d_h for the variant (MFA's heads are 2 d_h wide)."""
-    if cfg.variant in LATENT_LAYOUTS:
-        return cfg.qk_nope_head_dim
-    return cfg.head_dim // 2 if cfg.variant == "mfa" else cfg.head_dim
-
-
 def decode_shape(cfg: ModelConfig) -> DecodeShape:
     return attention_class(cfg.variant).decode_shape(cfg)
 
@@ -62,6 +55,6 @@ class CacheReport:
 
 
 def cache_report(cfg: ModelConfig, tp_degrees: tuple[int, ...] = (1, 2, 4, 8)) -> CacheReport:
-    return CacheReport(cfg.variant, head_dim_unit(cfg), kv_cache_elements(cfg),
+    return CacheReport(cfg.variant, cfg.d_h, kv_cache_elements(cfg),
                        {tp: per_device_kv_elements(cfg, tp) for tp in tp_degrees},
                        {tp: replicated_under(cfg, tp) for tp in tp_degrees}, decode_shape(cfg))

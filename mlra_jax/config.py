@@ -12,26 +12,9 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
-# Attention variants of the paper. MHA and MQA are GQA with group_size 1 and n_head.
-VARIANTS = ("mha", "mqa", "gqa", "mla", "mfa", "tpa", "gla2", "gla4", "gta", "mlra2", "mlra4")
+from mlra_jax.variants import LATENT_FIELDS, SPECS, VARIANTS, VariantSpec
 
-# (latent blocks, branches) of the latent family: MLA is one block serving every
-# head; GLA-g splits the latent into g blocks, each serving h/g heads; MLRA-4 has
-# four blocks, each serving all heads in its own branch; MLRA-2 has four blocks in
-# two branches, each block serving half of the heads.
-LATENT_LAYOUTS = {"mla": (1, 1), "gla2": (2, 1), "gla4": (4, 1), "mlra2": (4, 2), "mlra4": (4, 4)}
-
-_LATENT_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
-_REQUIRED_FIELDS = {
-    "mha": ("head_dim",),
-    "mqa": ("head_dim",),
-    "gqa": ("head_dim", "group_size"),
-    "gta": ("head_dim", "group_size"),
-    "mfa": ("head_dim", "q_lora_rank"),
-    "tpa": ("head_dim", "tpa_rank", "tpa_q_rank"),
-    **{name: _LATENT_FIELDS for name in LATENT_LAYOUTS},
-}
-_OPTIONAL_FIELDS = ("head_dim", "group_size", "tpa_rank", "tpa_q_rank", *_LATENT_FIELDS)
+_OPTIONAL_FIELDS = ("head_dim", "group_size", "tpa_rank", "tpa_q_rank", *LATENT_FIELDS)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash", "pallas")
@@ -118,11 +101,11 @@ class ModelConfig:
 
     # -- validation ---------------------------------------------------------
     def _check_variant_fields(self) -> None:
-        required = _REQUIRED_FIELDS[self.variant]
+        required = self.spec.required_fields
         missing = [name for name in required if getattr(self, name) is None]
         _require(not missing, f"variant {self.variant!r} needs {', '.join(missing)} (required: {', '.join(required)})")
         # MHA and MQA fix their group size; accept it only when it agrees.
-        fixed_group = {"mha": 1, "mqa": self.n_head}.get(self.variant)
+        fixed_group = self.spec.fixed_group_size(self.n_head) if self.spec.fixed_group_size else None
         if fixed_group is not None and self.group_size is not None:
             _require(self.group_size == fixed_group,
                      f"group_size={self.group_size} contradicts variant {self.variant!r}, whose group_size is "
@@ -133,13 +116,13 @@ class ModelConfig:
                              f"(it uses: {', '.join(required)})")
 
     def _check_divisibility(self) -> None:
-        v = self.variant
-        if v in ("gqa", "gta"):
+        v, spec = self.variant, self.spec
+        if "group_size" in spec.required_fields:
             _require(self.n_head % self.group_size == 0,
                      f"n_head={self.n_head} is not divisible by group_size={self.group_size}; choose a group_size "
                      f"among the divisors of n_head: {_divisors(self.n_head)}")
-        if v in LATENT_LAYOUTS:
-            blocks, branches = LATENT_LAYOUTS[v]
+        if spec.latent_layout:
+            blocks, branches = spec.latent_layout
             _require(self.kv_lora_rank % blocks == 0,
                      f"kv_lora_rank={self.kv_lora_rank} is not divisible by the {blocks} latent blocks of "
                      f"{v!r}; use a multiple of {blocks}")
@@ -149,7 +132,7 @@ class ModelConfig:
                      f"multiple of {head_groups}")
             _require(self.qk_rope_head_dim % 2 == 0,
                      f"qk_rope_head_dim={self.qk_rope_head_dim} is odd; RoPE rotates pairs, use an even width")
-        elif v == "gta":
+        elif spec.half_rope:
             _require(self.head_dim % 4 == 0,
                      f"head_dim={self.head_dim}: GTA applies RoPE to head_dim/2 channels, which must be even; "
                      f"use a multiple of 4")
@@ -159,24 +142,32 @@ class ModelConfig:
 
     # -- derived quantities ---------------------------------------------------
     @property
+    def spec(self) -> VariantSpec:
+        """The variant's entry in the registry (mlra_jax.variants)."""
+        return SPECS[self.variant]
+
+    @property
     def n_kv_head(self) -> int:
         """KV heads of the GQA family and GTA (1 for MQA/MFA)."""
-        if self.variant == "mha":
-            return self.n_head
-        if self.variant in ("mqa", "mfa"):
-            return 1
-        if self.variant in ("gqa", "gta"):
-            return self.n_head // self.group_size
-        raise AttributeError(f"variant {self.variant!r} has no KV heads")
+        if self.spec.kv_heads is None:
+            raise AttributeError(f"variant {self.variant!r} has no KV heads")
+        return self.spec.kv_heads(self)
 
     @property
     def latent_layout(self) -> tuple[int, int]:
         """(latent blocks, branches) for the latent family."""
-        return LATENT_LAYOUTS[self.variant]
+        if self.spec.latent_layout is None:
+            raise AttributeError(f"variant {self.variant!r} has no latent layout")
+        return self.spec.latent_layout
 
     @property
     def value_head_dim(self) -> int:
-        return self.qk_nope_head_dim if self.variant in LATENT_LAYOUTS else self.head_dim
+        return self.qk_nope_head_dim if self.spec.latent_layout else self.head_dim
+
+    @property
+    def d_h(self) -> int:
+        """The paper's d_h for the variant (MFA's heads are 2 d_h wide)."""
+        return self.value_head_dim // self.spec.head_width
 
     @property
     def dtype(self) -> Any:

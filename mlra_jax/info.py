@@ -12,11 +12,10 @@ import json
 import sys
 from typing import Any
 
-from experiments import all_experiments, get_experiment
-from experiments.analysis import TABLE_VARIANTS, TP_DEGREES, analysis_config
-from experiments.paper import VARIANT_NAMES
 from mlra_jax.analysis import cache_report
 from mlra_jax.config import ConfigError, Experiment, ModelConfig
+from mlra_jax.experiments import all_experiments, get_experiment
+from mlra_jax.experiments.analysis import TABLE_VARIANTS, TP_DEGREES, analysis_config
 from mlra_jax.model import abstract_model, count_params
 
 
@@ -51,7 +50,7 @@ def format_description(info: dict[str, Any], cfg: ModelConfig) -> str:
                              for tp, v in info["per_device_kv_d_h"].items())
     return "\n".join([
         f"{info['experiment']}: {info['description']}",
-        f"  model        {VARIANT_NAMES[cfg.variant]}, {cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head} heads, "
+        f"  model        {cfg.spec.display_name}, {cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head} heads, "
         f"FFN {cfg.intermediate_size}, vocab {cfg.vocab_size}, {cfg.compute_dtype} compute",
         f"  parameters   {info['num_params']:,} ({info['num_params'] / 1e6:.2f}M; tied embedding counted once)",
         f"  KV cache     {info['kv_cache_elements_per_token_per_layer']} elements per token per layer = "
@@ -67,9 +66,10 @@ def paper_tables() -> str:
     """Table 1 (KV cache and per-device loading) and Table 2 (decode arithmetic intensity)."""
     rows = [f"{'Method':8} {'KV cache':>9} " + " ".join(f"{f'TP={tp}':>8}" for tp in TP_DEGREES) + f" {'AI':>8}"]
     for variant in TABLE_VARIANTS:
-        report = cache_report(analysis_config(variant), TP_DEGREES)
+        cfg = analysis_config(variant)
+        report = cache_report(cfg, TP_DEGREES)
         cells = " ".join(f"{_fmt_d_h(report.in_d_h(report.per_device[tp])):>8}" for tp in TP_DEGREES)
-        rows.append(f"{VARIANT_NAMES[variant]:8} {_fmt_d_h(report.in_d_h(report.kv_cache_elements)):>9} {cells} "
+        rows.append(f"{cfg.spec.display_name:8} {_fmt_d_h(report.in_d_h(report.kv_cache_elements)):>9} {cells} "
                     f"{report.decode.arithmetic_intensity():8.2f}")
     header = ("Paper Tables 1-2 at the analysis settings (64 heads, d_h=128, g=8, d_c=4d_h, d_h^R=d_h/2, "
               "beta_kv=2):\nKV cache per token, loading per token per device under TP, and decode arithmetic "
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     info = describe(experiment)
     if args.measure:
-        from mlra_jax.decode.cache import measured_kv_bytes_per_token
+        from mlra_jax.kv_cache import measured_kv_bytes_per_token
 
         info["measured_kv_bytes_per_token_per_device"] = {
             str(tp): measured_kv_bytes_per_token(experiment.model, tp) for tp in TP_DEGREES}

@@ -7,6 +7,7 @@ unrolls a Python loop: one parameter layout for both.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -16,7 +17,7 @@ from flax import nnx
 from mlra_jax.attention import attention_class
 from mlra_jax.attention.fused import KERNEL_PRIMITIVES
 from mlra_jax.config import ModelConfig
-from mlra_jax.decode.cache import DecodeState, cache_plans, slot_mask
+from mlra_jax.kv_cache import DecodeState, slot_mask
 from mlra_jax.layers import MLP, Embed, RMSNorm
 
 
@@ -92,12 +93,12 @@ class Transformer(nnx.Module):
         absorbed: the latent family attends with absorbed weights (decoding); False up-projects
         per-head keys and values, cheaper for long prefills."""
         positions, mask = slot_mask(state, tokens.shape[1])
-        plans = cache_plans(self.config)
+        plans = dict(state.plans)
         x = self.embed(tokens)
         x, kv = self.run_layers(x, lambda block, h, layer_kv: block.cached(h, positions, layer_kv, mask,
                                                                            state.index, plans, absorbed), state.kv)
         logits = self.embed.attend(self.final_norm(x))
-        return logits, state._replace(kv=kv, index=state.index + tokens.shape[1])
+        return logits, dataclasses.replace(state, kv=kv, index=state.index + tokens.shape[1])
 
     def run_layers(self, x: jax.Array, apply: Callable[[Block, jax.Array, Any], tuple[jax.Array, Any]],
                    xs: Any = None) -> tuple[jax.Array, Any]:

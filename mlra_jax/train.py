@@ -22,10 +22,10 @@ from pathlib import Path
 
 import jax
 
-from experiments import all_experiments, get_experiment
 from mlra_jax.cli import apply_overrides, disk_full, fields_help
 from mlra_jax.config import ConfigError, Experiment
 from mlra_jax.data.shards import DataError
+from mlra_jax.experiments import all_experiments, get_experiment
 from mlra_jax.xla_flags import apply_gpu_defaults
 
 

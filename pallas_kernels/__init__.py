@@ -1,1 +1,9 @@
-"""Pallas kernels as pure functions (no Flax), each beside its jnp reference."""
+"""Pallas kernels as pure functions (no Flax, nothing of the library), each beside its jnp reference.
+
+Latent decode attention (MLA, GLA, MLRA), each module importing only those above it:
+  * latent_decode_reference  the plain jnp definition the kernels are tested against;
+  * latent_decode_common     page-table checks, the split-KV choice and merge (`combine`);
+  * latent_decode_tpu        Pallas Mosaic TPU (also run in TPU interpret mode on CPU);
+  * latent_decode_gpu        Pallas Mosaic GPU for Hopper, whose split-KV merge is a kernel too.
+The library chooses among them by backend and mesh (mlra_jax.attention.latent_kernels).
+"""

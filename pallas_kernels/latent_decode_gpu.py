@@ -1,6 +1,6 @@
 """Latent decode attention as a Pallas Mosaic GPU kernel for Hopper (H100/H200).
 
-Same contract as latent_decode.reference. Each CTA takes one (sequence, latent block,
+Same contract as latent_decode_reference.reference. Each CTA takes one (sequence, latent block,
 64-head group, KV split). A memory warpgroup streams the query once and then the RoPE
 key and latent tiles of its KV range by TMA through `stages` shared-memory slots; two
 compute warpgroups run, per tile, QK^T as wgmma over [q_rope || q_latent] x
@@ -21,7 +21,6 @@ Every SMEM tile is 64 columns wide (the 128-byte swizzle of bf16).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.latent_decode import LOG2E, check_page_table, choose_splits, combine
+from mlra_jax.pallas_kernels.latent_decode_common import LOG2E, check_page_table, choose_splits, combine
 
 CHUNK = 64  # columns per SMEM tile and per wgmma N
 HEADS = 64  # query rows per CTA (the wgmma M of one warpgroup)
@@ -76,7 +75,7 @@ def latent_decode_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array,
 
 def combine_gpu(partial_out: jax.Array, partial_lse: jax.Array, dtype: jnp.dtype, heads: int, *,
                 interpret: bool = False) -> jax.Array:
-    """latent_decode.combine as one Mosaic GPU kernel (the same result; XLA takes four kernels, launch-bound
+    """latent_decode_common.combine as one Mosaic GPU kernel (the same result; XLA takes four kernels, launch-bound
     at batch 1): partials out [B, N, P, H', R] and lse [B, N, P, H'] -> [B, N, heads, R]. A CTA merges one
     head's row of COMBINE_COLUMNS values over the P splits: the weights are scalars, the rows 128-wide
     vectors (one value per thread). interpret=True runs it in GPU interpret mode (on CPU, for the tests)."""
@@ -116,7 +115,7 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
                         block_kv: int | None = None,
                         page_table: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The kernel alone: split-KV partials out [B, N, P, H', R] (normalized) and log2-sum-exp [B, N, P, H']
-    (H' = H, or H padded to whole 64-row groups), merged by latent_decode.combine."""
+    (H' = H, or H padded to whole 64-row groups), merged by latent_decode_common.combine."""
     b, n, h, dr = q_rope.shape
     r = latent.shape[3]
     dtype = latent.dtype
@@ -134,7 +133,7 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
         page_table = jnp.zeros((1, 1), jnp.int32)  # unused
         if s % 8:
             raise ValueError(f"the cache holds {s} slots; TMA tiles rows in 8s, so allocate a multiple of 8 "
-                             f"(decode.cache.init_cache does)")
+                             f"(the library's decode caches are)")
     groups = pl.cdiv(h, HEADS)
     # Query rows a CTA loads and stores. Fewer than 64 heads (GLA-2's 32) fill the first rows of the
     # 64-row tile (the rest are never stored); other head counts are padded to whole 64-row groups.
@@ -326,63 +325,3 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
     )(starts.astype(jnp.int32), ends.astype(jnp.int32), page_table.astype(jnp.int32), q_rope, q_latent, k_rope,
       latent)
     return out, lse
-
-
-def _tune() -> None:
-    """Device time per call and each kernel's share: the tile sizes, the split-KV merge as one kernel or XLA's,
-    a contiguous or a paged cache (python -m pallas_kernels.latent_decode_gpu tune)."""
-    from mlra_jax.benchmarks.common import device_time
-
-    def xla_combine(*args, **options):
-        out, lse = latent_partials_gpu(*args, **options)
-        return combine(out, lse, args[3].dtype)[:, :, :args[0].shape[2]]
-
-    for heads, dr, r, batch, slots in ((64, 64, 128, 1, 1 << 17), (64, 64, 128, 1, 1 << 21), (64, 64, 128, 128, 1024),
-                                       (32, 64, 256, 1, 1 << 17), (64, 64, 512, 1, 1 << 17)):
-        keys = jax.random.split(jax.random.key(0), 4)
-        args = (jax.random.normal(keys[0], (batch, 1, heads, dr), jnp.bfloat16),
-                jax.random.normal(keys[1], (batch, 1, heads, r), jnp.bfloat16),
-                jax.random.normal(keys[2], (batch, slots, dr), jnp.bfloat16),
-                jax.random.normal(keys[3], (batch, slots, 1, r), jnp.bfloat16),
-                jnp.zeros((batch,), jnp.int32), jnp.full((batch,), slots, jnp.int32))
-        pages = batch * slots // 64
-        table = jax.random.permutation(keys[0], pages).astype(jnp.int32).reshape(batch, -1)
-        paged = (*args[:2], args[2].reshape(pages, 64, dr), args[3].reshape(pages, 64, 1, r), *args[4:])
-        moved = batch * slots * (dr + r) * 2
-        for label, fn, inputs in (("merge kernel", latent_decode_gpu, args), ("xla merge", xla_combine, args),
-                                  ("paged", functools.partial(latent_decode_gpu, page_table=table), paged),
-                                  ("block_kv=64", functools.partial(latent_decode_gpu, block_kv=64), args)):
-            if r > 256 and label == "block_kv=64":
-                continue
-            try:
-                timing = device_time(functools.partial(fn, scale=0.07), inputs, 10, feed=1)
-            except Exception as err:  # noqa: BLE001 - report and go on
-                print(f"H={heads} R={r} B={batch} S={slots} {label}: failed {str(err)[:300]}", flush=True)
-                continue
-            kernels = ", ".join(f"{name[:24]} {t * 1e6:.1f}" for name, t in timing["kernels_s"].items())
-            print(f"H={heads} R={r} B={batch} S={slots} {label}: {timing['time_s'] * 1e6:.1f} us, "
-                  f"{moved / timing['time_s'] / 1e9:.0f} GB/s ({kernels})", flush=True)
-
-
-if __name__ == "__main__":  # a quick check on a GPU: python -m pallas_kernels.latent_decode_gpu [tune]
-    import sys
-
-    from pallas_kernels.latent_decode import reference
-
-    if sys.argv[1:] == ["tune"]:
-        _tune()
-        raise SystemExit
-
-    for heads, dr, r, n, s in ((64, 64, 128, 1, 5000), (32, 64, 256, 1, 3000), (64, 64, 512, 1, 4000),
-                               (8, 64, 128, 1, 1000), (96, 64, 128, 1, 1000), (12, 64, 256, 1, 1000),
-                               (64, 64, 128, 2, 704)):
-        keys = jax.random.split(jax.random.key(0), 4)
-        bf16 = jnp.bfloat16
-        args = (jax.random.normal(keys[0], (3, n, heads, dr), bf16), jax.random.normal(keys[1], (3, n, heads, r), bf16),
-                jax.random.normal(keys[2], (3, s, dr), bf16), jax.random.normal(keys[3], (3, s, n, r), bf16),
-                jnp.array([0, 17, s // 2]), jnp.array([s, s // 3, s // 2 + 1]))
-        scale = 1 / math.sqrt(dr + r)
-        got = latent_decode_gpu(*args, scale=scale).astype(jnp.float32)
-        want = reference(*args, scale=scale).astype(jnp.float32)
-        print(f"H={heads} Dr={dr} R={r} N={n} S={s}: max |err| {float(jnp.abs(got - want).max()):.4f}, "
-              f"max |ref| {float(jnp.abs(want).max()):.3f}", flush=True)

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from experiments import get_experiment
 from mlra_jax.cli import apply_overrides
+from mlra_jax.experiments import get_experiment
 
 ROOT = Path(__file__).parent.parent
 

@@ -5,9 +5,9 @@ import json
 import jax
 import pytest
 
-from experiments import benchmarks
-from experiments.tiny import tiny_model
 from mlra_jax.benchmarks import decode, decode_throughput, train
+from mlra_jax.experiments import benchmarks
+from mlra_jax.experiments.tiny import tiny_model
 
 
 @pytest.fixture

@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from experiments.tiny import tiny_model
-from mlra_jax.attention.base import check_cache_entry
 from mlra_jax.analysis import cache_layout, kv_cache_elements
-from mlra_jax.config import VARIANTS
+from mlra_jax.attention.base import check_cache_entry
+from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.model import init_model
+from mlra_jax.variants import VARIANTS
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

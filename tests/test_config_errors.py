@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from experiments.tiny import tiny_model
 from mlra_jax.config import ConfigError, ModelConfig, TrainConfig
+from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.model import init_model
 
 

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments.analysis import TABLE_VARIANTS, analysis_config
-from experiments.tiny import tiny_model
 from helpers import micro_experiment
-from mlra_jax.config import LATENT_LAYOUTS, VARIANTS
-from mlra_jax.decode.cache import init_cache
 from mlra_jax.decode.generate import GenerationError, Generator, Sampling, sample
+from mlra_jax.experiments.analysis import TABLE_VARIANTS, analysis_config
+from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.generate import main as generate_main
+from mlra_jax.kv_cache import init_cache
 from mlra_jax.model import init_model
 from mlra_jax.training.loop import train
+from mlra_jax.variants import LATENT_VARIANTS, VARIANTS
 from test_info import TABLE1
 
 
@@ -71,7 +71,7 @@ def shapes_in(jaxpr):
                     yield from shapes_in(inner)
 
 
-@pytest.mark.parametrize("variant", sorted(LATENT_LAYOUTS))
+@pytest.mark.parametrize("variant", sorted(LATENT_VARIANTS))
 def test_absorbed_decode_never_builds_per_head_keys_or_values(variant):
     cfg = tiny_model(variant, n_layer=1, vocab_size=128, qk_nope_head_dim=40)  # d_h = 40: no other width is 40
     model = init_model(cfg)

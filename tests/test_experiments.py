@@ -7,9 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import all_experiments, experiment_names, get_experiment
-from experiments.tiny import tiny_model
 from mlra_jax.config import ConfigError
+from mlra_jax.experiments import all_experiments, experiment_names, get_experiment
+from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.interop import convert_from_reference, from_state_dict, reference_shapes, to_state_dict
 from mlra_jax.interop.reference_config import reference_config
 from mlra_jax.model import abstract_model, count_params

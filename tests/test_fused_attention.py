@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments.tiny import tiny_model
 from mlra_jax.attention import fused
 from mlra_jax.attention.core import attention
-from mlra_jax.config import VARIANTS, MeshConfig
+from mlra_jax.config import MeshConfig
+from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.model import init_model
 from mlra_jax.params import logical_axes
 from mlra_jax.sharding import batch_sharding, make_mesh, tree_shardings
 from mlra_jax.training.step import loss_fn
+from mlra_jax.variants import VARIANTS
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 

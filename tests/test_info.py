@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from experiments.analysis import TABLE_VARIANTS, analysis_config
 from mlra_jax import info
 from mlra_jax.analysis import cache_report, per_device_kv_elements
+from mlra_jax.experiments.analysis import TABLE_VARIANTS, analysis_config
 from mlra_jax.model import abstract_model
 from mlra_jax.params import flat_params
 

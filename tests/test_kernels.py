@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments.tiny import tiny_model
+from mlra_jax.attention.latent_kernels import ranges_from_mask
 from mlra_jax.decode.generate import Generator
+from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.model import init_model
-from pallas_kernels.latent_decode import (
-    combine, gather_pages, latent_decode_tpu, ranges_from_mask, reference)
+from mlra_jax.pallas_kernels.latent_decode_common import combine
+from mlra_jax.pallas_kernels.latent_decode_reference import gather_pages, reference
+from mlra_jax.pallas_kernels.latent_decode_tpu import latent_decode_tpu
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 # Widths of the paper's per-device decode: MLRA-4 (64 heads, 128 latent), GLA-2 (32, 256), MLA (64, 512).
@@ -99,7 +101,7 @@ def test_split_kv_partials_combine_to_the_whole():
 
 def test_mosaic_gpu_combine_in_interpret_mode():
     """The split-KV merge kernel against combine: padded heads, an empty split, a head whose splits are all empty."""
-    from pallas_kernels.latent_decode_gpu import COMBINE_COLUMNS, combine_gpu
+    from mlra_jax.pallas_kernels.latent_decode_gpu import COMBINE_COLUMNS, combine_gpu
 
     keys = jax.random.split(jax.random.key(3), 2)
     out = jax.random.normal(keys[0], (2, 2, 5, 16, 2 * COMBINE_COLUMNS), jnp.bfloat16)
@@ -127,7 +129,7 @@ def test_pallas_impl_needs_an_accelerator():
 @on_gpu
 @pytest.mark.parametrize("heads,dr,r,blocks", SHAPES + [(8, 64, 128, 1), (96, 64, 128, 1), (12, 64, 256, 1)])
 def test_mosaic_gpu_kernel(heads, dr, r, blocks):
-    from pallas_kernels.latent_decode_gpu import latent_decode_gpu
+    from mlra_jax.pallas_kernels.latent_decode_gpu import latent_decode_gpu
 
     args = inputs(heads, dr, r, blocks, 4104)  # 4104 = 64 * 64 + 8: a partial last tile
     starts, ends = jnp.array([0, 37, 2050]), jnp.array([4104, 1200, 2051])
@@ -141,7 +143,7 @@ def test_mosaic_gpu_kernel(heads, dr, r, blocks):
 @pytest.mark.parametrize("heads,dr,r,blocks", SHAPES)
 @pytest.mark.parametrize("page", [64, 256])
 def test_mosaic_gpu_kernel_on_a_paged_cache(heads, dr, r, blocks, page):
-    from pallas_kernels.latent_decode_gpu import latent_decode_gpu
+    from mlra_jax.pallas_kernels.latent_decode_gpu import latent_decode_gpu
 
     q_rope, q_latent, k_rope, latent = inputs(heads, dr, r, blocks, 4096)
     pool_k, pool_l, table = to_pages(k_rope, latent, page)
@@ -176,7 +178,7 @@ def test_pallas_decode_under_data_and_tensor_parallelism(monkeypatch, variant, m
     8 CPU devices with the jnp reference standing in for the hardware kernel (the wrapping is under test)."""
     if jax.device_count() < 8 or jax.default_backend() != "cpu":
         pytest.skip("runs on the 8 virtual CPU devices of the test suite")
-    import pallas_kernels.latent_decode as kernels
+    import mlra_jax.attention.latent_kernels as kernels
     from mlra_jax.config import MeshConfig
     from mlra_jax.params import logical_axes
     from mlra_jax.sharding import make_mesh, tree_shardings
@@ -185,7 +187,7 @@ def test_pallas_decode_under_data_and_tensor_parallelism(monkeypatch, variant, m
 
     def kernel(*args, scale):
         calls.append(args[0].shape[0])  # the batch each call sees
-        return kernels.reference(*args, scale=scale)
+        return reference(*args, scale=scale)
 
     monkeypatch.setattr(kernels, "kernel_for_backend", lambda: kernel)
     cfg = tiny_model(variant, n_layer=1, n_head=8, vocab_size=64, output_init="normal")

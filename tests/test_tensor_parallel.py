@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments.analysis import TABLE_VARIANTS, analysis_config
-from experiments.tiny import tiny_model
-from mlra_jax.config import VARIANTS, ConfigError, MeshConfig
-from mlra_jax.decode.cache import init_cache, measured_kv_bytes_per_token
+from mlra_jax.config import ConfigError, MeshConfig
+from mlra_jax.experiments.analysis import TABLE_VARIANTS, analysis_config
+from mlra_jax.experiments.tiny import tiny_model
+from mlra_jax.kv_cache import init_cache, measured_kv_bytes_per_token
 from mlra_jax.model import init_model
 from mlra_jax.params import logical_axes
 from mlra_jax.sharding import batch_sharding, make_mesh, tree_shardings
 from mlra_jax.tensor_parallel import per_device_bytes
 from mlra_jax.training.step import loss_fn
+from mlra_jax.variants import VARIANTS
 from test_info import TABLE1
 
 TP_DEGREES = (2, 4, 8)

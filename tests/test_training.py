@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments.tiny import tiny_model
-from mlra_jax.config import VARIANTS, TrainConfig
+from mlra_jax.config import TrainConfig
+from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.model import init_model
 from mlra_jax.optim import learning_rate_schedule, make_optimizer
 from mlra_jax.training.step import make_train_step
+from mlra_jax.variants import VARIANTS
 
 STEPS = 25
 

@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from experiments import get_experiment
-from experiments.tiny import tiny_model
 from helpers import micro_experiment
 from mlra_jax import xla_flags
 from mlra_jax.config import ConfigError, TrainConfig
+from mlra_jax.experiments import get_experiment
+from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.model import init_model
 from mlra_jax.training.step import compute_params, loss_fn
 from mlra_jax.training.loop import train

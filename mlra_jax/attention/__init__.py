@@ -2,34 +2,19 @@
 
 from __future__ import annotations
 
-from mlra_jax.attention.base import Attention, CacheComponent, DecodeShape, KVCache
-from mlra_jax.attention.gqa import GroupedQueryAttention
-from mlra_jax.attention.gta import GroupedTiedAttention
-from mlra_jax.attention.latent import LatentAttention
-from mlra_jax.attention.mfa import MultiMatrixFactorizationAttention
-from mlra_jax.attention.tpa import TensorProductAttention
-from mlra_jax.config import VARIANTS, ConfigError
+import importlib
 
-ATTENTION_CLASSES: dict[str, type[Attention]] = {
-    "mha": GroupedQueryAttention,
-    "mqa": GroupedQueryAttention,
-    "gqa": GroupedQueryAttention,
-    "mla": LatentAttention,
-    "gla2": LatentAttention,
-    "gla4": LatentAttention,
-    "mlra2": LatentAttention,
-    "mlra4": LatentAttention,
-    "mfa": MultiMatrixFactorizationAttention,
-    "tpa": TensorProductAttention,
-    "gta": GroupedTiedAttention,
-}
-assert set(ATTENTION_CLASSES) == set(VARIANTS)
+from mlra_jax.attention.base import Attention, CacheComponent, DecodeShape, KVCache
+from mlra_jax.config import ConfigError
+from mlra_jax.variants import SPECS, VARIANTS
 
 
 def attention_class(variant: str) -> type[Attention]:
-    if variant not in ATTENTION_CLASSES:
+    """The class that implements `variant`, as its registry entry names it (mlra_jax.variants)."""
+    if variant not in SPECS:
         raise ConfigError(f"variant={variant!r} is not valid; allowed values: {', '.join(VARIANTS)}")
-    return ATTENTION_CLASSES[variant]
+    module, name = SPECS[variant].attention.split(".")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
-__all__ = ["ATTENTION_CLASSES", "Attention", "CacheComponent", "DecodeShape", "KVCache", "attention_class"]
+__all__ = ["Attention", "CacheComponent", "DecodeShape", "KVCache", "attention_class"]

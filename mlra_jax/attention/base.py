@@ -107,8 +107,10 @@ class Attention(nnx.Module):
         """[B, T, n_head, d_v] attention output of the queries of x over kv."""
         raise NotImplementedError
 
-    def attend_cache(self, x: jax.Array, positions: jax.Array, kv: KVCache, mask: jax.Array) -> jax.Array:
-        """Attention over a decode cache; the latent family overrides this with weight absorption."""
+    def attend_cache(self, x: jax.Array, positions: jax.Array, kv: KVCache, mask: jax.Array,
+                     absorbed: bool) -> jax.Array:
+        """Attention over a decode cache (laid out by the TP plans); the latent family overrides this:
+        absorbed weights for decode steps, up-projected keys and values for prefill."""
         return self.attend(x, positions, kv, mask)
 
     # -- shared --------------------------------------------------------------
@@ -125,8 +127,7 @@ class Attention(nnx.Module):
         cache = {name: jax.lax.dynamic_update_slice_in_dim(
             cache[name], plans[name].store(entry[name], axis=2).astype(cache[name].dtype), index, axis=1)
             for name in cache}
-        attend = self.attend_cache if absorbed else self.attend
-        return attend(x, positions, cache, mask), cache
+        return self.attend_cache(x, positions, cache, mask, absorbed), cache
 
     def output(self, x: jax.Array, heads_out: jax.Array) -> jax.Array:
         """Optional sigmoid gate computed from x (the attention's input), then the output projection."""

@@ -21,17 +21,23 @@ holds the normalized, scaled latent blocks and the roped key (REFERENCE.md).
 from __future__ import annotations
 
 import math
+from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from mlra_jax.attention.base import Attention, CacheComponent, DecodeShape, KVCache
 from mlra_jax.attention.core import attention, latent_attention
 from mlra_jax.attention.rope import apply_rope
 from mlra_jax.config import ModelConfig
 from mlra_jax.layers import RMSNorm, dense_init, einsum, make_param, project
-from mlra_jax.tensor_parallel import LatentPlan, latent_region, tensor_size
+from mlra_jax.tensor_parallel import TENSOR, LatentPlan, tensor_size
+
+# train: fresh entries, differentiated; prefill: over the cache, keys and values up-projected;
+# decode: over the cache with absorbed weights.
+Mode = Literal["train", "prefill", "decode"]
 
 
 class LatentAttention(Attention):
@@ -106,29 +112,90 @@ class LatentAttention(Attention):
         return (out.sum(axis=2) * self.branch_scale).astype(self.dtype)
 
     def attend(self, x: jax.Array, positions: jax.Array, kv: KVCache, mask: jax.Array | None) -> jax.Array:
-        """Training and prefill: each block's latent up-projected to per-head keys and values."""
-        return self.run_blocks(self.attend_blocks, x, positions, kv, mask)
+        """Training over fresh entries: each block's latent up-projected to per-head keys and values."""
+        return self.run_blocks("train", x, positions, kv, mask)
 
-    def attend_cache(self, x: jax.Array, positions: jax.Array, kv: KVCache, mask: jax.Array) -> jax.Array:
-        """Decoding with absorbed weights (paper Steps 1-3): no per-head key or value is formed."""
-        return self.run_blocks(self.absorbed_blocks, x, positions, kv, mask)
+    def attend_cache(self, x: jax.Array, positions: jax.Array, kv: KVCache, mask: jax.Array,
+                     absorbed: bool) -> jax.Array:
+        """Over the cache: prefill up-projects keys and values as training does; decode steps absorb the
+        weights (paper Steps 1-3) and form no per-head key or value."""
+        return self.run_blocks("decode" if absorbed else "prefill", x, positions, kv, mask)
 
-    def run_blocks(self, blocks_fn, x: jax.Array, positions: jax.Array, kv: KVCache,
+    def run_blocks(self, mode: Mode, x: jax.Array, positions: jax.Array, kv: KVCache,
                    mask: jax.Array | None) -> jax.Array:
-        """Apply blocks_fn to every latent block locally, or to each device's blocks under TP."""
+        """Every latent block's attention, locally or each device's blocks under TP; [B, T, h, d_h]."""
         q_nope, q_rope = self.queries(x, positions)
         kv_up = self.kv_up[...].astype(self.dtype)
         tp = tensor_size()
         if tp == 1:
-            out = blocks_fn(self.per_block(q_nope), self.per_block(q_rope), kv["latent"], kv["k_rope"], kv_up, mask)
+            out = self.blocks_fn(mode)(self.per_block(q_nope), self.per_block(q_rope), kv["latent"], kv["k_rope"],
+                                       kv_up, mask)
             return self.merge_branches(out)
         plan = LatentPlan(self.blocks, self.branches, self.n_head, tp)
-        latent = kv["latent"]
-        if latent.shape[2] == self.blocks:  # a fresh entry (training, prefill): lay it out as the cache
-            latent = plan.units.store(latent, axis=2)
-        return latent_region(plan, blocks_fn, (q_nope, q_rope), (latent, kv["k_rope"]), (2, 2), kv_up, mask,
-                             self.per_block, self.branch_scale, self.dtype,
-                             differentiable=blocks_fn != self.absorbed_blocks)
+        return self.tensor_parallel_blocks(mode, plan, (q_nope, q_rope), kv, kv_up, mask)
+
+    def blocks_fn(self, mode: Mode) -> Callable[..., jax.Array]:
+        return self.absorbed_blocks if mode == "decode" else self.attend_blocks
+
+    def tensor_parallel_blocks(self, mode: Mode, plan: LatentPlan, queries: tuple[jax.Array, jax.Array],
+                               kv: KVCache, kv_up: jax.Array, mask: jax.Array | None) -> jax.Array:
+        """The blocks in one shard_map over `tensor` (data and fsdp stay automatic): device d runs its latent
+        block(s), their kv_up slices and its cache slice from the heads it serves (`plan`); the branch outputs
+        meet in one psum_scatter that leaves [B, T, h, d_h] split over heads for the row-parallel output
+        projection. queries: q_nope, q_rope [B, T, h, D]; kv: fresh entries in training, else the stored cache.
+
+        In training the replicated inputs enter in float32, so that the psum of their cotangents is float32
+        (XLA's CPU compiler crashes on bfloat16 ones in partially manual shard_maps, jax 0.10); the cache
+        stays in the compute dtype."""
+        units, h, t, out_dtype = plan.units, plan.heads, plan.tp, self.dtype
+        blocks_fn = self.blocks_fn(mode)
+        latent = units.store(kv["latent"], axis=2) if mode == "train" else kv["latent"]  # laid out as the cache
+        stored_kv = (latent, kv["k_rope"])
+        heads_sharded_in = plan.branches == 1  # device d serves exactly head shard d
+        # kv_up: the block axis split like the cache, or (MLA) the head axis split when blocks are replicated
+        kv_up_by_heads = not units.sharded and plan.block_heads % t == 0
+        kv_up = units.store(kv_up, axis=0)
+        kv_up_spec = P(None, None, TENSOR, None) if kv_up_by_heads else units.spec(kv_up.ndim, 0)
+
+        def body(queries, stored_kv, kv_up, mask):
+            queries = tuple(x.astype(out_dtype) for x in queries)
+            stored_kv = tuple(x.astype(out_dtype) for x in stored_kv)
+            device = jax.lax.axis_index(TENSOR)
+            first = plan.first_block(device)
+            head_start, width = plan.head_slice(device)
+
+            def mine(x: jax.Array) -> jax.Array:  # this device's [B, T, local_blocks, width, D]
+                if heads_sharded_in:
+                    return x.reshape(x.shape[:2] + (plan.local_blocks, width, x.shape[-1]))
+                blocks = jax.lax.dynamic_slice_in_dim(self.per_block(x), first, plan.local_blocks, axis=2)
+                return jax.lax.dynamic_slice_in_dim(blocks, head_start, width, axis=3)
+
+            up = kv_up if kv_up_by_heads else jax.lax.dynamic_slice_in_dim(kv_up, head_start, width, axis=2)
+            out = blocks_fn(*map(mine, queries), *stored_kv, up, mask).astype(jnp.float32)
+            if heads_sharded_in:
+                return out.reshape(out.shape[:2] + (-1, out.shape[-1])).astype(out_dtype)
+            groups = plan.blocks // plan.branches
+            full = jnp.zeros(out.shape[:2] + (h, out.shape[-1]), jnp.float32)
+            for j in range(plan.local_blocks):  # add each local block's heads into their place among all heads
+                start = ((first + j) % groups) * plan.block_heads + head_start
+                current = jax.lax.dynamic_slice_in_dim(full, start, width, axis=2)
+                full = jax.lax.dynamic_update_slice_in_dim(full, current + out[:, :, j], start, axis=2)
+            full = full * self.branch_scale
+            if h % t == 0:
+                return jax.lax.psum_scatter(full, TENSOR, scatter_dimension=2, tiled=True).astype(out_dtype)
+            return jax.lax.psum(full, TENSOR).astype(out_dtype)
+
+        q_spec = P(None, None, TENSOR, None) if heads_sharded_in else P()
+        kv_specs = (units.spec(latent.ndim, 2), P())  # the latent split as planned, the one RoPE key replicated
+        if mode == "train":
+            widen = lambda x, spec: (x.astype(jnp.float32) if all(e is None for e in spec)
+                                     and jnp.issubdtype(x.dtype, jnp.floating) else x)
+            queries = tuple(widen(x, q_spec) for x in queries)
+            stored_kv = tuple(widen(x, spec) for x, spec in zip(stored_kv, kv_specs))
+        out_spec = P(None, None, TENSOR, None) if heads_sharded_in or h % t == 0 else P()
+        mapped = jax.shard_map(body, in_specs=(q_spec, kv_specs, kv_up_spec, P()), out_specs=out_spec,
+                               axis_names={TENSOR}, check_vma=False)
+        return mapped(queries, stored_kv, kv_up, mask)
 
     def attend_blocks(self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
                       kv_up: jax.Array, mask: jax.Array | None) -> jax.Array:

@@ -102,7 +102,7 @@ def attention_fn(case: AttentionCase, impl: str, batch: int, context: int) -> tu
     if impl == "pallas":  # JAX's split-K GQA decode kernel (pallas/ops/gpu/decode_attention.py)
         from jax.experimental.pallas.ops.gpu.decode_attention import gqa
 
-        from pallas_kernels.latent_decode import choose_splits
+        from mlra_jax.pallas_kernels.latent_decode_common import choose_splits
 
         splits = 1 << (choose_splits(batch * case.kv_heads, context, 128, 132).bit_length() - 1)  # must divide
         def split_k(q, k, v, lengths):
@@ -126,7 +126,7 @@ def _paged_latent_fn(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, 
     and a page table that hands each sequence pages from all over the pool in random order (as a serving
     engine's allocator leaves them; the values read differ from the contiguous run's, the bytes do not).
     The ranges come from the mask as in the model's path."""
-    from pallas_kernels.latent_decode import kernel_for_backend, ranges_from_mask
+    from mlra_jax.attention.latent_kernels import kernel_for_backend, ranges_from_mask
 
     batch, context = k_rope.shape[:2]
     pages = batch * context // PAGE
@@ -208,8 +208,8 @@ def _earlier_results(args: argparse.Namespace, settings: list[tuple[int, int]]) 
 def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
     from flax import nnx
 
-    from experiments import get_experiment
-    from mlra_jax.decode.cache import init_cache
+    from mlra_jax.experiments import get_experiment
+    from mlra_jax.kv_cache import init_cache
     from mlra_jax.model import init_model
 
     results = []
@@ -222,8 +222,8 @@ def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
         for batch in map(int, args.batch.split(",")):
             for context in map(int, args.context.split(",")):
                 state = init_cache(cfg, batch, context + args.repeats + 8)
-                state = state._replace(kv={k: jax.random.normal(jax.random.key(2), v.shape, v.dtype)
-                                           for k, v in state.kv.items()}, index=jnp.int32(context))
+                state = dataclasses.replace(state, kv={k: jax.random.normal(jax.random.key(2), v.shape, v.dtype)
+                                                       for k, v in state.kv.items()}, index=jnp.int32(context))
                 tokens = jnp.zeros((batch, 1), jnp.int32)
                 holder = {"state": state}
 

@@ -19,18 +19,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from experiments.benchmarks import THROUGHPUT_CONTEXTS, THROUGHPUT_MODELS, deployment
 from mlra_jax.attention import attention_class
 from mlra_jax.benchmarks.common import median_time, save
-from mlra_jax.config import LATENT_LAYOUTS, MeshConfig
-from mlra_jax.decode.cache import cache_plans, cache_shardings, init_cache, slot_mask
+from mlra_jax.config import MeshConfig
+from mlra_jax.experiments.benchmarks import THROUGHPUT_CONTEXTS, THROUGHPUT_MODELS, deployment
+from mlra_jax.kv_cache import cache_shardings, init_cache, slot_mask
 from mlra_jax.params import logical_axes
 from mlra_jax.sharding import batch_sharding, make_mesh, tree_shardings
 
 
 def measure(variant: str, contexts: list[int], repeats: int, impl: str = "xla") -> list[dict]:
     cfg = THROUGHPUT_MODELS[variant]
-    if impl != "xla" and variant in LATENT_LAYOUTS:  # the Pallas kernels cover the latent family's decode
+    if impl != "xla" and cfg.spec.latent_layout:  # the Pallas kernels cover the latent family's decode
         cfg = dataclasses.replace(cfg, attention_impl=impl)
     tp, dp, batch = deployment(variant, jax.device_count())
     mesh = make_mesh(MeshConfig(data=dp, tensor=tp))
@@ -45,8 +45,8 @@ def measure(variant: str, contexts: list[int], repeats: int, impl: str = "xla") 
             positions, mask = slot_mask(state, 1)
             layer = {k: v[0] for k, v in state.kv.items()}
             heads, layer = nnx.merge(graphdef, params).write_and_attend(x, positions, layer, mask, state.index,
-                                                                         cache_plans(cfg), absorbed=True)
-            return heads, state._replace(kv={k: v[None] for k, v in layer.items()}, index=state.index + 1)
+                                                                         dict(state.plans), absorbed=True)
+            return heads, dataclasses.replace(state, kv={k: v[None] for k, v in layer.items()}, index=state.index + 1)
 
         jitted = jax.jit(step, donate_argnums=(2,))
         x = jax.device_put(jax.random.normal(jax.random.key(0), (batch, 1, cfg.n_embd), jnp.bfloat16),
@@ -54,8 +54,8 @@ def measure(variant: str, contexts: list[int], repeats: int, impl: str = "xla") 
         for context in contexts:
             state = init_cache(cfg, batch, context + repeats + 8, mesh=mesh)
             kv = {k: jax.random.normal(jax.random.key(1), v.shape, v.dtype) for k, v in state.kv.items()}
-            holder = {"state": state._replace(kv=jax.device_put(kv, cache_shardings(cfg, mesh)),
-                                              index=jnp.int32(context))}
+            holder = {"state": dataclasses.replace(state, kv=jax.device_put(kv, cache_shardings(cfg, mesh)),
+                                                   index=jnp.int32(context))}
 
             def run():
                 heads, holder["state"] = jitted(params, x, holder["state"])

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlra_jax.variants import VARIANTS
 from mlra_jax.xla_flags import apply_gpu_defaults
 
 
@@ -67,7 +68,7 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
     import jax
     import jax.numpy as jnp
 
-    from experiments import get_experiment
+    from mlra_jax.experiments import get_experiment
     from mlra_jax.attention import fused
     from mlra_jax.benchmarks.common import median_time, profiled_time
     from mlra_jax.cli import apply_overrides
@@ -138,8 +139,7 @@ def mark_best(results: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlra_jax.benchmarks.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--experiments", default=",".join(f"{v}_2p9b" for v in (
-        "mha", "mqa", "gqa", "mla", "mfa", "tpa", "gla2", "gla4", "gta", "mlra2", "mlra4")))
+    parser.add_argument("--experiments", default=",".join(f"{v}_2p9b" for v in VARIANTS))
     parser.add_argument("--n_layer", type=int, default=8, help="layers (0: the experiment's own)")
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--batch_per_device", default="4", help="sequences per data-parallel replica per micro-batch "
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from mlra_jax.benchmarks.common import environment, earlier_results, save
 
-    from experiments import get_experiment
+    from mlra_jax.experiments import get_experiment
 
     names = args.experiments.split(",")
     planned = {(name, per_device, remat or get_experiment(name).model.remat, tp)

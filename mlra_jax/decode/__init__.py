@@ -1,1 +1,1 @@
-"""Decoding: KV caches, prefill and decode steps, sampling and batched generation."""
+"""Decoding: prefill and decode steps over the KV cache (mlra_jax.kv_cache), sampling and batched generation."""

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mlra_jax.decode.cache import DecodeState, init_cache
+from mlra_jax.kv_cache import DecodeState, init_cache
 from mlra_jax.model import Transformer
 
 

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from mlra_jax.config import LATENT_LAYOUTS, ModelConfig
+from mlra_jax.config import ModelConfig
 
 Array = Any  # numpy array, jax array or tracer
 
@@ -110,15 +110,21 @@ _COMMON_LAYER_RULES = (
 )
 
 
+def _gqa_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
+    return tuple(Rule((f"attn.{ours}",), (f"attn.{ref}.weight",), Linear())
+                 for ours, ref in (("q_proj", "c_q"), ("k_proj", "c_k"), ("v_proj", "c_v")))
+
+
 def _latent_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
-    blocks, _ = LATENT_LAYOUTS[cfg.variant]
-    if cfg.variant == "mla":
+    blocks, _ = cfg.latent_layout
+    reference = cfg.spec.reference_stem
+    if reference == "mla":
         norms = ("attn.kv_a_layernorm.weight",)
         up = Rule(("attn.kv_up",), ("attn.kv_b_proj.weight",), Linear(), stacked=True)
-    elif cfg.variant == "gla2":
+    elif reference == "gla_2":
         norms = ("attn.kv_a_layernorm_1.weight", "attn.kv_a_layernorm_2.weight")
         up = Rule(("attn.kv_up",), ("attn.kv_b_proj_1.weight", "attn.kv_b_proj_2.weight"), Linear(), stacked=True)
-    else:  # gla4, mlra2, mlra4: a raw [blocks, rank, heads * 2 d_h] Parameter
+    else:  # gla_4, mlra_2, mlra_4: a raw [blocks, rank, heads * 2 d_h] Parameter
         norms = tuple(f"attn.kv_a_layernorms.{j}.weight" for j in range(blocks))
         up = Rule(("attn.kv_up",), ("attn.kv_b_proj",), MergeLast())
     return (
@@ -131,33 +137,37 @@ def _latent_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
     )
 
 
-def _attention_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
-    v = cfg.variant
-    if v in ("mha", "mqa", "gqa"):
-        return tuple(Rule((f"attn.{ours}",), (f"attn.{ref}.weight",), Linear())
-                     for ours, ref in (("q_proj", "c_q"), ("k_proj", "c_k"), ("v_proj", "c_v")))
-    if v in LATENT_LAYOUTS:
-        return _latent_rules(cfg)
-    if v == "mfa":
-        return (Rule(("attn.q_down",), ("attn.c_q.weight",), Linear()),
-                Rule(("attn.q_norm.scale",), ("attn.q_layernorm.weight",), Same()),
-                Rule(("attn.q_up",), ("attn.w_q.weight",), Linear()),
-                Rule(("attn.k_proj",), ("attn.c_k.weight",), Linear()),
-                Rule(("attn.v_proj",), ("attn.c_v.weight",), Linear()))
-    if v == "tpa":
-        return tuple(Rule((f"attn.{f}_{p}",), (f"attn.c_qkv.W_{f.upper()}_{p}.weight",), Linear())
-                     for f in ("a", "b") for p in ("q", "k", "v"))
-    if v == "gta":
-        return (Rule(("attn.q_proj",), ("attn.c_q.weight",), Linear()),
-                Rule(("attn.kv_proj",), ("attn.kv_proj.weight",), Linear()),
-                Rule(("attn.k_rope_proj",), ("attn.W_rope_k.weight",), Linear()))
-    raise ValueError(f"no reference names for variant {v!r}")
+def _mfa_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
+    return (Rule(("attn.q_down",), ("attn.c_q.weight",), Linear()),
+            Rule(("attn.q_norm.scale",), ("attn.q_layernorm.weight",), Same()),
+            Rule(("attn.q_up",), ("attn.w_q.weight",), Linear()),
+            Rule(("attn.k_proj",), ("attn.c_k.weight",), Linear()),
+            Rule(("attn.v_proj",), ("attn.c_v.weight",), Linear()))
+
+
+def _tpa_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
+    return tuple(Rule((f"attn.{f}_{p}",), (f"attn.c_qkv.W_{f.upper()}_{p}.weight",), Linear())
+                 for f in ("a", "b") for p in ("q", "k", "v"))
+
+
+def _gta_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
+    return (Rule(("attn.q_proj",), ("attn.c_q.weight",), Linear()),
+            Rule(("attn.kv_proj",), ("attn.kv_proj.weight",), Linear()),
+            Rule(("attn.k_rope_proj",), ("attn.W_rope_k.weight",), Linear()))
+
+
+# attention family (the variant spec's module) -> its attention parameters' rules
+_FAMILY_RULES = {"gqa": _gqa_rules, "latent": _latent_rules, "mfa": _mfa_rules, "tpa": _tpa_rules,
+                 "gta": _gta_rules}
 
 
 def layer_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
-    rules = _COMMON_LAYER_RULES + _attention_rules(cfg)
+    family = cfg.spec.family
+    if family not in _FAMILY_RULES:
+        raise ValueError(f"no reference names for variant {cfg.variant!r}")
+    rules = _COMMON_LAYER_RULES + _FAMILY_RULES[family](cfg)
     if cfg.gated:
         # The reference names the gate c_gated in gqa_gated.py and gated_proj in the latent files.
-        gate = "attn.c_gated.weight" if cfg.variant in ("mha", "mqa", "gqa") else "attn.gated_proj.weight"
+        gate = "attn.c_gated.weight" if family == "gqa" else "attn.gated_proj.weight"
         rules += (Rule(("attn.gate_proj",), (gate,), Linear()),)
     return rules

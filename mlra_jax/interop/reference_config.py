@@ -7,11 +7,10 @@ from pathlib import PurePosixPath
 from typing import Any, Mapping
 
 from mlra_jax.config import ConfigError, ModelConfig
+from mlra_jax.variants import SPECS
 
-# reference model file stem -> our variant
-_FILE_VARIANTS = {"mha": "mha", "gqa": "gqa", "mla": "mla", "mfa": "mfa", "tpa": "tpa", "gla_2": "gla2",
-                  "gla_4": "gla4", "gta": "gta", "mlra_2": "mlra2", "mlra_4": "mlra4"}
-_VARIANT_FILES = {v: f for f, v in _FILE_VARIANTS.items()} | {"mqa": "gqa"}
+# reference model file stem -> our variant (MQA runs through gqa.py: told apart by its group size)
+_FILE_VARIANTS = {spec.reference_stem: name for name, spec in SPECS.items() if spec.reference_file is None}
 # reference GPTConfig field -> ModelConfig field
 _FIELDS = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "intermediate_size": "intermediate_size",
            "vocab_size": "vocab_size", "block_size": "max_seq_len", "head_dim": "head_dim",
@@ -36,7 +35,7 @@ def config_from_reference(fields: Mapping[str, Any], reference_model: str, **ove
     variant = _FILE_VARIANTS[stem]
     if variant == "gqa" and kwargs.get("group_size") == kwargs.get("n_head"):
         variant = "mqa"  # the reference runs MQA through gqa.py with group_size = n_head
-    if variant not in ("gqa", "gta", "mqa"):
+    if variant != "mqa" and "group_size" not in SPECS[variant].required_fields:
         kwargs.pop("group_size", None)
     return ModelConfig(variant=variant, **kwargs, **options, **overrides)
 
@@ -52,4 +51,4 @@ def reference_config(cfg: ModelConfig) -> tuple[dict[str, Any], str]:
         fields["group_size"] = cfg.n_head
     suffix = "".join(s for s, option in _SUFFIXES.items()
                      if all(getattr(cfg, k) == v for k, v in option.items()))
-    return fields, f"model/{_VARIANT_FILES[cfg.variant]}{suffix}.py"
+    return fields, f"model/{cfg.spec.reference_stem}{suffix}.py"

@@ -1,29 +1,39 @@
 """The decode cache: what each variant caches, preallocated to a maximum length.
 
 `DecodeState.kv[name]` is [n_layer, B, max_len, stored_units, *unit_shape] per cached
-component (attention.base.CacheComponent), laid out for the TP degree of the mesh in
-context (tensor_parallel.UnitPlan). Sequences are left-padded: sequence b's tokens sit
-in slots starts[b] .. index-1, and the token in slot s has position s - starts[b], so
-every sequence counts positions from its own first token.
+component (attention.base.CacheComponent), laid out for a TP degree as `DecodeState.plans`
+say (tensor_parallel.UnitPlan; fixed when the cache is made, static under jit). Sequences
+are left-padded: sequence b's tokens sit in slots starts[b] .. index-1, and the token in
+slot s has position s - starts[b], so every sequence counts positions from its own first token.
+
+The model writes and reads this state (model.Transformer.forward_cached); decoding
+(mlra_jax.decode) makes it. It sits below both.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from mlra_jax.analysis import cache_layout
-from mlra_jax.config import ModelConfig
-from mlra_jax.tensor_parallel import UnitPlan, tensor_size, unit_plan
+from mlra_jax.config import MeshConfig, ModelConfig
+from mlra_jax.sharding import make_mesh
+from mlra_jax.tensor_parallel import UnitPlan, per_device_bytes, tensor_size, unit_plan
+
+CachePlans = tuple[tuple[str, UnitPlan], ...]  # (cached tensor, its layout over the tensor axis); hashable
 
 
-class DecodeState(NamedTuple):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["kv", "starts", "index"], meta_fields=["plans"])
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
     kv: dict[str, jax.Array]
     starts: jax.Array  # [B] int32: first real slot of each sequence (left padding before it)
     index: jax.Array  # int32 scalar: the next slot to write (the same for every sequence)
+    plans: CachePlans  # how each cached tensor is stored over the tensor axis (static)
 
     @property
     def max_len(self) -> int:
@@ -36,13 +46,9 @@ class DecodeState(NamedTuple):
 
 
 def cache_plans(cfg: ModelConfig, tp: int | None = None) -> dict[str, UnitPlan]:
+    """The storage plan of each cached tensor at TP degree `tp` (default: the mesh in context)."""
     tp = tensor_size() if tp is None else tp
     return {c.name: unit_plan(c.units, tp) for c in cache_layout(cfg)}
-
-
-def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, tp: int | None = None) -> dict[str, tuple[int, ...]]:
-    plans = cache_plans(cfg, tp)
-    return {c.name: (cfg.n_layer, batch, max_len, plans[c.name].stored, *c.unit_shape) for c in cache_layout(cfg)}
 
 
 def cache_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...] = ("data", "fsdp")
@@ -63,12 +69,13 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, starts: jax.Array | N
     dtype; sharded over `mesh` when given."""
     max_len = -(-max_len // SLOT_MULTIPLE) * SLOT_MULTIPLE
     tp = mesh.shape.get("tensor", 1) if mesh is not None else None
-    shapes = cache_shapes(cfg, batch, max_len, tp)
-    kv = {name: jnp.zeros(shape, cfg.dtype) for name, shape in shapes.items()}
+    plans = cache_plans(cfg, tp)
+    kv = {c.name: jnp.zeros((cfg.n_layer, batch, max_len, plans[c.name].stored, *c.unit_shape), cfg.dtype)
+          for c in cache_layout(cfg)}
     if mesh is not None:
         kv = jax.device_put(kv, cache_shardings(cfg, mesh))
     starts = jnp.zeros((batch,), jnp.int32) if starts is None else jnp.asarray(starts, jnp.int32)
-    return DecodeState(kv, starts, jnp.zeros((), jnp.int32))
+    return DecodeState(kv, starts, jnp.zeros((), jnp.int32), tuple(plans.items()))
 
 
 def slot_mask(state: DecodeState, length: int) -> tuple[jax.Array, jax.Array]:
@@ -84,10 +91,6 @@ def slot_mask(state: DecodeState, length: int) -> tuple[jax.Array, jax.Array]:
 def measured_kv_bytes_per_token(cfg: ModelConfig, tp: int, devices: list[jax.Device] | None = None) -> int:
     """Cache bytes per token per layer that one device stores (and loads per decode step) at TP=tp,
     measured on a real sharded cache over `tp` devices (not computed from a formula)."""
-    from mlra_jax.config import MeshConfig
-    from mlra_jax.sharding import make_mesh
-    from mlra_jax.tensor_parallel import per_device_bytes
-
     devices = (devices or jax.devices())[:tp]
     if len(devices) < tp:
         raise ValueError(f"measuring TP={tp} needs {tp} devices, {len(devices)} are present (on a CPU, set "

@@ -1,0 +1,75 @@
+"""The Mosaic GPU latent decode kernel on a GPU: a self-check against the reference, and its tuning.
+
+    python -m mlra_jax.benchmarks.latent_kernel          # max |error| against the jnp reference
+    python -m mlra_jax.benchmarks.latent_kernel tune     # device time per call and each kernel's share
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from mlra_jax.benchmarks.common import device_time
+from mlra_jax.pallas_kernels.latent_decode_common import combine
+from mlra_jax.pallas_kernels.latent_decode_gpu import latent_decode_gpu, latent_partials_gpu
+from mlra_jax.pallas_kernels.latent_decode_reference import reference
+
+
+def tune() -> None:
+    """Device time per call and each kernel's share: the tile sizes, the split-KV merge as one kernel or XLA's,
+    a contiguous or a paged cache."""
+
+    def xla_combine(*args, **options):
+        out, lse = latent_partials_gpu(*args, **options)
+        return combine(out, lse, args[3].dtype)[:, :, :args[0].shape[2]]
+
+    for heads, dr, r, batch, slots in ((64, 64, 128, 1, 1 << 17), (64, 64, 128, 1, 1 << 21), (64, 64, 128, 128, 1024),
+                                       (32, 64, 256, 1, 1 << 17), (64, 64, 512, 1, 1 << 17)):
+        keys = jax.random.split(jax.random.key(0), 4)
+        args = (jax.random.normal(keys[0], (batch, 1, heads, dr), jnp.bfloat16),
+                jax.random.normal(keys[1], (batch, 1, heads, r), jnp.bfloat16),
+                jax.random.normal(keys[2], (batch, slots, dr), jnp.bfloat16),
+                jax.random.normal(keys[3], (batch, slots, 1, r), jnp.bfloat16),
+                jnp.zeros((batch,), jnp.int32), jnp.full((batch,), slots, jnp.int32))
+        pages = batch * slots // 64
+        table = jax.random.permutation(keys[0], pages).astype(jnp.int32).reshape(batch, -1)
+        paged = (*args[:2], args[2].reshape(pages, 64, dr), args[3].reshape(pages, 64, 1, r), *args[4:])
+        moved = batch * slots * (dr + r) * 2
+        for label, fn, inputs in (("merge kernel", latent_decode_gpu, args), ("xla merge", xla_combine, args),
+                                  ("paged", functools.partial(latent_decode_gpu, page_table=table), paged),
+                                  ("block_kv=64", functools.partial(latent_decode_gpu, block_kv=64), args)):
+            if r > 256 and label == "block_kv=64":
+                continue
+            try:
+                timing = device_time(functools.partial(fn, scale=0.07), inputs, 10, feed=1)
+            except Exception as err:  # noqa: BLE001 - report and go on
+                print(f"H={heads} R={r} B={batch} S={slots} {label}: failed {str(err)[:300]}", flush=True)
+                continue
+            kernels = ", ".join(f"{name[:24]} {t * 1e6:.1f}" for name, t in timing["kernels_s"].items())
+            print(f"H={heads} R={r} B={batch} S={slots} {label}: {timing['time_s'] * 1e6:.1f} us, "
+                  f"{moved / timing['time_s'] / 1e9:.0f} GB/s ({kernels})", flush=True)
+
+
+def check() -> None:
+    """The kernel against the jnp reference on the paper's shapes and odd head counts (max |error|)."""
+    for heads, dr, r, n, s in ((64, 64, 128, 1, 5000), (32, 64, 256, 1, 3000), (64, 64, 512, 1, 4000),
+                               (8, 64, 128, 1, 1000), (96, 64, 128, 1, 1000), (12, 64, 256, 1, 1000),
+                               (64, 64, 128, 2, 704)):
+        keys = jax.random.split(jax.random.key(0), 4)
+        bf16 = jnp.bfloat16
+        args = (jax.random.normal(keys[0], (3, n, heads, dr), bf16), jax.random.normal(keys[1], (3, n, heads, r), bf16),
+                jax.random.normal(keys[2], (3, s, dr), bf16), jax.random.normal(keys[3], (3, s, n, r), bf16),
+                jnp.array([0, 17, s // 2]), jnp.array([s, s // 3, s // 2 + 1]))
+        scale = 1 / math.sqrt(dr + r)
+        got = latent_decode_gpu(*args, scale=scale).astype(jnp.float32)
+        want = reference(*args, scale=scale).astype(jnp.float32)
+        print(f"H={heads} Dr={dr} R={r} N={n} S={s}: max |err| {float(jnp.abs(got - want).max()):.4f}, "
+              f"max |ref| {float(jnp.abs(want).max()):.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    tune() if sys.argv[1:] == ["tune"] else check()
