@@ -1,5 +1,5 @@
 """Named experiments: the paper's 30 runs (`paper.py`), small CPU runs (`tiny.py`),
-and the settings of the paper's analysis tables (`analysis.py`).
+and the settings of the paper's Tables 1-2 (`paper_tables.py`).
 
     python -m mlra_jax.info --list        # every experiment with a one-line description
 

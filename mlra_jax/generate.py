@@ -23,7 +23,7 @@ from mlra_jax.checkpoint import CheckpointError, Checkpointer
 from mlra_jax.cli import experiment_from_dict, read_run_config
 from mlra_jax.config import CheckpointConfig, ConfigError
 from mlra_jax.data.tokenizer import EOT, gpt2_tokenizer
-from mlra_jax.decode.generate import GenerationError, Generator, Sampling
+from mlra_jax.decode.generator import GenerationError, Generator, Sampling
 from mlra_jax.model import Transformer, abstract_model
 
 

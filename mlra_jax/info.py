@@ -12,10 +12,10 @@ import json
 import sys
 from typing import Any
 
-from mlra_jax.analysis import cache_report
+from mlra_jax.cache_accounting import cache_report
 from mlra_jax.config import ConfigError, Experiment, ModelConfig
 from mlra_jax.experiments import all_experiments, get_experiment
-from mlra_jax.experiments.analysis import TABLE_VARIANTS, TP_DEGREES, analysis_config
+from mlra_jax.experiments.paper_tables import TABLE_VARIANTS, TP_DEGREES, analysis_config
 from mlra_jax.model import abstract_model, count_params
 
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from mlra_jax.analysis import cache_layout
+from mlra_jax.cache_accounting import cache_layout
 from mlra_jax.config import MeshConfig, ModelConfig
 from mlra_jax.sharding import make_mesh
 from mlra_jax.tensor_parallel import UnitPlan, per_device_bytes, tensor_size, unit_plan

@@ -81,7 +81,7 @@ def test_optimizer_fields_must_be_finite_and_in_range(field, value, message):
 
 
 def test_nan_temperature_is_refused():
-    from mlra_jax.decode.generate import GenerationError, Sampling
+    from mlra_jax.decode.generator import GenerationError, Sampling
 
     with pytest.raises(GenerationError, match="temperature=nan must be >= 0"):
         Sampling(temperature=float("nan"))

@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from helpers import micro_experiment
-from mlra_jax.decode.generate import GenerationError, Generator, Sampling, sample
-from mlra_jax.experiments.analysis import TABLE_VARIANTS, analysis_config
+from mlra_jax.decode.generator import GenerationError, Generator, Sampling, sample
+from mlra_jax.experiments.paper_tables import TABLE_VARIANTS, analysis_config
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.generate import main as generate_main
 from mlra_jax.kv_cache import init_cache

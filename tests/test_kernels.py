@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from mlra_jax.attention.latent_kernels import ranges_from_mask
-from mlra_jax.decode.generate import Generator
+from mlra_jax.decode.generator import Generator
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.model import init_model
 from mlra_jax.pallas_kernels.latent_decode_common import combine

@@ -89,7 +89,7 @@ def test_a_garbage_experiment_json_is_named_not_a_traceback(tmp_path, capsys):
 
 def test_top_k_beyond_the_vocabulary_is_refused():
     from mlra_jax.experiments.tiny import tiny_model
-    from mlra_jax.decode.generate import GenerationError, Generator, Sampling
+    from mlra_jax.decode.generator import GenerationError, Generator, Sampling
     from mlra_jax.model import init_model
 
     generator = Generator(init_model(tiny_model("gqa", n_layer=1, vocab_size=64)), max_len=16)

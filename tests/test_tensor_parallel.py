@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from mlra_jax.config import ConfigError, MeshConfig
-from mlra_jax.experiments.analysis import TABLE_VARIANTS, analysis_config
+from mlra_jax.experiments.paper_tables import TABLE_VARIANTS, analysis_config
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.kv_cache import init_cache, measured_kv_bytes_per_token
 from mlra_jax.model import init_model
