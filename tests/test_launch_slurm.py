@@ -70,20 +70,20 @@ def sbatch_env(tmp_path: Path, nodes: int = 2, per_node: int = 1) -> dict[str, s
                 FAKE_SCONTROL_LOG=str(tmp_path / "scontrol.log"), FAKE_SRUN_PIDS=str(tmp_path / "pids"))
 
 
-def sbatch(workdir: Path, env: dict[str, str], *args: str) -> list[str]:
+def sbatch(workdir: Path, *args: str) -> list[str]:
     return ["bash", "launch/slurm_gpu.sbatch", "--experiment=mlra4_tiny", f"--workdir={workdir}", *RUN, *args]
 
 
 def run_sbatch(workdir: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(sbatch(workdir, env, *args), env=env, cwd=ROOT, capture_output=True, text=True,
+    result = subprocess.run(sbatch(workdir, *args), env=env, cwd=ROOT, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
 
 
-def start_sbatch(workdir: Path, env: dict[str, str], min_step: int) -> subprocess.Popen:
+def start_sbatch(workdir: Path, env: dict[str, str], min_step: int, *args: str) -> subprocess.Popen:
     """Start the batch script and return it once training has logged `min_step` steps (still running)."""
-    process = subprocess.Popen(sbatch(workdir, env), env=env, cwd=ROOT, stdout=subprocess.PIPE,
+    process = subprocess.Popen(sbatch(workdir, *args), env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     metrics, deadline = workdir / "metrics.jsonl", time.time() + 240
     while time.time() < deadline and process.poll() is None:
@@ -135,8 +135,8 @@ def test_a_killed_task_then_the_same_command_resumes_exactly(tmp_path, uninterru
 
 
 def test_time_limit_notice_checkpoints_and_requeues(tmp_path, uninterrupted):
-    env = sbatch_env(tmp_path)
-    process = start_sbatch(tmp_path / "run", env, min_step=5)
+    env, no_periodic_saves = sbatch_env(tmp_path), "--checkpoint.every=1000"  # the stop saves the only checkpoint
+    process = start_sbatch(tmp_path / "run", env, 5, no_periodic_saves)
     process.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 sends before the time limit
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output[-4000:]
@@ -144,7 +144,7 @@ def test_time_limit_notice_checkpoints_and_requeues(tmp_path, uninterrupted):
     assert len(stops) == 2 and stops[0] == stops[1], output[-4000:]
     assert (tmp_path / "scontrol.log").read_text() == f"requeue {env['SLURM_JOB_ID']}\n"
     assert (tmp_path / "run" / "checkpoints" / stops[0] / "state").is_dir()
-    result = run_sbatch(tmp_path / "run", env)  # the requeued job runs the same script again
+    result = run_sbatch(tmp_path / "run", env, no_periodic_saves)  # the requeued job runs the same script again
     assert f"checkpoints/{stops[0]}" in result.stdout
     assert losses(tmp_path / "run") == uninterrupted[1]
 
