@@ -92,14 +92,14 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if task is None:  # TPU pods, Open MPI, Kubernetes, or everything given: JAX's own detection
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id)
-        source = "flags" if coordinator else "auto-detected"
+        source = "flags" if coordinator else "detected by JAX"
     else:
         jax.distributed.initialize(coordinator_address=task.coordinator,
                                    num_processes=task.num_processes if num_processes is None else num_processes,
                                    process_id=task.process_id if process_id is None else process_id,
                                    local_device_ids=task.local_device_ids, cluster_detection_method="deactivate")
         source = f"SLURM, {task.mode}"
-    coordinator_used = coordinator if task is None else task.coordinator
+    coordinator_used = task.coordinator if task else coordinator or "detected by JAX"
     log.info("distributed: process %d of %d (%s), coordinator %s, %d local devices (GPUs visible: %s), "
              "%d devices in all", jax.process_index(), jax.process_count(), source, coordinator_used,
              jax.local_device_count(), jax.config.read("jax_cuda_visible_devices"), jax.device_count())
