@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Train on every worker of a Cloud TPU VM pod slice (a queued resource). The workdir must be shared by
-# all workers (a gs:// path or a mounted filesystem); the same `run` resumes from its newest checkpoint.
+# Train on every worker of a Cloud TPU VM pod slice (a queued resource). The workdir and data must be one
+# filesystem mounted at the same path on every worker (e.g. Filestore NFS; local paths only, no gs://);
+# the same `run` resumes from its newest checkpoint.
 #   export TPU=mlra-v5p-64 ZONE=us-east5-a            # and PROJECT=... unless gcloud has a default
 #   ACCELERATOR=v5p-64 VERSION=v2-alpha-tpuv5 bash launch/tpu_vm_pod.sh create [--spot]
 #   bash launch/tpu_vm_pod.sh setup                    # every worker at this checkout's commit
-#   bash launch/tpu_vm_pod.sh run --experiment=mlra4_2p9b --data.dataset=/mnt/data/fineweb_edu \
-#       --workdir=gs://BUCKET/runs/mlra4
+#   bash launch/tpu_vm_pod.sh run --experiment=mlra4_2p9b --data.dataset=/mnt/shared/data/fineweb_edu \
+#       --workdir=/mnt/shared/runs/mlra4
 #   bash launch/tpu_vm_pod.sh logs [WORKER]  |  status  |  stop  |  delete
 set -euo pipefail
 
@@ -82,7 +83,7 @@ case $command in
     ;;
   run)
     [[ $# -ge 1 ]] || { echo "error: run needs the training arguments, e.g. run --experiment=mlra4_2p9b" \
-      "--workdir=gs://BUCKET/runs/mlra4" >&2; exit 2; }
+      "--workdir=/mnt/shared/runs/mlra4" >&2; exit 2; }
     ssh_workers all "set -euo pipefail
       cd ~/mlra_jax
       if [ -f $pidfile ] && kill -0 \"\$(cat $pidfile)\" 2>/dev/null; then

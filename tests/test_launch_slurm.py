@@ -51,7 +51,7 @@ done
 exit "$status"
 """
 FAKE_SCONTROL = '#!/usr/bin/env bash\necho "$*" >> "$FAKE_SCONTROL_LOG"\n'
-RUN = [*MICRO, "--train.total_steps=16", "--checkpoint.every=2", "--train.eval_every=0"]
+RUN = [*MICRO, "--train.total_steps=12", "--checkpoint.every=2", "--train.eval_every=0"]
 
 
 def sbatch_env(tmp_path: Path, nodes: int = 2, per_node: int = 1) -> dict[str, str]:
@@ -109,7 +109,7 @@ def test_one_task_per_node_drives_every_local_device(uninterrupted):
     assert sorted(line[0] for line in lines) == ["0", "1"], output[-4000:]
     assert all(line[2:] == ("4", "all", "8") for line in lines), lines
     assert re.search(r"mesh \{.*\} over 8 devices", output), output[-4000:]
-    assert sorted(run_losses) == list(range(1, 17))
+    assert sorted(run_losses) == list(range(1, 13))
 
 
 def test_one_task_per_gpu_gets_its_own_gpu(tmp_path):
@@ -123,12 +123,12 @@ def test_one_task_per_gpu_gets_its_own_gpu(tmp_path):
 
 def test_a_killed_task_then_the_same_command_resumes_exactly(tmp_path, uninterrupted):
     env = sbatch_env(tmp_path)
-    process = start_sbatch(tmp_path / "run", env, min_step=5)
+    process = start_sbatch(tmp_path / "run", env, min_step=3)
     os.kill(int((tmp_path / "pids").read_text().split()[1]), signal.SIGKILL)  # node 2 dies
     output, _ = process.communicate(timeout=120)
     assert process.returncode != 0, output[-4000:]  # srun --kill-on-bad-exit ended the other task
     killed_at = max(losses(tmp_path / "run"))
-    assert killed_at < 16
+    assert killed_at < 12
     result = run_sbatch(tmp_path / "run", sbatch_env(tmp_path))
     assert re.search(r"resumed from .*checkpoints/\d+", result.stdout), result.stdout[-4000:]
     assert losses(tmp_path / "run") == uninterrupted[1]  # float equality, step for step
@@ -136,7 +136,7 @@ def test_a_killed_task_then_the_same_command_resumes_exactly(tmp_path, uninterru
 
 def test_time_limit_notice_checkpoints_and_requeues(tmp_path, uninterrupted):
     env, no_periodic_saves = sbatch_env(tmp_path), "--checkpoint.every=1000"  # the stop saves the only checkpoint
-    process = start_sbatch(tmp_path / "run", env, 5, no_periodic_saves)
+    process = start_sbatch(tmp_path / "run", env, 3, no_periodic_saves)
     process.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 sends before the time limit
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output[-4000:]

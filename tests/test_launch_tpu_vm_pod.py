@@ -132,7 +132,7 @@ def test_create_setup_run_logs_stop_delete(pod):
         assert git(worker / "mlra_jax", "status", "--porcelain", "--untracked-files=no") == ""
 
     start = time.time()
-    result = launcher(checkout, env, "run", "--experiment=mlra4_2p9b", "--workdir=gs://b/runs/a b")
+    result = launcher(checkout, env, "run", "--experiment=mlra4_2p9b", "--workdir=/mnt/shared/runs/a b")
     assert result.returncode == 0, result.stdout + result.stderr
     assert time.time() - start < 30  # detached: the ssh session ends at once, training goes on
     calls(env)
@@ -141,7 +141,7 @@ def test_create_setup_run_logs_stop_delete(pod):
     for worker, pid in zip(workers, pids):
         os.kill(pid, 0)  # alive after the session ended
         assert os.getsid(pid) != os.getsid(0)  # in its own session: a hang-up does not reach it
-        assert "training with: -m mlra_jax.train --distributed --experiment=mlra4_2p9b --workdir=gs://b/runs/a b" \
+        assert "training with: -m mlra_jax.train --distributed --experiment=mlra4_2p9b --workdir=/mnt/shared/runs/a b" \
             in (worker / "mlra_jax_train.log").read_text()
     again = launcher(checkout, env, "run", "--experiment=mlra4_2p9b")
     assert again.returncode != 0 and "already training" in again.stderr
