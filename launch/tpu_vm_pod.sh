@@ -20,7 +20,7 @@ usage: TPU=NAME ZONE=ZONE [PROJECT=ID] bash launch/tpu_vm_pod.sh COMMAND [ARGS]
                        $PYTHON_VERSION (default 3.12, fetched by uv: TPU images ship 3.10) and install .[tpu]
   run TRAIN_ARGS...    on every worker: python -m mlra_jax.train --distributed TRAIN_ARGS, detached
                        (survives the ssh session); log in ~/mlra_jax_train.log on each worker
-  logs [WORKER]        follow one worker's log (default worker 0; LINES=100 lines of history)
+  logs [WORKER]        follow one worker's log (default worker 0; LOG_LINES=100 lines of history)
   status               the queued resource's state and whether each worker is training
   stop                 SIGTERM on every worker: training saves a checkpoint and exits
   delete               delete the queued resource and its TPU
@@ -49,8 +49,11 @@ ssh_workers() {  # ssh_workers WORKER COMMAND: run COMMAND (bash, the workers' l
 
 case $command in
   create)
-    : "${ACCELERATOR:?set ACCELERATOR, the TPU type, e.g. ACCELERATOR=v5p-64}"
-    : "${VERSION:?set VERSION, the TPU runtime image, e.g. VERSION=v2-alpha-tpuv5 (v5p) or v2-alpha-tpuv6e}"
+    if [[ -z ${ACCELERATOR:-} || -z ${VERSION:-} ]]; then
+      echo "error: set ACCELERATOR (the TPU type, e.g. v5p-64) and VERSION (the runtime image, e.g." \
+        "v2-alpha-tpuv5 for v5p, v2-alpha-tpuv6e for v6e)" >&2
+      exit 2
+    fi
     gcloud compute tpus queued-resources create "$TPU" --node-id "$TPU" "${where[@]}" \
       --accelerator-type "$ACCELERATOR" --runtime-version "$VERSION" "$@"
     echo "requested; when 'bash launch/tpu_vm_pod.sh status' says ACTIVE, run setup"
@@ -63,11 +66,15 @@ case $command in
     fi
     commit=${COMMIT:-$(git -C "$root" rev-parse HEAD)}
     commit=$(git -C "$root" rev-parse --verify "$commit^{commit}" 2>/dev/null || echo "$commit")
+    python_version=${PYTHON_VERSION:-3.12}
+    if [[ ! $commit =~ ^[0-9a-f]{7,40}$ || ! $python_version =~ ^3\.[0-9]+(\.[0-9]+)?$ ]]; then
+      echo "error: COMMIT must be a commit of this checkout or a hash, PYTHON_VERSION like 3.12" >&2
+      exit 2
+    fi
     [[ -z $(git -C "$root" status --porcelain --untracked-files=no) ]] ||
       echo "warning: uncommitted changes in $root are not deployed (workers get $commit)" >&2
     [[ -n $(git -C "$root" branch -r --contains "$commit" 2>/dev/null) ]] ||
       echo "warning: $commit is on no remote branch here: push it, or workers cannot fetch it" >&2
-    python_version=${PYTHON_VERSION:-3.12}
     ssh_workers all "set -euo pipefail
       export PATH=\"\$HOME/.local/bin:\$PATH\"
       command -v uv >/dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh
@@ -95,8 +102,9 @@ case $command in
       echo \"\$(hostname): training (pid \$!), log $log\""
     ;;
   logs)
-    [[ $# -le 1 && ${1:-0} =~ ^[0-9]+$ ]] || { echo "error: logs takes one worker number, e.g. logs 3" >&2; exit 2; }
-    ssh_workers "${1:-0}" "tail -n ${LINES:-100} -F $log"
+    [[ $# -le 1 && ${1:-0} =~ ^[0-9]+$ && ${LOG_LINES:-100} =~ ^[0-9]+$ ]] ||
+      { echo "error: logs takes one worker number (e.g. logs 3) and LOG_LINES a number" >&2; exit 2; }
+    ssh_workers "${1:-0}" "tail -n ${LOG_LINES:-100} -F $log"
     ;;
   status)
     gcloud compute tpus queued-resources describe "$TPU" "${where[@]}" --format='value(state.state)'

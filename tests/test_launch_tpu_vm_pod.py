@@ -147,7 +147,7 @@ def test_create_setup_run_logs_stop_delete(pod):
     assert again.returncode != 0 and "already training" in again.stderr
     calls(env)
 
-    result = launcher(checkout, env, "logs", "1", LINES="5", FAKE_SSH_TIMEOUT="2")
+    result = launcher(checkout, env, "logs", "1", LOG_LINES="5", FAKE_SSH_TIMEOUT="2")
     assert "training with:" in result.stdout
     [ssh] = calls(env)
     assert "--worker=1" in ssh and "tail -n 5 -F ~/mlra_jax_train.log" in ssh[-1]
@@ -175,7 +175,11 @@ def test_usage_errors_name_the_fix(pod):
     result = launcher(checkout, dict(env, TPU=""), "setup")
     assert result.returncode == 2 and "set TPU" in result.stderr
     result = launcher(checkout, env, "create")
-    assert result.returncode != 0 and "set ACCELERATOR" in result.stderr
+    assert result.returncode == 2 and "set ACCELERATOR" in result.stderr
+    result = launcher(checkout, env, "setup", COMMIT="HEAD; rm -rf ~")
+    assert result.returncode == 2 and "COMMIT must be" in result.stderr
+    result = launcher(checkout, env, "logs", "x")
+    assert result.returncode == 2 and "one worker number" in result.stderr
     result = launcher(checkout, env, "run")
     assert result.returncode == 2 and "run needs the training arguments" in result.stderr
     git(checkout, "remote", "remove", "origin")
