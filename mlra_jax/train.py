@@ -47,17 +47,19 @@ def _parser() -> argparse.ArgumentParser:
                              "the next unseen example")
     parser.add_argument("--distributed", action="store_true",
                         help="call jax.distributed.initialize() first (multi-host; see launch/); the coordinator is "
-                             "found automatically on TPU pods, SLURM, Open MPI and Kubernetes, or given below")
-    parser.add_argument("--coordinator", help="with --distributed: coordinator host:port")
+                             "found automatically on TPU pods, SLURM (one task per node with all its GPUs, or one "
+                             "per GPU), Open MPI and Kubernetes, or given below")
+    parser.add_argument("--coordinator", help="with --distributed: coordinator host:port (default: detected, or "
+                                              "JAX_COORDINATOR_ADDRESS)")
     parser.add_argument("--num_processes", type=int, help="with --distributed: number of processes")
     parser.add_argument("--process_id", type=int, help="with --distributed: this process's index")
     return parser
 
 
 def initialize_distributed(args: argparse.Namespace) -> None:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk over TCP; GPUs/TPUs unaffected
-    jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
-                               process_id=args.process_id)
+    from mlra_jax.distributed import initialize
+
+    initialize(args.coordinator, args.num_processes, args.process_id)
 
 
 def dry_run(experiment: Experiment, compile_step: bool) -> None:

@@ -95,3 +95,15 @@ def test_top_k_beyond_the_vocabulary_is_refused():
     generator = Generator(init_model(tiny_model("gqa", n_layer=1, vocab_size=64)), max_len=16)
     with pytest.raises(GenerationError, match="top_k=65 exceeds the vocabulary of 64 tokens"):
         generator.generate([[1, 2]], Sampling(max_new_tokens=2, temperature=1.0, top_k=65))
+
+
+def test_a_stop_right_after_a_save_does_not_save_the_step_again(tmp_path, monkeypatch):
+    """A preemption notice at a step that is already saved (here the resumed one) stops cleanly."""
+    from mlra_jax.checkpoint import Checkpointer
+
+    experiment = micro_experiment("mlra4_tiny", "--train.total_steps=4", "--train.eval_every=0")
+    train(experiment, tmp_path, devices=jax.devices()[:1])
+    longer = micro_experiment("mlra4_tiny", "--train.total_steps=8", "--train.eval_every=0")
+    monkeypatch.setattr(Checkpointer, "reached_preemption", lambda self, step: True)
+    result = train(longer, tmp_path, devices=jax.devices()[:1], allow_changed=("train.total_steps",))
+    assert result.stopped_by_signal and result.step == 4

@@ -47,12 +47,15 @@ class TrainResult:
 
 
 class _StopSignal:
-    """Records SIGTERM (preemption notice) so the loop can checkpoint and exit cleanly."""
+    """Records SIGTERM (preemption notice) so the loop can checkpoint and exit cleanly. Only in a
+    single-process run: with several processes, JAX's preemption notifier keeps SIGTERM and the
+    processes agree on the step to stop at (`Checkpointer.reached_preemption`), where a flag per
+    process could stop them at different steps."""
 
     def __init__(self) -> None:
         self.received: int | None = None
         self._previous = None
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -97,9 +100,11 @@ class TrainingLoop:
         # averages equal uninterrupted ones.
         if restored is None:
             self.step, self.examples, self.window, self.state = 0, 0, [], init_state(self.setup)
+            self.saved_step = None
             log.info("initialized a new run in %s", workdir)
             return
         self.step, self.state, metadata = restored
+        self.saved_step = self.step
         self.examples, self.window = metadata["examples"], metadata.get("log_window", [])
         log.info("resumed from %s at step %d (example %d)", self.checkpointer.directory / str(self.step), self.step,
                  self.examples)
@@ -189,9 +194,13 @@ class TrainingLoop:
         return {"val_loss": float(np.mean(jax.device_get(losses)))}
 
     def save(self) -> None:
-        """Check the pending steps, then start an (asynchronous) checkpoint of the current step."""
+        """Check the pending steps, then start an (asynchronous) checkpoint of the current step, unless
+        it is saved already (a stop signal right after a periodic save)."""
+        if self.saved_step == self.step:
+            return
         start = time.perf_counter()
         self.check_pending()
+        self.saved_step = self.step
         self.checkpointer.save(self.step, self.state, {"step": self.step, "examples": self.examples,
                                                        "log_window": list(self.window),
                                                        "experiment": self.experiment.name})
