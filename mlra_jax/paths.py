@@ -1,0 +1,33 @@
+"""Run paths: local folders and object-store URLs (gs://, s3://, ...) alike, through etils.epath.
+
+Every path a run reads or writes (workdir, checkpoints, metrics, TensorBoard, experiment.json,
+data folders, prepare's output) is made with `as_path`: a URL stays a URL (never `./gs:/bucket`),
+a local path becomes absolute, as messages show it. `gs://` needs gcsfs (`pip install -e '.[gcs]'`).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+from etils import epath
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+    """True for a URL (gs://bucket/x, s3://...): an object store without append, rename or flock."""
+    return "://" in os.fspath(path)
+
+
+def as_path(path: str | os.PathLike) -> epath.Path:
+    """`path` as an epath.Path: URLs as given, local paths absolute (`absolute()` of a URL would
+    make it the local folder `./gs:/bucket/...`)."""
+    if is_remote(path):
+        return epath.Path(os.fspath(path))
+    return epath.Path(pathlib.Path(path).absolute())
+
+
+def local_path(path: str | os.PathLike) -> pathlib.Path:
+    """The local file system path of a non-URL path (for memmap, flock)."""
+    if is_remote(path):
+        raise ValueError(f"{path} is not a local path")
+    return pathlib.Path(os.fspath(path))
