@@ -18,6 +18,15 @@ from etils import epath
 TOKEN_BYTES = 2  # uint16
 
 
+def read_range(handle: IO[bytes], start: int, end: int) -> bytes:
+    """Bytes [start, end) of an open file (fewer at its end)."""
+    fs = getattr(handle, "fs", None)
+    if fs is not None and hasattr(fs, "cat_file"):  # fsspec: one ranged request, no read-ahead block
+        return fs.cat_file(handle.path, start, end)
+    handle.seek(start)
+    return handle.read(end - start)
+
+
 class RangedShard:
     """The tokens of one shard, like its memmap for what TokenWindows uses: `size` and `[start:stop]`."""
 
@@ -31,15 +40,6 @@ class RangedShard:
             handle = self._local.handle = self.path.open("rb")
         return handle
 
-    def _read(self, start: int, end: int) -> bytes:
-        """Bytes [start, end) of the file."""
-        handle = self._handle()
-        fs = getattr(handle, "fs", None)
-        if fs is not None and hasattr(fs, "cat_file"):
-            return fs.cat_file(handle.path, start, end)
-        handle.seek(start)
-        return handle.read(end - start)
-
     def __len__(self) -> int:
         return self.size
 
@@ -49,7 +49,7 @@ class RangedShard:
         start, stop, _ = index.indices(self.size)
         if stop <= start:
             return np.zeros(0, np.uint16)
-        data = self._read(self.offset + start * TOKEN_BYTES, self.offset + stop * TOKEN_BYTES)
+        data = read_range(self._handle(), self.offset + start * TOKEN_BYTES, self.offset + stop * TOKEN_BYTES)
         if len(data) != (stop - start) * TOKEN_BYTES:
             raise OSError(f"{self.path}: read {len(data)} bytes at token {start}, expected "
                           f"{(stop - start) * TOKEN_BYTES}; the file changed while training")

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from etils import epath
 
-from mlra_jax.data.ranged_shard import RangedShard
+from mlra_jax.data.ranged_shard import RangedShard, read_range
 from mlra_jax.paths import is_remote, local_path
 
 MAGIC, VERSION = 20240520, 1
@@ -54,7 +54,7 @@ def _size_and_header(path: Path | epath.Path) -> tuple[int, np.ndarray]:
         local = local_path(path)
         return local.stat().st_size, np.fromfile(local, dtype=np.int32, count=HEADER_INTS)
     with path.open("rb") as f:
-        head = f.read(HEADER_BYTES)
+        head = read_range(f, 0, HEADER_BYTES)
     return epath.Path(path).stat().length, np.frombuffer(head[:len(head) // 4 * 4], dtype=np.int32)
 
 
