@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 
 from etils import epath
 
@@ -23,7 +24,11 @@ def as_path(path: str | os.PathLike) -> epath.Path:
     make it the local folder `./gs:/bucket/...`)."""
     if is_remote(path):
         return epath.Path(os.fspath(path))
-    return epath.Path(pathlib.Path(path).absolute())
+    local = pathlib.Path(path)
+    if local.parts and re.fullmatch(r"(gs|s3|az|hf):", local.parts[0]):
+        raise ValueError(f"{path} looks like a URL whose '//' pathlib.Path collapsed to '/'; pass the "
+                         f"URL as a string or epath.Path")
+    return epath.Path(local.absolute())
 
 
 def local_path(path: str | os.PathLike) -> pathlib.Path:

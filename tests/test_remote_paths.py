@@ -17,6 +17,7 @@ from mlra_jax.data.builtin import read_corpus
 from mlra_jax.data.pipeline import TokenWindows
 from mlra_jax.data.prepare import prepare
 from mlra_jax.data.shards import HEADER_BYTES, write_shard
+from mlra_jax.generate import load_model
 from mlra_jax.metrics import MetricWriter
 from mlra_jax.train import main as train_main
 from mlra_jax.training.loop import train
@@ -47,6 +48,7 @@ def test_a_run_on_a_bucket_trains_resumes_and_writes_nothing_locally(tmp_path, m
         # the CLI resumes it from the bucket, with more steps
         assert train_main(["--experiment=mlra4_tiny", "--workdir=gs://bucket/run", *MICRO, *data,
                            "--allow_changed=train.total_steps"]) == 0
+        assert load_model("gs://bucket/run")[1] == 12  # generate reads it back
     assert "resumed from gs://bucket/run/checkpoints/8 at step 8" in caplog.text
     assert "Checkpoints: gs://bucket/run/checkpoints; metrics: gs://bucket/run/metrics.jsonl" in capsys.readouterr().out
     assert list(cwd.iterdir()) == []

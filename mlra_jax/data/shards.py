@@ -25,17 +25,19 @@ class DataError(ValueError):
 
 
 def write_shard(path: Path | epath.Path, tokens: np.ndarray) -> None:
-    """Write tokens atomically (a partial file never carries the final name); local or on a bucket."""
+    """Write tokens atomically (a partial file never carries the final name); local or on a bucket, where
+    an object appears only once uploaded whole (no temporary name, whose rename would be a copy)."""
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
         raise DataError(f"token ids must lie in [0, 65535] to fit uint16 shards; got [{tokens.min()}, {tokens.max()}]")
     header = np.zeros(HEADER_INTS, dtype=np.int32)
     header[:3] = (MAGIC, VERSION, tokens.size)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path if is_remote(path) else path.with_name(path.name + ".tmp")
     with tmp.open("wb") as f:
         f.write(header.tobytes())
         f.write(tokens.astype(np.uint16).tobytes())
-    tmp.replace(path)
+    if tmp != path:
+        tmp.replace(path)
 
 
 def open_shard(path: Path | epath.Path) -> np.ndarray | RangedShard:
