@@ -20,7 +20,8 @@ from mlra_jax.data.shards import HEADER_BYTES, write_shard
 from mlra_jax.generate import load_model
 from mlra_jax.metrics import MetricWriter
 from mlra_jax.train import main as train_main
-from mlra_jax.training.loop import train
+from mlra_jax.training import loop
+from mlra_jax.training.loop import TrainResult, train
 
 ONE_DEVICE = jax.devices()[:1]
 
@@ -33,7 +34,7 @@ def _corpus_files(folder, documents=400):
     return folder
 
 
-def test_a_run_on_a_bucket_trains_resumes_and_writes_nothing_locally(tmp_path, monkeypatch, caplog, capsys):
+def test_a_run_on_a_bucket_trains_resumes_and_writes_nothing_locally(tmp_path, monkeypatch, caplog):
     cwd, bucket = tmp_path / "cwd", tmp_path / "bucket_root" / "bucket"
     cwd.mkdir()
     monkeypatch.chdir(cwd)  # a gs:// URL taken for a local path would appear here as ./gs:/bucket/...
@@ -45,12 +46,11 @@ def test_a_run_on_a_bucket_trains_resumes_and_writes_nothing_locally(tmp_path, m
                       devices=ONE_DEVICE)
         assert first.step == 8
         assert "one job per workdir is your responsibility" in caplog.text  # no flock on an object store
-        # the CLI resumes it from the bucket, with more steps
-        assert train_main(["--experiment=mlra4_tiny", "--workdir=gs://bucket/run", *MICRO, *data,
-                           "--allow_changed=train.total_steps"]) == 0
+        resumed = train(micro_experiment("mlra4_tiny", *data), "gs://bucket/run", devices=ONE_DEVICE,
+                        allow_changed=("train.total_steps",))
+        assert resumed.step == 12
         assert load_model("gs://bucket/run")[1] == 12  # generate reads it back
     assert "resumed from gs://bucket/run/checkpoints/8 at step 8" in caplog.text
-    assert "Checkpoints: gs://bucket/run/checkpoints; metrics: gs://bucket/run/metrics.jsonl" in capsys.readouterr().out
     assert list(cwd.iterdir()) == []
     run = bucket / "run"
     assert sorted(losses(run)) == list(range(1, 13))  # each step once, the resumed ones included
@@ -66,6 +66,24 @@ def test_a_run_on_a_bucket_trains_resumes_and_writes_nothing_locally(tmp_path, m
     assert local.step == 8
     remote = {s: l for s, l in losses(run).items() if s <= 8}
     assert losses(tmp_path / "local_run") == remote
+
+
+def test_the_cli_keeps_a_gs_workdir_a_url(tmp_path, monkeypatch, capsys):
+    """`--workdir=gs://...` reached the loop as the local folder ./gs:/... before (pathlib collapses //)."""
+    monkeypatch.chdir(tmp_path)
+    given = []
+
+    def fake_train(experiment, workdir, allow_changed=()):
+        given.append(workdir)
+        return TrainResult(step=3, last_loss=1.0, stopped_by_signal=False)
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    assert train_main(["--experiment=mlra4_tiny", "--workdir=gs://bucket/run", *MICRO]) == 0
+    assert [str(w) for w in given] == ["gs://bucket/run"]
+    out = capsys.readouterr().out
+    assert "Checkpoints: gs://bucket/run/checkpoints; metrics: gs://bucket/run/metrics.jsonl" in out
+    assert "tensorboard --logdir gs://bucket/run/tensorboard" in out
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_metrics_on_a_bucket_are_rewritten_whole_at_most_every_interval_and_at_flush(tmp_path):
