@@ -86,7 +86,8 @@ def test_the_cli_keeps_a_gs_workdir_a_url(tmp_path, monkeypatch, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_metrics_on_a_bucket_are_rewritten_whole_at_most_every_interval_and_at_flush(tmp_path):
+def test_metrics_on_a_bucket_are_rewritten_whole_at_most_every_interval_and_at_flush(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     path = tmp_path / "root" / "bucket" / "run" / "metrics.jsonl"
     steps = lambda: [json.loads(line)["step"] for line in path.read_text().splitlines()]  # noqa: E731
     with fake_gcs(tmp_path / "root"):
