@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import os
 import pathlib
-import re
 
 from etils import epath
+
+from mlra_jax.config import ConfigError
+
+SCHEMES = ("gs", "s3", "az", "hf")  # the URLs etils.epath reads and writes (through fsspec)
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -23,9 +26,13 @@ def as_path(path: str | os.PathLike) -> epath.Path:
     """`path` as an epath.Path: URLs as given, local paths absolute (`absolute()` of a URL would
     make it the local folder `./gs:/bucket/...`)."""
     if is_remote(path):
+        scheme = os.fspath(path).split("://", 1)[0]
+        if scheme not in SCHEMES:
+            raise ConfigError(f"{path}: {scheme}:// is not supported; use a local path or one of "
+                              f"{', '.join(s + '://' for s in SCHEMES)}")
         return epath.Path(os.fspath(path))
     local = pathlib.Path(path)
-    if local.parts and re.fullmatch(r"(gs|s3|az|hf):", local.parts[0]):
+    if local.parts and local.parts[0].removesuffix(":") in SCHEMES and local.parts[0].endswith(":"):
         raise ValueError(f"{path} looks like a URL whose '//' pathlib.Path collapsed to '/'; pass the "
                          f"URL as a string or epath.Path")
     return epath.Path(local.absolute())

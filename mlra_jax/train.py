@@ -4,11 +4,11 @@
     python -m mlra_jax.train --experiment=mlra4_2p9b --data.dataset=data/fineweb_edu --workdir=runs/mlra4
     python -m mlra_jax.train --experiment=mlra4_2p9b --dry_run      # config, parameters, mesh, memory; no training
 
-A run lives in --workdir (default runs/NAME; a local folder or gs://bucket/path): checkpoints/
-(Orbax), metrics.jsonl, tensorboard/ and experiment.json. Running the same command again resumes from the
-latest complete checkpoint; SIGTERM saves a checkpoint and exits. Resuming with another
-data order or schedule (batch size, seq_len, total_steps, learning rate, seed, data) is
-refused unless --allow_changed names the fields.
+A run lives in --workdir (default runs/NAME; a local folder or gs://bucket/path):
+checkpoints/ (Orbax), metrics.jsonl, tensorboard/ and experiment.json. Running the same
+command again resumes from the latest complete checkpoint; SIGTERM saves a checkpoint and
+exits. Resuming with another data order or schedule (batch size, seq_len, total_steps,
+learning rate, seed, data) is refused unless --allow_changed names the fields.
 """
 
 from __future__ import annotations
@@ -114,11 +114,10 @@ def main(argv: list[str] | None = None) -> int:
               f"space there and run the same command again: it resumes from the newest complete checkpoint in "
               f"{as_path(args.workdir or Path('runs') / args.experiment) / 'checkpoints'}", file=sys.stderr)
         return 2
-    where = workdir
     print(f"{'stopped' if result.stopped_by_signal else 'finished'} at step {result.step}"
           f"{f' (last step loss {result.last_loss:.4f})' if result.last_loss is not None else ''}. Checkpoints: "
-          f"{where / 'checkpoints'}; metrics: {where / 'metrics.jsonl'} and TensorBoard logs in "
-          f"{where / 'tensorboard'} (tensorboard --logdir {where / 'tensorboard'})")
+          f"{workdir / 'checkpoints'}; metrics: {workdir / 'metrics.jsonl'} and TensorBoard logs in "
+          f"{workdir / 'tensorboard'} (tensorboard --logdir {workdir / 'tensorboard'})")
     return 0
 
 

@@ -4,6 +4,7 @@ metrics, prepare, and shards read by byte range."""
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -19,6 +20,7 @@ from mlra_jax.data.prepare import prepare
 from mlra_jax.data.shards import HEADER_BYTES, write_shard
 from mlra_jax.generate import load_model
 from mlra_jax.metrics import MetricWriter
+from mlra_jax.paths import as_path
 from mlra_jax.train import main as train_main
 from mlra_jax.training import loop
 from mlra_jax.training.loop import TrainResult, train
@@ -84,6 +86,13 @@ def test_the_cli_keeps_a_gs_workdir_a_url(tmp_path, monkeypatch, capsys):
     assert "Checkpoints: gs://bucket/run/checkpoints; metrics: gs://bucket/run/metrics.jsonl" in out
     assert "tensorboard --logdir gs://bucket/run/tensorboard" in out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unsupported_url_or_a_collapsed_one_is_refused(capsys):
+    assert train_main(["--experiment=mlra4_tiny", "--workdir=ftp://host/run"]) == 2
+    assert "ftp:// is not supported; use a local path or one of gs://" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="looks like a URL whose '//' pathlib.Path collapsed"):
+        as_path(Path("gs://bucket/run"))  # Path("gs://b") is "gs:/b"
 
 
 def test_metrics_on_a_bucket_are_rewritten_whole_at_most_every_interval_and_at_flush(tmp_path, monkeypatch):

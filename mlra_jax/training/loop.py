@@ -13,8 +13,8 @@ import dataclasses
 import logging
 import math
 import signal
-import threading
 import os
+import threading
 import time
 from typing import Any
 
