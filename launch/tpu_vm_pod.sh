@@ -17,7 +17,7 @@ usage: TPU=NAME ZONE=ZONE [PROJECT=ID] bash launch/tpu_vm_pod.sh COMMAND [ARGS]
                        (ACCELERATOR=v5p-64, VERSION=v2-alpha-tpuv5: the TPU type and runtime image)
   setup                on every worker: clone REPO (default: this checkout's origin), check out COMMIT
                        (default: this checkout's HEAD, which must be pushed), make .venv with Python
-                       $PYTHON_VERSION (default 3.12, fetched by uv: TPU images ship 3.10) and install .[tpu]
+                       $PYTHON_VERSION (default 3.12, fetched by uv: TPU images ship 3.10) and install .[tpu,gcs]
   run TRAIN_ARGS...    on every worker: python -m mlra_jax.train --distributed TRAIN_ARGS, detached
                        (survives the ssh session); log in ~/mlra_jax_train.log on each worker
   logs [WORKER]        follow one worker's log (default worker 0; LOG_LINES=100 lines of history)
@@ -85,7 +85,7 @@ case $command in
       git cat-file -e $commit^{commit} 2>/dev/null || git fetch --quiet origin $commit
       git checkout --force --quiet $commit
       uv venv --quiet --allow-existing --python $python_version .venv
-      uv pip install --quiet --python .venv/bin/python -e '.[tpu]'
+      uv pip install --quiet --python .venv/bin/python -e '.[tpu,gcs]'
       echo \"\$(hostname): mlra_jax at \$(git rev-parse HEAD), \$(.venv/bin/python --version)\""
     ;;
   run)

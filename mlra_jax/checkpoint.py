@@ -11,13 +11,15 @@ touched and the caller gets a CheckpointError.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from mlra_jax.config import CheckpointConfig
+from mlra_jax.paths import as_path
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +31,8 @@ class CheckpointError(RuntimeError):
 class Checkpointer:
     """Orbax checkpoints of one run; `read_only` (generation, inspection) never writes, renames or creates."""
 
-    def __init__(self, directory: Path, cfg: CheckpointConfig, read_only: bool = False):
-        self.directory = Path(directory).absolute()
+    def __init__(self, directory: str | os.PathLike, cfg: CheckpointConfig, read_only: bool = False):
+        self.directory = as_path(directory)  # a local folder (absolute) or a URL: orbax writes both
         self.read_only = read_only
         options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
                                                create=not read_only, read_only=read_only)
@@ -92,7 +94,7 @@ class Checkpointer:
                 f"use another --workdir")
         return None
 
-    def _set_aside(self, step: int) -> Path:
+    def _set_aside(self, step: int) -> epath.Path:
         """Rename a damaged step out of orbax's way (kept for inspection, never deleted)."""
         aside = self.directory / f"{step}.damaged"
         suffix = 0

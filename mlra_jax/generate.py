@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
-from pathlib import Path
 
 import jax
 from flax import nnx
@@ -25,11 +25,13 @@ from mlra_jax.config import CheckpointConfig, ConfigError
 from mlra_jax.data.tokenizer import EOT, gpt2_tokenizer
 from mlra_jax.decode.generator import GenerationError, Generator, Sampling
 from mlra_jax.model import Transformer, abstract_model
+from mlra_jax.paths import as_path
 
 
-def load_model(run_dir: Path, step: int | None = None) -> tuple[Transformer, int]:
+def load_model(run_dir: str | os.PathLike, step: int | None = None) -> tuple[Transformer, int]:
     """The model of a run's newest (or given) checkpoint, on one device; (model, step). Only the
-    parameters are read (not the optimizer state)."""
+    parameters are read (not the optimizer state). `run_dir` is a local folder or a URL (gs://...)."""
+    run_dir = as_path(run_dir)
     config_path = run_dir / "experiment.json"
     if not config_path.exists():
         raise ConfigError(f"{run_dir} is not a run directory (no experiment.json); pass the --workdir of a "
@@ -63,7 +65,7 @@ def load_model(run_dir: Path, step: int | None = None) -> tuple[Transformer, int
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlra_jax.generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", type=Path, required=True, help="a training run directory")
+    parser.add_argument("--checkpoint", required=True, help="a training run directory (local or gs://...)")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     parser.add_argument("--max_new_tokens", type=int, default=64)

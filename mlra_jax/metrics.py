@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -15,6 +15,8 @@ from mlra_jax.attention import attention_class
 from mlra_jax.config import ModelConfig
 from mlra_jax.model import abstract_model
 from mlra_jax.params import flat_params
+from mlra_jax.paths import as_path, is_remote
+from mlra_jax.rewritten_file import REWRITE_EVERY_S, RewrittenFile, RewrittenFileFactory
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +66,37 @@ def json_safe(values: dict[str, Any]) -> dict[str, Any]:
 
 
 class MetricWriter:
-    """One record per call, to a JSONL file, TensorBoard (when tensorboardX is installed) and stdout."""
+    """One record per call, to a JSONL file, TensorBoard (when tensorboardX is installed) and stdout.
 
-    def __init__(self, workdir: Path, enabled: bool = True):
-        self.enabled = enabled
+    Local files are appended to. On an object store (a gs:// workdir), which cannot append, the records
+    stay in memory and metrics.jsonl and the event files are rewritten whole at most every
+    `rewrite_every_s` seconds and at each `flush` (the training loop flushes at every checkpoint) and `close`.
+    """
+
+    def __init__(self, workdir: str | os.PathLike, enabled: bool = True, rewrite_every_s: float = REWRITE_EVERY_S):
+        workdir = as_path(workdir)
+        self.enabled, self.remote, self.rewrite_every_s = enabled, is_remote(workdir), rewrite_every_s
         self.jsonl_path = workdir / "metrics.jsonl"
+        self._jsonl: RewrittenFile | None = None  # the remote metrics.jsonl, loaded on first use
+        self._event_files: RewrittenFileFactory | None = None
         self.tensorboard = None
         if enabled:
             try:
                 from tensorboardX import SummaryWriter
+                from tensorboardX.record_writer import register_writer_factory
             except ImportError:
                 log.warning("tensorboardX is not installed: no TensorBoard logs (pip install tensorboardX)")
             else:
-                self.tensorboard = SummaryWriter(str(workdir / "tensorboard"))
+                if self.remote:  # event files through epath, like every other run file
+                    self._event_files = RewrittenFileFactory(rewrite_every_s)
+                    register_writer_factory(os.fspath(workdir).split(":", 1)[0], self._event_files)
+                self.tensorboard = SummaryWriter(os.fspath(workdir / "tensorboard"))
+
+    def _remote_jsonl(self) -> RewrittenFile:
+        if self._jsonl is None:
+            content = self.jsonl_path.read_bytes() if self.jsonl_path.exists() else b""
+            self._jsonl = RewrittenFile(self.jsonl_path, content, self.rewrite_every_s)
+        return self._jsonl
 
     def truncate_after(self, step: int) -> None:
         """Forget records past `step` (a resumed run logs those steps again). A line that is not a JSON
@@ -94,22 +114,40 @@ class MetricWriter:
                 continue
             if keep:
                 kept.append(line)
-        self.jsonl_path.write_text("".join(line + "\n" for line in kept))
+        content = "".join(line + "\n" for line in kept)
+        if self.remote:
+            self._remote_jsonl().replace_content(content.encode())
+            self._remote_jsonl().flush(force=True)
+        else:
+            self.jsonl_path.write_text(content)
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with open(self.jsonl_path, "a") as f:
-            f.write(json.dumps({"step": step, **json_safe(values)}) + "\n")
+        line = json.dumps({"step": step, **json_safe(values)}) + "\n"
+        if self.remote:
+            self._remote_jsonl().write(line.encode())
+            self._remote_jsonl().flush()
+        else:
+            with open(self.jsonl_path, "a") as f:
+                f.write(line)
         if self.tensorboard is not None:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and value is not None:
                     self.tensorboard.add_scalar(key, value, step)
             self.tensorboard.flush()
 
+    def flush(self) -> None:
+        """Write out what an object store holds only in memory (local files are always current)."""
+        if self._jsonl is not None:
+            self._jsonl.flush(force=True)
+        if self._event_files is not None:
+            self._event_files.flush_all()
+
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+        self.flush()
 
 
 def format_line(step: int, total: int, values: dict[str, Any]) -> str:

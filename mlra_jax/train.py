@@ -4,11 +4,11 @@
     python -m mlra_jax.train --experiment=mlra4_2p9b --data.dataset=data/fineweb_edu --workdir=runs/mlra4
     python -m mlra_jax.train --experiment=mlra4_2p9b --dry_run      # config, parameters, mesh, memory; no training
 
-A run lives in --workdir (default runs/NAME): checkpoints/ (Orbax), metrics.jsonl,
-tensorboard/ and experiment.json. Running the same command again resumes from the
-latest complete checkpoint; SIGTERM saves a checkpoint and exits. Resuming with another
-data order or schedule (batch size, seq_len, total_steps, learning rate, seed, data) is
-refused unless --allow_changed names the fields.
+A run lives in --workdir (default runs/NAME; a local folder or gs://bucket/path):
+checkpoints/ (Orbax), metrics.jsonl, tensorboard/ and experiment.json. Running the same
+command again resumes from the latest complete checkpoint; SIGTERM saves a checkpoint and
+exits. Resuming with another data order or schedule (batch size, seq_len, total_steps,
+learning rate, seed, data) is refused unless --allow_changed names the fields.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from mlra_jax.cli import apply_overrides, disk_full, fields_help
 from mlra_jax.config import ConfigError, Experiment
 from mlra_jax.data.shards import DataError
 from mlra_jax.experiments import all_experiments, get_experiment
+from mlra_jax.paths import as_path
 from mlra_jax.xla_flags import apply_gpu_defaults
 
 
@@ -35,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mlra_jax.train", description=__doc__, epilog=epilog,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--experiment", required=True, help="experiment name (listed below)")
-    parser.add_argument("--workdir", type=Path, help="run directory (default runs/EXPERIMENT)")
+    parser.add_argument("--workdir", help="run directory, local or gs://bucket/path (default runs/EXPERIMENT)")
     parser.add_argument("--dry_run", action="store_true",
                         help="print the resolved config, parameter count, mesh and per-device memory, then exit "
                              "(simulate N CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from mlra_jax.training.loop import TrainingDiverged, train
 
-        workdir = args.workdir or Path("runs") / experiment.name
+        workdir = as_path(args.workdir or Path("runs") / experiment.name)
         result = train(experiment, workdir, allow_changed=tuple(filter(None, args.allow_changed.split(","))))
     except (ConfigError, DataError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -111,13 +112,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: no space left on the device while writing {full.filename or 'the run'} ({full.strerror}); free "
               f"space there and run the same command again: it resumes from the newest complete checkpoint in "
-              f"{(args.workdir or Path('runs') / args.experiment).absolute() / 'checkpoints'}", file=sys.stderr)
+              f"{as_path(args.workdir or Path('runs') / args.experiment) / 'checkpoints'}", file=sys.stderr)
         return 2
-    where = workdir.absolute()
     print(f"{'stopped' if result.stopped_by_signal else 'finished'} at step {result.step}"
           f"{f' (last step loss {result.last_loss:.4f})' if result.last_loss is not None else ''}. Checkpoints: "
-          f"{where / 'checkpoints'}; metrics: {where / 'metrics.jsonl'} and TensorBoard logs in "
-          f"{where / 'tensorboard'} (tensorboard --logdir {where / 'tensorboard'})")
+          f"{workdir / 'checkpoints'}; metrics: {workdir / 'metrics.jsonl'} and TensorBoard logs in "
+          f"{workdir / 'tensorboard'} (tensorboard --logdir {workdir / 'tensorboard'})")
     return 0
 
 

@@ -14,16 +14,19 @@ from pathlib import Path
 
 import grain
 import numpy as np
+from etils import epath
 
 from mlra_jax.config import DataConfig
 from mlra_jax.data.builtin import builtin_shards
 from mlra_jax.data.shards import DataError, find_shards, open_shard
+from mlra_jax.paths import as_path
 
 
 class TokenWindows:
-    """Random-access source of [seq_len + 1] int32 windows over llm.c shards."""
+    """Random-access source of [seq_len + 1] int32 windows over llm.c shards (local memmaps, or byte
+    ranges of shards on a bucket)."""
 
-    def __init__(self, paths: list[Path], seq_len: int, vocab_size: int):
+    def __init__(self, paths: list[Path | epath.Path], seq_len: int, vocab_size: int):
         self.paths, self.seq_len, self.vocab_size = list(paths), seq_len, vocab_size
         self.shards = [open_shard(p) for p in self.paths]
         counts = [max(0, (s.size - 1) // seq_len) for s in self.shards]
@@ -50,8 +53,9 @@ class TokenWindows:
         return f"TokenWindows({len(self.paths)} shards, {len(self)} windows of {self.seq_len + 1})"
 
 
-def data_directory(cfg: DataConfig) -> Path:
-    return builtin_shards() if cfg.dataset == "builtin" else Path(cfg.dataset)
+def data_directory(cfg: DataConfig) -> Path | epath.Path:
+    """The shard folder: the built-in corpus, a local folder or a URL (gs://bucket/data)."""
+    return builtin_shards() if cfg.dataset == "builtin" else as_path(cfg.dataset)
 
 
 def train_dataset(cfg: DataConfig, seq_len: int, vocab_size: int, seed: int, local_batch: int,

@@ -20,20 +20,21 @@ import datetime
 import errno
 import itertools
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 import tiktoken
+from etils import epath
 
 from mlra_jax.data.documents import input_files, iter_documents
 from mlra_jax.data.shards import MARKER, DataError, open_shard, write_shard
 from mlra_jax.data.tokenizer import encode_documents, gpt2_tokenizer
+from mlra_jax.paths import as_path
 
 
-def write_token_shards(tokenizer: tiktoken.Encoding, documents: Iterable[str], out_dir: Path, prefix: str,
+def write_token_shards(tokenizer: tiktoken.Encoding, documents: Iterable[str], out_dir: Path | epath.Path, prefix: str,
                        shard_tokens: int = 100_000_000, first_index: int = 0, batch: int = 1024) -> list[Path]:
     """Tokenize documents into shards of at most shard_tokens tokens named {prefix}_{index:06d}.bin."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -75,12 +76,12 @@ class _Counted:
             yield item
 
 
-def _check_output(output: Path, inputs: list[Path], overwrite: bool) -> None:
+def _check_output(output: epath.Path, inputs: list[Path], overwrite: bool) -> None:
     """Refuse an output that would mix old shards with new ones or swallow the input; nothing is written."""
     if output.exists() and not output.is_dir():
         raise DataError(f"--output {output} is a file; give a folder for the shards")
     for file in inputs:
-        if file.absolute().is_relative_to(output.absolute()):
+        if file.absolute().is_relative_to(output):
             raise DataError(f"the input {file} lies inside --output {output}; write the shards to another folder")
     existing = sorted(output.iterdir()) if output.is_dir() else []
     if existing and not overwrite:
@@ -93,26 +94,36 @@ def _check_output(output: Path, inputs: list[Path], overwrite: bool) -> None:
                         f"{', '.join(foreign[:5])}; move them away or choose another folder. Nothing was written")
 
 
-def _write_error(err: OSError, output: Path) -> DataError:
+def _remove(folder: epath.Path, ignore_errors: bool = False) -> None:
+    """Delete a folder (local or on a bucket), if there."""
+    try:
+        if folder.exists():
+            folder.rmtree()
+    except OSError:
+        if not ignore_errors:
+            raise
+
+
+def _write_error(err: OSError, output: epath.Path) -> DataError:
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return DataError(f"no space left on the disk of {output.parent.absolute()} while writing {err.filename or 'a shard'};"
+        return DataError(f"no space left on the disk of {output.parent} while writing {err.filename or 'a shard'};"
                          f" free space there or choose another --output. {output} was left as it was")
     return DataError(f"cannot write {err.filename or output}: {err.strerror or err}. {output} was left as it was")
 
 
-def prepare(source: str, output: Path, prefix: str, val_documents: int, shard_tokens: int,
+def prepare(source: str, output: str | Path | epath.Path, prefix: str, val_documents: int, shard_tokens: int,
             text_field: str = "text", overwrite: bool = False) -> dict[str, Any]:
     """Tokenize `source` into shards in `output` and return what the marker file records.
 
     The shards are written into a hidden sibling folder that replaces `output` only when complete (with
     the marker `prepare.json`: inputs, documents and tokens per shard), so an interrupted prepare leaves
-    `output` as it was and never a partial set under its name."""
-    output = Path(output)
+    `output` as it was and never a partial set under its name. `output` may be a URL (gs://bucket/data),
+    where the final rename is a copy by the object store."""
+    output = as_path(output)
     files = input_files(source)
     _check_output(output, files, overwrite)
     staging = output.parent / f".{output.name}.partial"
-    if staging.exists():  # left by an interrupted prepare
-        shutil.rmtree(staging)
+    _remove(staging)  # left by an interrupted prepare
     try:
         tokenizer = gpt2_tokenizer()
         documents = iter_documents(source, text_field)
@@ -129,17 +140,17 @@ def prepare(source: str, output: Path, prefix: str, val_documents: int, shard_to
                   "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         (staging / MARKER).write_text(json.dumps(record, indent=1))
     except OSError as err:
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove(staging, ignore_errors=True)
         raise _write_error(err, output) from None
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove(staging, ignore_errors=True)
         raise
     if output.exists():
         replaced = output.parent / f".{output.name}.replaced"
-        shutil.rmtree(replaced, ignore_errors=True)
+        _remove(replaced, ignore_errors=True)
         output.rename(replaced)
         staging.rename(output)
-        shutil.rmtree(replaced)
+        replaced.rmtree()
     else:
         staging.rename(output)
     return record
@@ -149,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlra_jax.data.prepare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="file, folder, hf:NAME[:CONFIG] or tfds:NAME")
-    parser.add_argument("--output", required=True, type=Path, help="folder for the shards")
+    parser.add_argument("--output", required=True, type=as_path, help="folder for the shards (local or gs://...)")
     parser.add_argument("--prefix", default="data", help="shard name prefix (the reference uses fineweb)")
     parser.add_argument("--val_documents", type=int, default=1000, help="documents in the validation shard")
     parser.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard")

@@ -13,19 +13,21 @@ import dataclasses
 import logging
 import math
 import signal
+import os
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 
 from mlra_jax.checkpoint import Checkpointer
 from mlra_jax.config import Experiment
 from mlra_jax.data.pipeline import train_dataset, train_iterator, validation_batches
 from mlra_jax.metrics import MetricWriter, format_line, peak_flops, progress_bar, training_flops_per_token
 from mlra_jax.optim import learning_rate_schedule
+from mlra_jax.paths import as_path
 from mlra_jax.sharding import batch_sharding
 from mlra_jax.training.resume_check import check_resume
 from mlra_jax.training.run_lock import RunLock
@@ -69,7 +71,7 @@ class _StopSignal:
 class TrainingLoop:
     """One run: restores the newest checkpoint (or initializes), then `run()` trains to total_steps."""
 
-    def __init__(self, setup: Setup, workdir: Path):
+    def __init__(self, setup: Setup, workdir: epath.Path):
         self.setup, self.experiment = setup, setup.experiment
         self.cfg, self.train_cfg = setup.experiment.model, setup.experiment.train
         self.is_writer = jax.process_index() == 0
@@ -94,7 +96,7 @@ class TrainingLoop:
         self.pending: list[tuple[int, dict[str, jax.Array]]] = []  # device metrics not yet checked
         self.timed, self.interval_start, self.paused, self.last_loss = 0, time.perf_counter(), 0.0, None
 
-    def _restore(self, workdir: Path) -> None:
+    def _restore(self, workdir: epath.Path) -> None:
         restored = self.checkpointer.restore_latest(self.setup.abstract_state, required_metadata=("step", "examples"))
         # `window`: checked metrics since the last log line, saved with each checkpoint so that resumed
         # averages equal uninterrupted ones.
@@ -204,16 +206,18 @@ class TrainingLoop:
         self.checkpointer.save(self.step, self.state, {"step": self.step, "examples": self.examples,
                                                        "log_window": list(self.window),
                                                        "experiment": self.experiment.name})
+        self.writer.flush()  # on an object store the metrics up to this checkpoint are in memory only
         self.paused += time.perf_counter() - start
 
 
-def train(experiment: Experiment, workdir: Path, devices: list[jax.Device] | None = None,
+def train(experiment: Experiment, workdir: str | os.PathLike, devices: list[jax.Device] | None = None,
           allow_changed: tuple[str, ...] = ()) -> TrainResult:
     """Train (or resume) `experiment` in `workdir` until train.total_steps or a stop signal.
 
     `allow_changed` names the data-order and schedule fields (resume_check.TRAJECTORY_FIELDS) that
-    may differ from the run's experiment.json when resuming."""
-    workdir = Path(workdir)
+    may differ from the run's experiment.json when resuming. `workdir` is a local folder or a URL
+    (gs://bucket/run: checkpoints, metrics and TensorBoard logs go there; no run lock)."""
+    workdir = as_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     with RunLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():  # one writer per run
         has_checkpoints = any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*"))

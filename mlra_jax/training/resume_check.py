@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from pathlib import Path
 from typing import Any
+
+from etils import epath
 
 from mlra_jax.cli import SECTIONS, read_run_config
 from mlra_jax.config import RUNTIME_FIELDS, ConfigError, Experiment
@@ -37,7 +38,7 @@ def validate_allowed(names: tuple[str, ...]) -> None:
                           f"it takes a comma-separated list of: {', '.join(TRAJECTORY_FIELDS)}")
 
 
-def check_resume(workdir: Path, experiment: Experiment, has_checkpoints: bool,
+def check_resume(workdir: epath.Path, experiment: Experiment, has_checkpoints: bool,
                  allow_changed: tuple[str, ...] = (), write: bool = True) -> None:
     """Raise ConfigError if `experiment` may not continue the run in `workdir`; then record it there
     (when `write`: process 0 of a multi-host run).

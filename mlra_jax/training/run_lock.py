@@ -2,25 +2,34 @@
 
 The lock is an OS file lock (flock) on `WORKDIR/lock`, which the kernel releases when the
 process ends however it ends, so a killed run leaves no stale lock; the file keeps the
-holder's host and pid for the message a second writer gets. Local and NFS-style folders only.
+holder's host and pid for the message a second writer gets. Local and NFS-style folders only: an
+object store (a gs:// workdir) has no locks, so there the lock is skipped with a warning.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import socket
-from pathlib import Path
 
 from mlra_jax.config import ConfigError
+from mlra_jax.paths import is_remote, local_path
+
+log = logging.getLogger(__name__)
 
 
 class RunLock:
-    def __init__(self, workdir: Path):
-        self.path = Path(workdir) / "lock"
+    def __init__(self, workdir: str | os.PathLike):
+        self.workdir = workdir
+        self.path = None if is_remote(workdir) else local_path(workdir) / "lock"
         self._file = None
 
     def acquire(self) -> RunLock:
+        if self.path is None:
+            log.warning("%s is on an object store, which has no file locks: training there is not guarded against a "
+                        "second job; running one job per workdir is your responsibility", self.workdir)
+            return self
         handle = open(self.path, "a+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
