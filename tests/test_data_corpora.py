@@ -62,7 +62,12 @@ def test_max_tokens_reads_in_batches_far_from_the_limit(tmp_path, limited_input,
     read = limited_input(allowed=2400)
     calls = []
     real = prepare_module.encode_documents
-    monkeypatch.setattr(prepare_module, "encode_documents", lambda tok, texts: calls.append(len(texts)) or real(tok, texts))
+
+    def counted(tokenizer, texts):
+        calls.append(len(texts))
+        return real(tokenizer, texts)
+
+    monkeypatch.setattr(prepare_module, "encode_documents", counted)
     assert prepare_main(["--input", "hf:unused", "--output", str(tmp_path / "out"), "--val_documents", "100",
                          "--max_tokens", "12e3"]) == 0
     assert len(read) == 2400 and len(calls) < 25 and max(calls) == 1024  # not one document at a time

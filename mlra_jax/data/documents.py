@@ -1,6 +1,6 @@
 """Documents to tokenize: local .txt / .jsonl / .jsonl.gz / .parquet files and folders of them, Hugging
-Face datasets (`hf:NAME[:CONFIG]`, or `hf:FOLDER` saved by `datasets`) and TensorFlow Datasets
-(`tfds:NAME[:CONFIG]`), streamed or read by index, never loaded whole.
+Face datasets (`hf:NAME[:CONFIG]`, or `hf:FOLDER` saved by `datasets` or of data files) and TensorFlow
+Datasets (`tfds:NAME[:CONFIG]`), streamed or read by index, never loaded whole.
 
 A file that cannot be read as what its name says raises a DataError naming the file (and the
 line, for JSON lines) and the fix, never a bare decoding traceback.

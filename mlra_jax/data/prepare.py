@@ -3,7 +3,8 @@
     python -m mlra_jax.data.prepare --input corpus/ --output data/mine
     python -m mlra_jax.data.prepare --input docs.jsonl --output data/mine --text_field body
     python -m mlra_jax.data.prepare --input hf:HuggingFaceFW/fineweb-edu:sample-10BT --output data/fineweb_edu
-    python -m mlra_jax.data.prepare --input tfds:c4:en --split validation --every 10 --max_tokens 1e8 \
+    # an eval set: 0.1B tokens of every 10th validation document, all in _val_ shards
+    python -m mlra_jax.data.prepare --input hf:allenai/c4:en --split validation --every 10 --max_tokens 1e8 \
         --val_documents 1000000000 --output data/c4_eval
 
 Inputs: .txt files (one document each), .jsonl / .jsonl.gz (one document per line,
@@ -190,7 +191,8 @@ def _count(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlra_jax.data.prepare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", required=True, help="file, folder, hf:NAME[:CONFIG] or tfds:NAME")
+    parser.add_argument("--input", required=True,
+                        help="file, folder, hf:NAME[:CONFIG], hf:FOLDER or tfds:NAME[:CONFIG]")
     parser.add_argument("--output", required=True, type=Path, help="folder for the shards")
     parser.add_argument("--prefix", default="data", help="shard name prefix (the reference uses fineweb)")
     parser.add_argument("--val_documents", type=int, default=1000, help="documents in the validation shard")
