@@ -87,7 +87,8 @@ def test_a_run_resumes_under_other_runtime_settings_but_not_another_model(tmp_pa
     train(micro_experiment("mlra4_tiny", "--train.total_steps=4", "--train.eval_every=0",
                            "--model.attention_impl=xla"), tmp_path, devices=devices)
     result = train(micro_experiment("mlra4_tiny", "--train.total_steps=8", "--train.eval_every=0",
-                                    "--model.remat=dots_attn", "--model.scan_layers=false"), tmp_path, devices=devices)
+                                    "--model.remat=dots_attn", "--model.scan_layers=false"), tmp_path, devices=devices,
+                   allow_changed=("train.total_steps",))
     assert result.step == 8
     with pytest.raises(ConfigError, match="model.n_embd was 64, now 32"):
         train(micro_experiment("mlra4_tiny", "--model.n_embd=32"), tmp_path, devices=devices)

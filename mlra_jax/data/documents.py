@@ -1,5 +1,6 @@
 """Documents to tokenize: local .txt / .jsonl / .jsonl.gz / .parquet files and folders of them, Hugging
-Face datasets (`hf:NAME[:CONFIG]`) and TensorFlow Datasets (`tfds:NAME`).
+Face datasets (`hf:NAME[:CONFIG]`, or `hf:FOLDER` saved by `datasets` or of data files) and TensorFlow
+Datasets (`tfds:NAME[:CONFIG]`), streamed or read by index, never loaded whole.
 
 A file that cannot be read as what its name says raises a DataError naming the file (and the
 line, for JSON lines) and the fix, never a bare decoding traceback.
@@ -8,10 +9,11 @@ line, for JSON lines) and the fix, never a bare decoding traceback.
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import zlib
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Any, Iterable, Iterator, Sized
 
 from mlra_jax.data.shards import DataError
 
@@ -89,28 +91,102 @@ def read_file(path: Path, text_field: str) -> Iterator[str]:
         raise DataError(f"{path}: cannot be read ({err.strerror or err}); check that it is a readable file") from None
 
 
-def iter_documents(source: str, text_field: str = "text") -> Iterator[str]:
-    """Documents from a local file or folder, an `hf:` dataset or a `tfds:` dataset."""
-    if source.startswith("hf:"):
-        name, _, config = source[3:].partition(":")
-        try:
-            import datasets
-        except ImportError as err:
-            raise DataError("hf: inputs need the Hugging Face datasets package: pip install datasets") from err
-        for record in datasets.load_dataset(name, config or None, split="train", streaming=True):
-            yield record[text_field]
+def iter_documents(source: str, text_field: str = "text", split: str | None = None, skip: int = 0,
+                   every: int = 1) -> Iterator[str]:
+    """Documents from a local file or folder, an `hf:` dataset or a `tfds:` dataset.
+
+    `split` picks the split of a dataset (train by default); the documents kept are numbers skip,
+    skip + every, skip + 2 every, ... An indexable dataset (a saved `datasets` folder, a TFDS array
+    record data source) is read only at those numbers; a stream reads past the others."""
+    if source.startswith(("hf:", "tfds:")):
+        records = _hf_records(source[3:], split or "train") if source.startswith("hf:") else \
+            _tfds_records(source[5:], split or "train")
+        for record in _sample(records, skip, every):
+            yield _text_of(record, text_field, source)
         return
-    if source.startswith("tfds:"):
+    if split is not None:
+        raise DataError(f"--split {split} applies to hf: and tfds: inputs, not to {source}; leave it out")
+    documents = (text for file in input_files(source) for text in read_file(file, text_field))
+    yield from _sample(documents, skip, every)
+
+
+def _sample(records: Iterable[Any], skip: int, every: int) -> Iterator[Any]:
+    """Records skip, skip + every, ...: by index where the records allow it, so the others are never read."""
+    if isinstance(records, Sized) and hasattr(records, "__getitem__"):
+        return (records[i] for i in range(skip, len(records), every))
+    return itertools.islice(records, skip, None, every)
+
+
+def _text_of(record: Any, text_field: str, source: str) -> str:
+    if not hasattr(record, "keys") or text_field not in record:
+        fields = ", ".join(record.keys()) if hasattr(record, "keys") else type(record).__name__
+        raise DataError(f"{source}: records have no field {text_field!r} (fields: {fields}); pass --text_field")
+    value = record[text_field]
+    if isinstance(value, bytes):  # TFDS text features read through TensorFlow
+        value = value.decode("utf-8", errors="replace")
+    if not isinstance(value, str):
+        raise DataError(f"{source}: field {text_field!r} is a {type(value).__name__}, not text; pass --text_field")
+    return value
+
+
+def _hf_records(name: str, split: str) -> Iterable[Any]:
+    """A Hugging Face dataset streamed from the Hub, or a local folder: one written by save_to_disk
+    (memory-mapped, read by index) or one of data files (.jsonl, .parquet, ..., streamed)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"hf:{name} needs the Hugging Face datasets package: pip install 'mlra-jax[data]' "
+                        f"(or pip install datasets)") from None
+    folder = Path(name)
+    try:
+        if folder.is_dir() and any((folder / f).is_file() for f in ("state.json", "dataset_dict.json")):
+            return _saved_split(datasets.load_from_disk(str(folder)), name, split)
+        repo, _, config = (name, "", "") if folder.is_dir() else name.partition(":")
+        return datasets.load_dataset(repo, config or None, split=split, streaming=True)
+    except DataError:
+        raise
+    except Exception as err:  # noqa: BLE001 - datasets raises many types for a missing dataset, split or network
+        raise DataError(f"hf:{name} (split {split!r}) cannot be loaded ({type(err).__name__}: {err}); check the "
+                        f"name, the config after ':' and --split, or give a local folder as hf:/path") from None
+
+
+def _saved_split(saved: Any, name: str, split: str) -> Any:
+    """The split of a folder written by DatasetDict.save_to_disk; a saved Dataset is one split, taken as is."""
+    if not hasattr(saved, "keys"):
+        return saved
+    if split not in saved:
+        raise DataError(f"hf:{name} has no split {split!r} (splits: {', '.join(saved)}); pass --split")
+    return saved[split]
+
+
+def _tfds_records(name: str, split: str) -> Iterable[Any]:
+    """A TFDS dataset as an array record data source (read by index, no TensorFlow needed), or streamed
+    through tfds.load when it is stored as TFRecord files (that needs TensorFlow)."""
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError:
+        raise DataError(f"tfds:{name} needs tensorflow-datasets: pip install 'mlra-jax[data]' "
+                        f"(or pip install tensorflow-datasets)") from None
+    name = name.replace(":", "/")  # tfds:NAME:CONFIG -> TFDS's NAME/CONFIG
+    try:
         try:
-            import tensorflow_datasets as tfds
-        except ImportError as err:
-            raise DataError("tfds: inputs need tensorflow-datasets: pip install tensorflow-datasets") from err
-        for record in tfds.as_numpy(tfds.load(source[5:], split="train")):
-            value = record[text_field]
-            yield value.decode("utf-8") if isinstance(value, bytes) else value
-        return
-    for file in input_files(source):
-        yield from read_file(file, text_field)
+            return tfds.data_source(name, split=split)
+        except NotImplementedError:  # not array record files: iterate tf.data through TensorFlow
+            return _tfds_stream(tfds, name, split)
+    except DataError:
+        raise
+    except Exception as err:  # noqa: BLE001 - TFDS raises many types for a missing dataset, split or download
+        raise DataError(f"tfds:{name} (split {split!r}) cannot be loaded ({type(err).__name__}: {err}); check the "
+                        f"name, the config after ':', --split and TFDS_DATA_DIR") from None
+
+
+def _tfds_stream(tfds: Any, name: str, split: str) -> Iterable[Any]:
+    try:
+        import tensorflow  # noqa: F401
+    except ImportError:
+        raise DataError(f"tfds:{name} is stored as TFRecord files, which need TensorFlow: pip install tensorflow-cpu"
+                        ) from None
+    return tfds.as_numpy(tfds.load(name, split=split))
 
 
 def input_files(source: str) -> list[Path]:
