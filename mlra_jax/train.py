@@ -20,7 +20,6 @@ import logging
 import sys
 from pathlib import Path
 
-import jax
 
 from mlra_jax.cli import apply_overrides, disk_full, fields_help
 from mlra_jax.config import ConfigError, Experiment
