@@ -20,7 +20,6 @@ import logging
 import sys
 from pathlib import Path
 
-
 from mlra_jax.cli import apply_overrides, disk_full, fields_help
 from mlra_jax.config import ConfigError, Experiment
 from mlra_jax.data.shards import DataError
