@@ -202,12 +202,19 @@ class TrainConfig:
     eval_every: int = 1000  # steps between validation losses (0: never)
     eval_batches: int = 20  # global batches per validation
     loss_chunk: int = 512  # positions per cross-entropy chunk (never the whole [B, T, V] logits); 0: whole
+    # Held-out llm.c files, "NAME=PATH,NAME=PATH": each evaluated every eval_every steps on its first
+    # eval_batches batches of the official evaluation's windows, logged as val/NAME/loss and val/NAME/ppl
+    eval_sets: str = ""
 
     def __post_init__(self) -> None:
         _check_positive(self, "seq_len", "global_batch_size", "total_steps", "micro_batch_size", "log_every",
                         "eval_batches", "max_micro_batch_per_device")
         _require(self.eval_every >= 0, f"eval_every={self.eval_every} must be >= 0")
         _require(self.loss_chunk >= 0, f"loss_chunk={self.loss_chunk} must be >= 0 (0: no chunking)")
+        for item in filter(None, self.eval_sets.split(",")):
+            name, _, path = item.partition("=")
+            _require(bool(name) and bool(path) and "/" not in name,
+                     f"eval_sets item {item!r} is not NAME=PATH (for example c4=data/eval/c4_val.bin)")
         if self.micro_batch_size is not None:
             _require(self.global_batch_size % self.micro_batch_size == 0,
                      f"micro_batch_size={self.micro_batch_size} must divide global_batch_size="
@@ -236,6 +243,10 @@ class TrainConfig:
         per_replica = self.global_batch_size // replicas
         micro = max(d for d in range(1, min(per_replica, self.max_micro_batch_per_device) + 1) if per_replica % d == 0)
         return dataclasses.replace(self, micro_batch_size=micro * replicas)
+
+    @property
+    def named_eval_sets(self) -> dict[str, str]:
+        return dict(item.split("=", 1) for item in self.eval_sets.split(",") if item)
 
     @property
     def accumulation_steps(self) -> int:

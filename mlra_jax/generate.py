@@ -11,6 +11,7 @@ padding; decoding stops at <|endoftext|> or after --max_new_tokens.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -28,9 +29,11 @@ from mlra_jax.model import Transformer, abstract_model
 from mlra_jax.paths import as_path
 
 
-def load_model(run_dir: str | os.PathLike, step: int | None = None) -> tuple[Transformer, int]:
+def load_model(run_dir: str | os.PathLike, step: int | None = None,
+               compute_dtype: str | None = None) -> tuple[Transformer, int]:
     """The model of a run's newest (or given) checkpoint, on one device; (model, step). Only the
-    parameters are read (not the optimizer state). `run_dir` is a local folder or a URL (gs://...)."""
+    parameters are read (not the optimizer state). `run_dir` is a local folder or a URL (gs://...);
+    `compute_dtype` ("float32", "bfloat16") overrides the run's."""
     run_dir = as_path(run_dir)
     config_path = run_dir / "experiment.json"
     if not config_path.exists():
@@ -40,6 +43,9 @@ def load_model(run_dir: str | os.PathLike, step: int | None = None) -> tuple[Tra
         experiment = experiment_from_dict(read_run_config(config_path))
     except TypeError as err:  # fields this version does not know
         raise ConfigError(f"{config_path} does not describe an experiment of this version ({err})") from None
+    if compute_dtype is not None:
+        experiment = dataclasses.replace(experiment, model=dataclasses.replace(experiment.model,
+                                                                               compute_dtype=compute_dtype))
     model = abstract_model(experiment.model)
     graphdef, device = nnx.split(model)[0], jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),

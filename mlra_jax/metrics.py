@@ -156,6 +156,7 @@ def format_line(step: int, total: int, values: dict[str, Any]) -> str:
                      ("tokens_per_s", ",.0f"), ("step_time_s", ".3f"), ("mfu", ".1%")):
         if values.get(key) is not None:
             parts.append(f"{key} {values[key]:{fmt}}")
+    parts += [f"{key} {value:.4f}" for key, value in values.items() if key.startswith("val/") and value is not None]
     return "  ".join(parts)
 
 

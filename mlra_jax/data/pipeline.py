@@ -10,6 +10,7 @@ starts the stream there, so a run resumed with another batch size continues at t
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import grain
@@ -85,3 +86,22 @@ def validation_batches(cfg: DataConfig, seq_len: int, vocab_size: int, local_bat
                         f"batch of {local_batch * process_count}; add validation data or lower eval_batches")
     batched = examples.batch(local_batch, drop_remainder=True)
     return [batched[i] for i in range(min(batches, available))]
+
+
+def eval_windows(path: str | os.PathLike, seq_len: int, tokens: int, batch_size: int) -> np.ndarray:
+    """[windows, seq_len + 1] int32: the official evaluation's windows of one shard, a whole number of
+    batches of `batch_size` covering at most `tokens` predicted tokens.
+
+    The official eval_ppl.py reads a .bin file as uint16 from word 512 on (past the 1024-byte header),
+    takes windows of seq_len + 1 tokens every seq_len tokens and evaluates
+    floor(min(tokens, available) / (batch_size * seq_len)) batches of batch_size windows."""
+    data = open_shard(as_path(path))
+    per_batch = batch_size * seq_len
+    batches = min(tokens, data.size - 1) // per_batch
+    if batches == 0:
+        raise DataError(f"{path} holds {data.size:,} tokens, fewer than one batch of {batch_size} windows of "
+                        f"{seq_len + 1} tokens ({per_batch + 1:,}); lower --batch_size or --seq_len, or use a "
+                        f"longer file")
+    count = batches * batch_size
+    starts = np.arange(count) * seq_len
+    return np.stack([np.asarray(data[s: s + seq_len + 1], dtype=np.int32) for s in starts])

@@ -24,7 +24,7 @@ from etils import epath
 
 from mlra_jax.checkpoint import Checkpointer
 from mlra_jax.config import Experiment
-from mlra_jax.data.pipeline import train_dataset, train_iterator, validation_batches
+from mlra_jax.data.pipeline import eval_windows, train_dataset, train_iterator, validation_batches
 from mlra_jax.metrics import MetricWriter, format_line, peak_flops, progress_bar, training_flops_per_token
 from mlra_jax.optim import learning_rate_schedule
 from mlra_jax.paths import as_path
@@ -87,6 +87,7 @@ class TrainingLoop:
         self.val = (validation_batches(data, train_cfg.seq_len, self.cfg.vocab_size, setup.local_batch,
                                        train_cfg.eval_batches, jax.process_index(), jax.process_count())
                     if train_cfg.eval_every else [])
+        self.eval_sets = {name: self._eval_set_batches(path) for name, path in train_cfg.named_eval_sets.items()}
         self.train_step = jit_train_step(setup)
         self.eval_step = jax.jit(lambda p, t: loss_fn(setup.graphdef, p, t, train_cfg.loss_chunk),
                                  in_shardings=(setup.state_shardings["params"], batch_sharding(setup.mesh)))
@@ -110,6 +111,12 @@ class TrainingLoop:
         self.examples, self.window = metadata["examples"], metadata.get("log_window", [])
         log.info("resumed from %s at step %d (example %d)", self.checkpointer.directory / str(self.step), self.step,
                  self.examples)
+
+    def _eval_set_batches(self, path: str) -> list[np.ndarray]:
+        """This process's rows of the first eval_batches global batches of a held-out file's windows."""
+        size, seq_len, processes = self.train_cfg.global_batch_size, self.train_cfg.seq_len, jax.process_count()
+        windows = eval_windows(path, seq_len, self.train_cfg.eval_batches * size * seq_len, size)
+        return [windows[i: i + size][jax.process_index()::processes] for i in range(0, len(windows), size)]
 
     def run(self) -> TrainResult:
         stop = _StopSignal()
@@ -187,13 +194,22 @@ class TrainingLoop:
         return record
 
     def evaluate(self) -> dict[str, float]:
-        """The validation loss, when one is due; else {}. Its time is not counted as training time."""
-        if not (self.val and self.train_cfg.eval_every and self._due(self.train_cfg.eval_every)):
+        """The validation loss and the held-out sets' losses and perplexities, when due; else {}. Their
+        time is not counted as training time."""
+        if not ((self.val or self.eval_sets) and self.train_cfg.eval_every and self._due(self.train_cfg.eval_every)):
             return {}
-        start = time.perf_counter()
-        losses = [self.eval_step(self.state["params"], global_batch(self.setup, b)) for b in self.val]
+        start, record = time.perf_counter(), {}
+        if self.val:
+            record["val_loss"] = self._mean_loss(self.val)
+        for name, batches in self.eval_sets.items():
+            loss = self._mean_loss(batches)
+            record[f"val/{name}/loss"], record[f"val/{name}/ppl"] = loss, math.exp(loss)
         self.paused += time.perf_counter() - start
-        return {"val_loss": float(np.mean(jax.device_get(losses)))}
+        return record
+
+    def _mean_loss(self, batches: list[np.ndarray]) -> float:
+        losses = [self.eval_step(self.state["params"], global_batch(self.setup, b)) for b in batches]
+        return float(np.mean(jax.device_get(losses)))
 
     def save(self) -> None:
         """Check the pending steps, then start an (asynchronous) checkpoint of the current step, unless

@@ -1,0 +1,103 @@
+"""Evaluate a run: `python -m mlra_jax.eval ppl --checkpoint RUN --data NAME=PATH [NAME=PATH ...]`.
+
+    python -m mlra_jax.eval ppl --checkpoint runs/mlra4 --data fineweb=data/eval/fineweb_val.bin \\
+        --data c4=data/eval/c4_val.bin --tokens 1e8 --seq_len 2048 --dtype bfloat16
+
+Loss and perplexity per set and their average, as the official eval_ppl.py computes them (see
+mlra_jax/perplexity.py for the windows): a table on stdout and JSON in RUN/eval/ppl_step{N}.json
+(--out to write elsewhere). Data-parallel over every local device; any run directory works,
+including one made from imported weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+
+import jax
+
+from mlra_jax.checkpoint import CheckpointError
+from mlra_jax.config import ConfigError, MeshConfig
+from mlra_jax.data.shards import DataError
+from mlra_jax.generate import load_model
+from mlra_jax.paths import as_path
+from mlra_jax.perplexity import batch_losses, evaluate_set
+from mlra_jax.sharding import make_mesh
+
+
+def _named_set(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH (for example fineweb=data/fineweb_val.bin)")
+    return name, path
+
+
+def _tokens(text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens (for example 1e8)") from None
+    if value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens >= 1")
+    return int(value)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mlra_jax.eval", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    ppl = commands.add_parser("ppl", help="loss and perplexity on held-out llm.c token files")
+    ppl.add_argument("--checkpoint", required=True, help="a run directory (local or gs://)")
+    ppl.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    ppl.add_argument("--data", type=_named_set, action="append", required=True, metavar="NAME=PATH",
+                     help="an llm.c .bin file to evaluate (repeat for several sets)")
+    ppl.add_argument("--tokens", type=_tokens, default=int(1e8), help="tokens per set (default 1e8, the paper's)")
+    ppl.add_argument("--seq_len", type=int, default=2048, help="context per window (the paper's 2048)")
+    ppl.add_argument("--batch_size", type=int, default=6,
+                     help="windows per batch (the official default 6; it sets the number of windows evaluated)")
+    ppl.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the run's)")
+    ppl.add_argument("--out", help="JSON file for the results (default RUN/eval/ppl_step{N}.json)")
+    return parser
+
+
+def ppl(args: argparse.Namespace) -> int:
+    if args.seq_len < 1 or args.batch_size < 1:
+        raise ConfigError("--seq_len and --batch_size must be at least 1")
+    devices = jax.local_devices()
+    data_parallel = max(d for d in range(1, len(devices) + 1) if args.batch_size % d == 0 and len(devices) % d == 0)
+    model, step = load_model(args.checkpoint, args.step, args.dtype)
+    mesh = make_mesh(MeshConfig(data=data_parallel), devices[:data_parallel])
+    evaluate = batch_losses(model, mesh)
+    results = [evaluate_set(name, path, evaluate, args.seq_len, args.tokens, args.batch_size)
+               for name, path in args.data]
+    average = sum(r.loss for r in results) / len(results)
+    width = max(len(r.name) for r in results + [dataclasses.replace(results[0], name="average")])
+    print(f"{'set':{width}}  {'loss':>8}  {'perplexity':>10}  {'tokens':>14}")
+    for r in results:
+        print(f"{r.name:{width}}  {r.loss:8.4f}  {r.perplexity:10.3f}  {r.tokens:14,}")
+    print(f"{'average':{width}}  {average:8.4f}")
+    out = as_path(args.out) if args.out else as_path(args.checkpoint) / "eval" / f"ppl_step{step}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"checkpoint": str(as_path(args.checkpoint)), "step": step,
+                               "seq_len": args.seq_len, "batch_size": args.batch_size,
+                               "dtype": args.dtype or model.config.compute_dtype, "average_loss": average,
+                               "sets": [dataclasses.asdict(r) for r in results]}, indent=1))
+    print(f"results: {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        return ppl(args)
+    except (ConfigError, DataError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
