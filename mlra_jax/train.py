@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="resume although these data-order or schedule settings differ from the run's "
                              "experiment.json (e.g. train.global_batch_size,train.total_steps); the run continues at "
                              "the next unseen example")
+    parser.add_argument("--init_from", metavar="RUN",
+                        help="start a new run from the weights of this run directory (e.g. one made by python -m "
+                             "mlra_jax.convert from-reference): fresh optimizer state, step 0, data from its start; "
+                             "the model config must be the same. Ignored once --workdir has checkpoints (it resumes)")
     parser.add_argument("--distributed", action="store_true",
                         help="call jax.distributed.initialize() first (multi-host; see launch/); the coordinator is "
                              "found automatically on TPU pods, SLURM (one task per node with all its GPUs, or one "
@@ -97,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         from mlra_jax.training.loop import TrainingDiverged, train
 
         workdir = as_path(args.workdir or Path("runs") / experiment.name)
-        result = train(experiment, workdir, allow_changed=tuple(filter(None, args.allow_changed.split(","))))
+        result = train(experiment, workdir, allow_changed=tuple(filter(None, args.allow_changed.split(","))),
+                       init_from=args.init_from)
     except (ConfigError, DataError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -29,9 +29,10 @@ from mlra_jax.metrics import MetricWriter, format_line, peak_flops, progress_bar
 from mlra_jax.optim import learning_rate_schedule
 from mlra_jax.paths import as_path
 from mlra_jax.sharding import batch_sharding
+from mlra_jax.training.init_from import check_same_model, source_params
 from mlra_jax.training.resume_check import check_resume
 from mlra_jax.training.run_lock import RunLock
-from mlra_jax.training.state import Setup, build_setup, global_batch, init_state, jit_train_step
+from mlra_jax.training.state import Setup, build_setup, global_batch, init_state, jit_train_step, state_from_params
 from mlra_jax.training.step import loss_fn
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ class _StopSignal:
 class TrainingLoop:
     """One run: restores the newest checkpoint (or initializes), then `run()` trains to total_steps."""
 
-    def __init__(self, setup: Setup, workdir: epath.Path):
+    def __init__(self, setup: Setup, workdir: epath.Path, init_from: str | os.PathLike | None = None):
+        self.init_from = init_from
         self.setup, self.experiment = setup, setup.experiment
         self.cfg, self.train_cfg = setup.experiment.model, setup.experiment.train
         self.is_writer = jax.process_index() == 0
@@ -102,9 +104,15 @@ class TrainingLoop:
         # `window`: checked metrics since the last log line, saved with each checkpoint so that resumed
         # averages equal uninterrupted ones.
         if restored is None:
-            self.step, self.examples, self.window, self.state = 0, 0, [], init_state(self.setup)
-            self.saved_step = None
-            log.info("initialized a new run in %s", workdir)
+            self.step, self.examples, self.window, self.saved_step = 0, 0, [], None
+            if self.init_from is None:
+                self.state = init_state(self.setup)
+                log.info("initialized a new run in %s", workdir)
+                return
+            params, step = source_params(self.init_from, self.setup.abstract_state["params"])
+            self.state = state_from_params(self.setup, params)
+            log.info("started a new run in %s from the weights of %s (step %d); fresh optimizer state", workdir,
+                     self.init_from, step)
             return
         self.step, self.state, metadata = restored
         self.saved_step = self.step
@@ -227,13 +235,17 @@ class TrainingLoop:
 
 
 def train(experiment: Experiment, workdir: str | os.PathLike, devices: list[jax.Device] | None = None,
-          allow_changed: tuple[str, ...] = ()) -> TrainResult:
+          allow_changed: tuple[str, ...] = (), init_from: str | os.PathLike | None = None) -> TrainResult:
     """Train (or resume) `experiment` in `workdir` until train.total_steps or a stop signal.
 
     `allow_changed` names the data-order and schedule fields (resume_check.TRAJECTORY_FIELDS) that
     may differ from the run's experiment.json when resuming. `workdir` is a local folder or a URL
-    (gs://bucket/run: checkpoints, metrics and TensorBoard logs go there; no run lock)."""
+    (gs://bucket/run: checkpoints, metrics and TensorBoard logs go there; no run lock). `init_from`, a run
+    directory, gives a new run its weights (fresh optimizer state, step 0); a run that has checkpoints
+    resumes from them instead."""
     workdir = as_path(workdir)
+    if init_from is not None:
+        check_same_model(init_from, experiment.model)  # before anything is written
     workdir.mkdir(parents=True, exist_ok=True)
     with RunLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():  # one writer per run
         has_checkpoints = any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*"))
@@ -243,4 +255,4 @@ def train(experiment: Experiment, workdir: str | os.PathLike, devices: list[jax.
             log.info("%s: %s parameters, mesh %s over %d devices (%s)", setup.experiment.name,
                      f"{setup.num_params:,}", dict(setup.mesh.shape), setup.mesh.size,
                      setup.mesh.devices.flat[0].device_kind)
-            return TrainingLoop(setup, workdir).run()
+            return TrainingLoop(setup, workdir, None if has_checkpoints else init_from).run()

@@ -77,6 +77,19 @@ def init_state(setup: Setup) -> dict[str, Any]:
         return jax.jit(init, out_shardings=setup.state_shardings)()
 
 
+def state_from_params(setup: Setup, params: dict[str, Any]) -> dict[str, Any]:
+    """A fresh start from given weights (nested like the abstract params): a new optimizer state and the
+    seed's RNG, as init_state makes them, in the run's shardings."""
+    seed = setup.experiment.train.seed
+
+    def init(p: dict[str, Any]) -> dict[str, Any]:
+        return {"params": p, "opt_state": setup.optimizer.init(p), "rng": jax.random.key_data(jax.random.key(seed))}
+
+    with jax.set_mesh(setup.mesh):
+        return jax.jit(init, in_shardings=(setup.state_shardings["params"],),
+                       out_shardings=setup.state_shardings)(params)
+
+
 def memory_estimate(setup: Setup) -> dict[str, int]:
     """Bytes per device: parameters, optimizer state, gradients (as the parameters)."""
     params = bytes_per_device(setup.abstract_state["params"], setup.state_shardings["params"])

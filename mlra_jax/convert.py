@@ -1,0 +1,143 @@
+"""Checkpoints to and from the official PyTorch code's format: `python -m mlra_jax.convert COMMAND ...`.
+
+    python -m mlra_jax.convert to-reference --checkpoint runs/mlra4 --out exports/mlra4 [--step N] [--shard_size 10GB]
+    python -m mlra_jax.convert from-reference --src Soughing-MLRA/mlra_4 --out runs/mlra4_imported [--variant mlra4]
+
+to-reference writes `config.json` and `pytorch_model.bin` (shards `pytorch_model-0000k-of-0000N.bin` with
+`pytorch_model.bin.index.json` above --shard_size), which the official `GPT.from_pretrained(DIR)` of the model
+file it names loads. from-reference reads a `.pt`/`.bin` state dict, a `.safetensors` file or a folder of
+either (sharded with its index or not), with `torch.load(weights_only=True)` or safetensors, finds the variant
+from config.json and the tensor names, and writes a run directory (experiment.json and an Orbax checkpoint at
+step 0) that `generate` reads and `train --init_from` starts from. Errors exit with status 2 and leave no output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+
+from mlra_jax.checkpoint import CheckpointError, Checkpointer
+from mlra_jax.config import CheckpointConfig, ConfigError, Experiment, ModelConfig, TrainConfig
+from mlra_jax.generate import load_model
+from mlra_jax.interop import StateDictError, from_state_dict, model_state_dict
+from mlra_jax.interop.detect import detect_config
+from mlra_jax.interop.files import ReferenceFileError, parse_size, read_reference, write_reference
+from mlra_jax.interop.reference_config import reference_config
+from mlra_jax.params import unflatten
+from mlra_jax.training.state import build_setup, state_from_params
+
+ERRORS = (ConfigError, CheckpointError, StateDictError, ReferenceFileError)
+
+
+def _fresh_output(out: Path, write: Callable[[Path], Any]) -> Any:
+    """Run `write` on a temporary folder beside `out`, then rename it to `out`: a failure leaves nothing."""
+    if out.exists():
+        raise ConfigError(f"{out} exists; choose another --out (nothing is overwritten)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        result = write(tmp)
+        tmp.rename(out)
+        return result
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def to_reference(checkpoint: str, out: Path, step: int | None = None, shard_size: str = "10GB") -> str:
+    """Write a run's weights in the official format into `out`; the reference model file to load them with."""
+    try:
+        limit = parse_size(shard_size)
+    except ValueError as err:
+        raise ConfigError(f"--shard_size: {err}") from None
+    model, step = load_model(checkpoint, step)
+    fields, reference_model = reference_config(model.config)
+    config = {"architectures": ["GPT"], "model_type": "gpt2", **fields, "bias": False, "dropout": 0.0,
+              "torch_dtype": model.config.param_dtype, "reference_model": reference_model,
+              "mlra_jax": {"variant": model.config.variant, "source": str(checkpoint), "step": step}}
+    state_dict = model_state_dict(model)
+    files = _fresh_output(out, lambda tmp: write_reference(state_dict, config, tmp, limit))
+    print(f"wrote {', '.join(files)} to {out} (step {step} of {checkpoint})")
+    print(f"load it with the official {reference_model}: GPT.from_pretrained({str(out)!r})")
+    return reference_model
+
+
+def _write_run(run_dir: Path, experiment: Experiment, flat_params: dict[str, Any], source: str) -> None:
+    setup = build_setup(experiment, jax.devices()[:1])
+    state = state_from_params(setup, unflatten(flat_params))
+    (run_dir / "experiment.json").write_text(json.dumps(dataclasses.asdict(experiment), indent=1))
+    checkpointer = Checkpointer(run_dir.absolute() / "checkpoints", CheckpointConfig(async_save=False))
+    try:
+        checkpointer.save(0, state, {"step": 0, "examples": 0, "log_window": [], "experiment": experiment.name,
+                                     "converted_from": source})
+    finally:
+        checkpointer.close()
+
+
+def imported_experiment(cfg: ModelConfig, name: str, source: str) -> Experiment:
+    train = TrainConfig(seq_len=min(TrainConfig().seq_len, cfg.max_seq_len))
+    return Experiment(name=name, description=f"weights converted from {source}", model=cfg, train=train)
+
+
+def from_reference(src: Path, out: Path, variant: str | None = None) -> ModelConfig:
+    """Write the run directory `out` from an official checkpoint file or folder; the model config found."""
+    if out.exists():
+        raise ConfigError(f"{out} exists; choose another --out (nothing is overwritten)")
+    tensors, config = read_reference(src)
+    if config is None:
+        raise ConfigError(f"{src} has no config.json beside its weights; the sizes (n_head, ranks, ...) come from "
+                          f"it: put the official config.json of the checkpoint there")
+    shapes = {k: tuple(t.shape) for k, t in tensors.items()}
+    cfg = detect_config(shapes, config, config.get("reference_model"), variant)
+    flat = from_state_dict(tensors, cfg)  # validated completely before anything is written
+    del tensors
+    experiment = imported_experiment(cfg, out.name, str(src))
+    _fresh_output(out, lambda tmp: _write_run(tmp, experiment, flat, str(src)))
+    print(f"wrote run {out} ({cfg.variant}{' gated' if cfg.gated else ''}, {cfg.n_layer} layers) from {src}; "
+          f"generate with python -m mlra_jax.generate --checkpoint {out}, or train from it with python -m "
+          f"mlra_jax.train --init_from={out} ...")
+    return cfg
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mlra_jax.convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    to_ref = commands.add_parser("to-reference", help="a run's checkpoint -> the official code's files")
+    to_ref.add_argument("--checkpoint", required=True, help="a training run directory")
+    to_ref.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    to_ref.add_argument("--out", required=True, type=Path, help="output folder (must not exist)")
+    to_ref.add_argument("--shard_size", default="10GB", help="largest .bin file (e.g. 5GB, 500MB; default 10GB)")
+    from_ref = commands.add_parser("from-reference", help="the official code's files -> a run directory")
+    from_ref.add_argument("--src", required=True, type=Path,
+                          help="a .pt/.bin/.safetensors file or a folder (config.json, weights or shards + index)")
+    from_ref.add_argument("--variant", help="our variant (mla, mlra4, ...) or a reference file (model/mla_no_scale.py);"
+                                            " needed only when config.json and the tensor names cannot tell")
+    from_ref.add_argument("--out", required=True, type=Path, help="run directory to write (must not exist)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        if args.command == "to-reference":
+            to_reference(args.checkpoint, args.out, args.step, args.shard_size)
+        else:
+            from_reference(args.src, args.out, args.variant)
+    except ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Which of our configs a reference checkpoint is: from its config.json fields and its tensor names and shapes."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from mlra_jax.config import ConfigError, ModelConfig
+from mlra_jax.interop.reference_config import config_from_reference
+from mlra_jax.interop.state_dict import guess_variant, reference_shapes
+from mlra_jax.variants import SPECS
+
+# every reference model file that tensor names can tell apart (the other options change no name)
+_FILES = tuple(sorted({f"model/{spec.reference_stem}{gated}.py" for spec in SPECS.values()
+                       for gated in ("", "_gated")}))
+
+
+def _fits(cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]]) -> bool:
+    expected = reference_shapes(cfg)
+    return set(shapes) <= set(expected) and all(expected[k] == s for k, s in shapes.items()) and \
+        set(expected) - set(shapes) <= {"lm_head.weight"}
+
+
+def detect_config(shapes: Mapping[str, tuple[int, ...]], fields: Mapping[str, Any],
+                  reference_model: str | None = None, variant: str | None = None) -> ModelConfig:
+    """Our ModelConfig for a reference state_dict of these tensor shapes and GPTConfig `fields`.
+
+    `variant` is one of ours (mla) or a reference model file (model/mla_no_scale.py); `reference_model`
+    is the file a config.json names. Without either, the files whose names and shapes fit are tried;
+    a ConfigError asks for --variant when several fit. With one of them given, the config is built even
+    if it does not fit, so that loading names what differs."""
+    if variant is not None and variant.endswith(".py"):
+        reference_model, variant = variant, None
+    if variant is not None and variant not in SPECS:
+        raise ConfigError(f"--variant {variant!r} is none of {', '.join(SPECS)} (or a reference file model/NAME.py)")
+    if reference_model is not None and variant is None:
+        return config_from_reference(fields, reference_model)
+    candidates = []
+    for file in _FILES:
+        try:
+            cfg = config_from_reference(fields, file)
+        except (ConfigError, TypeError, ValueError):
+            continue  # this file's config does not take these fields
+        if variant is None or cfg.variant == variant:
+            candidates.append(cfg)
+    fitting = [cfg for cfg in candidates if _fits(cfg, shapes)]
+    if len(fitting) == 1:
+        return fitting[0]
+    if variant is not None:
+        if candidates:
+            return (fitting or candidates)[0]  # several: the ungated one; none: loading says what differs
+        raise ConfigError(f"the checkpoint's config.json fields do not make a {variant} config "
+                          f"({', '.join(f'{k}={v}' for k, v in fields.items())}); it looks like "
+                          f"{guess_variant(set(shapes))}")
+    if not fitting:
+        raise ConfigError(f"the tensor names and shapes fit none of the paper's variants with these config.json "
+                          f"fields; they look like {guess_variant(set(shapes))}. Pass --variant")
+    names = ", ".join(f"{c.variant}{' (gated)' if c.gated else ''}" for c in fitting)
+    raise ConfigError(f"the tensor names cannot tell which variant this is ({names} fit); pass --variant")
