@@ -70,9 +70,11 @@ def to_reference(checkpoint: str, out: Path, step: int | None = None, shard_size
     return reference_model
 
 
-def _write_run(run_dir: Path, experiment: Experiment, flat_params: dict[str, Any], source: str) -> None:
+def write_run(run_dir: Path, experiment: Experiment, flat_params: dict[str, Any], source: str) -> None:
+    """A run directory holding `flat_params` as its step-0 checkpoint (fresh optimizer state) and experiment.json."""
     setup = build_setup(experiment, jax.devices()[:1])
     state = state_from_params(setup, unflatten(flat_params))
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "experiment.json").write_text(json.dumps(dataclasses.asdict(experiment), indent=1))
     checkpointer = Checkpointer(run_dir.absolute() / "checkpoints", CheckpointConfig(async_save=False))
     try:
@@ -100,7 +102,7 @@ def from_reference(src: Path, out: Path, variant: str | None = None) -> ModelCon
     flat = from_state_dict(tensors, cfg)  # validated completely before anything is written
     del tensors
     experiment = imported_experiment(cfg, out.name, str(src))
-    _fresh_output(out, lambda tmp: _write_run(tmp, experiment, flat, str(src)))
+    _fresh_output(out, lambda tmp: write_run(tmp, experiment, flat, str(src)))
     print(f"wrote run {out} ({cfg.variant}{' gated' if cfg.gated else ''}, {cfg.n_layer} layers) from {src}; "
           f"generate with python -m mlra_jax.generate --checkpoint {out}, or train from it with python -m "
           f"mlra_jax.train --init_from={out} ...")
