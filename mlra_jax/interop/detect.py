@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from mlra_jax.config import ConfigError, ModelConfig
+from mlra_jax.interop.names import LAYER_PREFIX, TIED_KEY, TOP_RULES, layer_rules
 from mlra_jax.interop.reference_config import config_from_reference
 from mlra_jax.interop.state_dict import guess_variant, reference_shapes
 from mlra_jax.variants import SPECS
@@ -14,7 +15,16 @@ _FILES = tuple(sorted({f"model/{spec.reference_stem}{gated}.py" for spec in SPEC
                        for gated in ("", "_gated")}))
 
 
+def _names(cfg: ModelConfig) -> set[str]:
+    names = {ref for rule in TOP_RULES for ref in rule.refs}
+    for i in range(cfg.n_layer):
+        names |= {LAYER_PREFIX.format(i=i) + ref for rule in layer_rules(cfg) for ref in rule.refs}
+    return names
+
+
 def _fits(cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]]) -> bool:
+    if set(shapes) - {TIED_KEY} != _names(cfg):
+        return False  # the names alone rule it out; shapes (which need the model traced) only for the rest
     expected = reference_shapes(cfg)
     return set(shapes) <= set(expected) and all(expected[k] == s for k, s in shapes.items()) and \
         set(expected) - set(shapes) <= {"lm_head.weight"}
@@ -48,9 +58,8 @@ def detect_config(shapes: Mapping[str, tuple[int, ...]], fields: Mapping[str, An
     if variant is not None:
         if candidates:
             return (fitting or candidates)[0]  # several: the ungated one; none: loading says what differs
-        raise ConfigError(f"the checkpoint's config.json fields do not make a {variant} config "
-                          f"({', '.join(f'{k}={v}' for k, v in fields.items())}); it looks like "
-                          f"{guess_variant(set(shapes))}")
+        raise ConfigError(f"--variant {variant} does not fit this checkpoint: its config.json fields make no "
+                          f"{variant} config, and its tensors look like {guess_variant(set(shapes))}")
     if not fitting:
         raise ConfigError(f"the tensor names and shapes fit none of the paper's variants with these config.json "
                           f"fields; they look like {guess_variant(set(shapes))}. Pass --variant")

@@ -35,7 +35,7 @@ def config_from_reference(fields: Mapping[str, Any], reference_model: str, **ove
     variant = _FILE_VARIANTS[stem]
     if variant == "gqa" and kwargs.get("group_size") == kwargs.get("n_head"):
         variant = "mqa"  # the reference runs MQA through gqa.py with group_size = n_head
-    if variant != "mqa" and "group_size" not in SPECS[variant].required_fields:
+    if "group_size" not in SPECS[variant].required_fields:  # MQA's is implied (n_head): left unset as in ours
         kwargs.pop("group_size", None)
     return ModelConfig(variant=variant, **kwargs, **options, **overrides)
 
