@@ -47,9 +47,12 @@ def _torch() -> Any:
 
 def _to_torch(array: np.ndarray) -> Any:
     torch = _torch()
+    array = np.ascontiguousarray(array)
+    if not array.flags.writeable:  # a view of a jax array: torch wants memory it may write
+        array = array.copy()
     if array.dtype.name == "bfloat16":  # no numpy bfloat16 in torch.from_numpy: move the bits
-        return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(array))
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def _shards(names: list[str], sizes: Mapping[str, int], limit: int) -> list[list[str]]:
