@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 
@@ -151,8 +152,6 @@ def test_train_init_from_starts_at_the_imported_weights(exported, tmp_path):
     model, _ = load_model(root / "back")
     first = np.asarray(train_dataset(experiment.data, experiment.train.seq_len, experiment.model.vocab_size,
                                      experiment.train.seed, experiment.train.global_batch_size)[0])
-    from flax import nnx
-
     graphdef, params = nnx.split(model, nnx.Param)
     expected = float(jax.jit(loss_fn, static_argnums=0)(graphdef, nnx.to_pure_dict(params), first))
     assert losses(tmp_path / "new")[1] == pytest.approx(expected, rel=1e-5)  # step 1 trains on the first batch
