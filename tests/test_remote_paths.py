@@ -77,7 +77,7 @@ def test_the_cli_keeps_a_gs_workdir_a_url(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(paths, "filesystem_missing", lambda scheme: None)  # gcsfs is not needed here
     given = []
 
-    def fake_train(experiment, workdir, allow_changed=()):
+    def fake_train(experiment, workdir, **options):
         given.append(workdir)
         return TrainResult(step=3, last_loss=1.0, stopped_by_signal=False)
 
