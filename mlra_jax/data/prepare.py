@@ -164,13 +164,13 @@ def prepare(source: str, output: str | Path | epath.Path, prefix: str, val_docum
         val_count = budget.documents
         train = write_token_shards(tokenizer, documents, staging, f"{prefix}_train", shard_tokens,
                                    first_index=len(val), budget=budget)
+        sizes = {p.name: int(open_shard(p).size) for p in val + train}  # each shard's header read once
         record = {"format": "llm.c token shards (uint16, version 1)", "tokenizer": "gpt2",
                   "inputs": [str(f.absolute()) for f in files] or [source], "text_field": text_field,
                   "split": split, "skip_documents": skip_documents, "every": every, "max_tokens": max_tokens,
                   "documents": {"val": val_count, "train": budget.documents - val_count},
-                  "tokens": {"val": sum(open_shard(p).size for p in val),
-                             "train": sum(open_shard(p).size for p in train)},
-                  "shards": {p.name: int(open_shard(p).size) for p in val + train},
+                  "tokens": {"val": sum(sizes[p.name] for p in val), "train": sum(sizes[p.name] for p in train)},
+                  "shards": sizes,
                   "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         (staging / MARKER).write_text(json.dumps(record, indent=1))
     except OSError as err:
