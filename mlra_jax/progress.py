@@ -29,20 +29,31 @@ class _CurrentStdoutHandler(logging.StreamHandler):
         pass
 
 
+def _unconfigured_root() -> bool:
+    """Whether the root logger has only what a bare `logging.basicConfig()` leaves (or nothing): absl calls
+    it the first time it logs (orbax does at import), so such a handler says nobody chose where lines go."""
+    return all(type(h) is logging.StreamHandler and h.stream in (sys.stderr, sys.__stderr__)
+               and h.formatter is not None and h.formatter._fmt == logging.BASIC_FORMAT
+               for h in logging.getLogger().handlers)
+
+
 def show_library_logs() -> None:
     """Make the library's INFO lines (a run's step lines among them) appear once, on stdout.
 
-    The library's logger gets level INFO unless someone set its level; it gets a handler of its own only
-    when no handler would receive its records (no logging configured: a plain script or a notebook), so
-    lines are never printed twice. Calling it again changes nothing. Quiet a run with
-    `logging.getLogger("mlra_jax").setLevel(logging.WARNING)`."""
+    The library's logger gets level INFO unless someone set its level. When logging was configured (an
+    entry point's `configure_cli_logging`, an application, pytest), its handlers print the lines; when it
+    was not (a plain script or a notebook), the library's logger gets a stdout handler of its own and stops
+    passing records to the root logger's default stderr handler, so no line is printed twice. Calling it
+    again changes nothing. Quiet a run with `logging.getLogger("mlra_jax").setLevel(logging.WARNING)`."""
     logger = logging.getLogger(LIBRARY_LOGGER)
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
-    if not logger.hasHandlers():
-        handler = _CurrentStdoutHandler()
-        handler.setFormatter(logging.Formatter(LINE_FORMAT))
-        logger.addHandler(handler)
+    if logger.handlers or not _unconfigured_root():  # ours from an earlier call, or someone's choice
+        return
+    handler = _CurrentStdoutHandler()
+    handler.setFormatter(logging.Formatter(LINE_FORMAT))
+    logger.addHandler(handler)
+    logger.propagate = False
 
 
 def configure_cli_logging(library_level: int = logging.INFO) -> None:

@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import logging
 import os
+import uuid
 from typing import Any
 
 from etils import epath
@@ -24,10 +25,23 @@ RUN_ID_FILE = "wandb_run_id"
 
 
 def check_available(experiment: Experiment) -> None:
-    """A ConfigError, before anything is written, when W&B tracking is asked for but wandb is missing."""
-    if experiment.metrics.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(f"--metrics.wandb_project={experiment.metrics.wandb_project} needs the wandb package: "
-                          f"pip install -e '.[wandb]' (or pip install wandb), or leave the option out")
+    """A ConfigError, before anything is written, when W&B tracking is asked for but wandb is missing or has
+    no credentials (online mode: `wandb login` or WANDB_API_KEY; a notebook asks for the key here)."""
+    project = experiment.metrics.wandb_project
+    if not project:
+        return
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"--metrics.wandb_project={project} needs the wandb package: pip install -e '.[wandb]' "
+                          f"(or pip install wandb), or leave the option out")
+    if os.environ.get("WANDB_MODE", "online") in ("offline", "disabled", "dryrun"):
+        return
+    import wandb
+
+    try:
+        wandb.login(verify=False)
+    except wandb.errors.UsageError as err:
+        raise ConfigError(f"--metrics.wandb_project={project}: {err} Run `wandb login` or set WANDB_API_KEY, or "
+                          f"set WANDB_MODE=offline to log without a network (wandb sync uploads it later)") from None
 
 
 class WandbTracker:
@@ -38,7 +52,7 @@ class WandbTracker:
 
         cfg = experiment.metrics
         id_file = workdir / RUN_ID_FILE
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         self.run = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity,
                               name=cfg.wandb_name or experiment.name, id=run_id, resume="allow",
                               config=dataclasses.asdict(experiment),
