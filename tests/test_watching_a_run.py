@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from helpers import ROOT, records, subprocess_env
-from mlra_jax.progress import configure_cli_logging, show_library_logs
+from mlra_jax.progress import configure_cli_logging, progress_bar, show_library_logs
 
 # A script as a user writes it: no logging set up, stderr a pipe (not a terminal).
 SCRIPT = """
@@ -136,3 +136,13 @@ def test_an_application_logging_setup_is_kept(capsys):
         out, err = emitted(capsys)
         assert not library.handlers
     assert err.count("app: a step line") == 1 and not out
+
+
+def test_a_bar_only_where_one_draws(monkeypatch):
+    """A log file or a pipe gets lines only; a terminal gets a tqdm bar over them."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert progress_bar(total=10, initial=0) is None
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    bar = progress_bar(total=10, initial=3)
+    assert (bar.total, bar.n) == (10, 3)
+    bar.close()
