@@ -157,7 +157,7 @@ class TrainingLoop:
             self.check_pending()
             return TrainResult(self.step, self.last_loss, stopped_by_signal=False)
         finally:
-            self.profiler.stop(self.state["params"])
+            self.profiler.stop()  # a run that ends (or fails) inside the traced steps
             stop.restore()
             if bar is not None:
                 bar.close()
