@@ -6,8 +6,9 @@
 
 ppl: loss and perplexity per set and their average, as the official eval_ppl.py computes them (see
 mlra_jax/perplexity.py for the windows): a table on stdout and JSON in RUN/eval/ppl_step{N}.json
-(--out to write elsewhere). Data-parallel over every local device; any run directory works,
-including one made from imported weights.
+(--out to write elsewhere). Data-parallel over the local devices, and over several hosts with
+--distributed (launch/local.sh rehearses it: each process reads its rows of every batch); any run
+directory works, including one made from imported weights.
 
 lm-eval: the tasks through lm-evaluation-harness (mlra_jax/lm_eval_model.py; the `eval` extra), its
 table on stdout and its results JSON in RUN/eval/lm_eval_step{N}.json (or --out). `--tasks paper`
@@ -30,6 +31,7 @@ import jax
 from mlra_jax.checkpoint import CheckpointError
 from mlra_jax.config import ConfigError, MeshConfig
 from mlra_jax.data.shards import DataError
+from mlra_jax.distributed import add_arguments as add_distributed_arguments, data_parallel_devices, initialize
 from mlra_jax.generate import load_model
 from mlra_jax.paths import as_path
 from mlra_jax.perplexity import batch_losses, evaluate_set
@@ -67,6 +69,7 @@ def _tokens(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mlra_jax.eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_distributed_arguments(parser)  # before the command: python -m mlra_jax.eval --distributed ... ppl ...
     commands = parser.add_subparsers(dest="command", required=True)
     ppl = commands.add_parser("ppl", help="loss and perplexity on held-out llm.c token files")
     ppl.add_argument("--checkpoint", required=True, help="a run directory (local or gs://)")
@@ -100,13 +103,17 @@ def _parser() -> argparse.ArgumentParser:
 def ppl(args: argparse.Namespace) -> int:
     if args.seq_len < 1 or args.batch_size < 1:
         raise ConfigError("--seq_len and --batch_size must be at least 1")
-    devices = jax.local_devices()
-    data_parallel = max(d for d in range(1, len(devices) + 1) if args.batch_size % d == 0 and len(devices) % d == 0)
+    try:
+        devices = data_parallel_devices(args.batch_size)
+    except ValueError as err:
+        raise ConfigError(f"--batch_size: {err}") from None
     model, step = load_model(args.checkpoint, args.step, args.dtype)
-    mesh = make_mesh(MeshConfig(data=data_parallel), devices[:data_parallel])
+    mesh = make_mesh(MeshConfig(data=len(devices)), devices)
     evaluate = batch_losses(model, mesh)
     results = [evaluate_set(name, path, evaluate, args.seq_len, args.tokens, args.batch_size)
                for name, path in args.data]
+    if jax.process_index() > 0:  # process 0 reports
+        return 0
     average = sum(r.loss for r in results) / len(results)
     width = max(len(r.name) for r in results + [dataclasses.replace(results[0], name="average")])
     print(f"{'set':{width}}  {'loss':>8}  {'perplexity':>10}  {'tokens':>14}")
@@ -139,6 +146,8 @@ def lm_eval_command(args: argparse.Namespace) -> int:
         raise ConfigError("lm-eval is not installed; install the eval extra: pip install -e '.[eval]'") from None
     from mlra_jax.lm_eval_model import MlraLM
 
+    if jax.process_count() > 1:
+        raise ConfigError("lm-eval runs in one process (on all its local devices); run it without --distributed")
     if args.include_path and not Path(args.include_path).is_dir():
         raise ConfigError(f"--include_path {args.include_path} is not a folder of task YAML files")
     names = task_names(args.tasks)
@@ -166,6 +175,8 @@ def lm_eval_command(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.distributed:
+        initialize(args.coordinator, args.num_processes, args.process_id)
     try:
         return ppl(args) if args.command == "ppl" else lm_eval_command(args)
     except (ConfigError, DataError, CheckpointError) as err:
