@@ -73,7 +73,7 @@ class ContinuationScorer:
         if mesh is not None and batch_size % data_parallel_size(mesh):
             raise ValueError(f"batch_size={batch_size} is not a multiple of the {data_parallel_size(mesh)} "
                              f"data-parallel devices")
-        self.batch_size, self.max_length = batch_size, max_length
+        self.batch_size, self.max_length, self.mesh = batch_size, max_length, mesh
         self.buckets = length_buckets(max_length, min(min_length, max_length))
         self._graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
         self._params = params if mesh is None else jax.device_put(params, replicated(mesh))

@@ -183,11 +183,11 @@ def test_generate_until_stops_at_a_stop_sequence(lm):
 
 
 def test_cli_writes_lm_evals_results_json(run, tmp_path, capsys):
-    out = tmp_path / "results.json"
+    out, before = tmp_path / "results.json", sorted(run.rglob("*"))
     arguments = ["lm-eval", "--checkpoint", str(run), "--tasks", "tiny_choice,tiny_rolling", "--include_path",
                  str(TASKS), "--batch_size", "4", "--limit", "3"]
     assert eval_main([*arguments, "--out", str(out)]) == 0
-    assert not (run / "eval").exists()  # --out: nothing in the run
+    assert sorted(run.rglob("*")) == before  # --out: nothing in the run
     assert eval_main(arguments) == 0
     printed = capsys.readouterr().out
     assert "tiny_choice" in printed and "word_perplexity" in printed
@@ -206,6 +206,9 @@ def test_an_unknown_task_exits_2_naming_it(run, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "does not know the task 'tiny_choise' (close: tiny_choice" in err
     assert not out.exists() and sorted(run.rglob("*")) == before
+    code = eval_main(["lm-eval", "--checkpoint", str(run), "--tasks", "tiny_choice", "--include_path",
+                      str(tmp_path / "missing")])
+    assert code == 2 and "missing is not a folder of task YAML files" in capsys.readouterr().err
 
 
 def test_paper_suite_and_table():
@@ -220,3 +223,8 @@ def test_paper_suite_and_table():
     assert table[2] == "| MLRA-4 | 67.63 | 41.38 | 43.00 | 61.74 | 62.16 | 61.48 | 74.48 | 58.84 |"
     del results["results"]["piqa"]
     assert paper_table(results, "MLRA-4") is None
+
+
+def test_registered_with_lm_eval(lm):
+    assert lm_eval.api.registry.get_model("mlra_jax") is MlraLM
+    assert lm.scorer.mesh.size == 4  # the test process's 8 CPU devices: batches of 4 rows over 4 of them
