@@ -22,6 +22,7 @@ from pathlib import Path
 from mlra_jax.cli import apply_overrides, disk_full, fields_help
 from mlra_jax.config import ConfigError, Experiment
 from mlra_jax.data.shards import DataError
+from mlra_jax.distributed import add_arguments as add_distributed_arguments
 from mlra_jax.experiments import all_experiments, get_experiment
 from mlra_jax.paths import as_path
 from mlra_jax.progress import configure_cli_logging
@@ -48,14 +49,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="start a new run from the weights of this run directory (e.g. one made by python -m "
                              "mlra_jax.convert from-reference): fresh optimizer state, step 0, data from its start; "
                              "the model config must be the same. Ignored once --workdir has checkpoints (it resumes)")
-    parser.add_argument("--distributed", action="store_true",
-                        help="call jax.distributed.initialize() first (multi-host; see launch/); the coordinator is "
-                             "found automatically on TPU pods, SLURM (one task per node with all its GPUs, or one "
-                             "per GPU), Open MPI and Kubernetes, or given below")
-    parser.add_argument("--coordinator", help="with --distributed: coordinator host:port (default: detected, or "
-                                              "JAX_COORDINATOR_ADDRESS)")
-    parser.add_argument("--num_processes", type=int, help="with --distributed: number of processes")
-    parser.add_argument("--process_id", type=int, help="with --distributed: this process's index")
+    add_distributed_arguments(parser)
     return parser
 
 
