@@ -122,13 +122,34 @@ def test_tokenizer_encodes_as_ours(one_folder):
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(root / "hf"))
     ours = gpt2_tokenizer()
     texts = ["Hello world", "  leading and trailing  ", "line\n\nbreaks\r\n x", "numbers 12345 3.14159",
-             "unicode: héllo 世界 🙂", "it's we'll they've I'M", "tabs\tand  \t spaces   \n", "def f(x):\n    return x"]
+             "unicode: héllo 世界 🙂", "it's we'll they've I'M", "tabs\tand  \t spaces   \n",
+             "def f(x):\n    return x"]
     for text in texts:
         ids = tokenizer(text)["input_ids"]
         assert ids == ours.encode_ordinary(text), text
         assert tokenizer.decode(ids) == text
     assert tokenizer.eos_token_id == tokenizer.bos_token_id == 50256
     assert tokenizer("<|endoftext|>The")["input_ids"] == [50256, 464]
+
+
+def test_new_models_initialize_as_the_reference(one_folder):
+    """from_config (pretraining in transformers): N(0, 0.02), zero output projections, RMSNorm ones, TPA's factors
+    xavier-uniform on their 3-D views."""
+    _, root = one_folder
+    config = transformers.AutoConfig.from_pretrained(str(root / "hf"), trust_remote_code=True)
+    latent = {"q_lora_rank": None, "kv_lora_rank": None, "qk_nope_head_dim": None, "qk_rope_head_dim": None}
+    tpa = transformers.AutoConfig.from_pretrained(str(root / "hf"), trust_remote_code=True, variant="tpa",
+                                                  head_dim=32, tpa_rank=2, tpa_q_rank=4, **latent)
+    torch.manual_seed(0)
+    for cfg in (config, tpa):
+        weights = transformers.AutoModelForCausalLM.from_config(cfg, trust_remote_code=True).state_dict()
+        layer = {k.removeprefix("transformer.h.0."): v for k, v in weights.items() if k.startswith("transformer.h.0.")}
+        assert not layer["attn.c_proj.weight"].any() and not layer["mlp.c_proj.weight"].any()
+        assert torch.equal(layer["input_layernorm.weight"], torch.ones(cfg.n_embd))
+        assert float(weights["transformer.wte.weight"].std()) == pytest.approx(0.02, rel=0.02)
+    assert float(layer["mlp.c_fc1.weight"].std()) == pytest.approx(0.02, rel=0.05)
+    bound = (6 / (tpa.n_head * 4 + tpa.n_embd * 4)) ** 0.5  # W_A_q viewed (in, heads, q_rank)
+    assert bound * 0.98 < float(layer["attn.c_qkv.W_A_q.weight"].abs().max()) <= bound
 
 
 def test_sharded_bfloat16_export_loads(one_folder, tmp_path):
@@ -194,3 +215,34 @@ def test_errors_exit_2_and_write_nothing(one_folder, tmp_path, capsys, kind):
         assert list(out.iterdir()) == []
     else:
         assert no_output(out)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_push_creates_the_repository_and_uploads_the_folder(one_folder, tmp_path, monkeypatch, capsys, fails):
+    """--push through huggingface_hub (a stand-in HfApi here: the tests run offline)."""
+    import huggingface_hub
+
+    calls = []
+
+    class FakeApi:
+        def create_repo(self, repo_id, **kwargs):
+            calls.append(("create_repo", repo_id, kwargs))
+
+        def upload_folder(self, **kwargs):
+            files = sorted(p.name for p in Path(kwargs["folder_path"]).iterdir())
+            calls.append(("upload_folder", kwargs["repo_id"], files))
+            if fails:
+                raise OSError("no network")
+            return f"https://huggingface.co/{kwargs['repo_id']}/commit/1"
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    _, root = one_folder
+    out = tmp_path / "pushed"
+    code = convert.main(["to-hf", "--checkpoint", str(root / "run"), "--out", str(out), "--push", "someone/mlra4-tiny"])
+    assert calls[0] == ("create_repo", "someone/mlra4-tiny", {"repo_type": "model", "exist_ok": True})
+    assert calls[1][:2] == ("upload_folder", "someone/mlra4-tiny") and "model.safetensors" in calls[1][2]
+    assert (out / "config.json").is_file()  # the folder is written before the upload, and kept if it fails
+    if fails:
+        assert code == 2 and f"hf upload someone/mlra4-tiny {out}" in capsys.readouterr().err
+    else:
+        assert code == 0 and "uploaded to https://huggingface.co/someone/mlra4-tiny" in capsys.readouterr().out

@@ -66,8 +66,12 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def linear(n_in: int, n_out: int) -> nn.Linear:
-    return nn.Linear(n_in, n_out, bias=False)
+def linear(n_in: int, n_out: int, init_as: str | float = "normal") -> nn.Linear:
+    """A bias-free Linear; `init_as` (read by _init_weights): "normal", "output" (zero or normal by the config's
+    output_init) or a float, the bound of a uniform draw (TPA's xavier-uniform)."""
+    layer = nn.Linear(n_in, n_out, bias=False)
+    layer.init_as = init_as
+    return layer
 
 
 class Attention(nn.Module):
@@ -77,7 +81,7 @@ class Attention(nn.Module):
     def __init__(self, config: MLRAConfig, value_dim: int):
         super().__init__()
         self.config, self.n_head, self.value_dim = config, config.n_head, value_dim
-        self.c_proj = linear(config.n_head * value_dim, config.n_embd)
+        self.c_proj = linear(config.n_head * value_dim, config.n_embd, init_as="output")
         if config.gated:  # named as in the official gqa_gated.py (c_gated) and the latent files (gated_proj)
             setattr(self, self.gate_name, linear(config.n_embd, config.n_head * value_dim))
 
@@ -156,8 +160,12 @@ class TPAFactors(nn.Module):
     def __init__(self, config: MLRAConfig):
         super().__init__()
         d, h, dh, r, rq = config.n_embd, config.n_head, config.head_dim, config.tpa_rank, config.tpa_q_rank
-        self.W_A_q, self.W_A_k, self.W_A_v = linear(d, h * rq), linear(d, h * r), linear(d, h * r)
-        self.W_B_q, self.W_B_k, self.W_B_v = linear(d, rq * dh), linear(d, r * dh), linear(d, r * dh)
+        # each weight's 3-D view (in, heads, rank) or (in, rank, d_h), on which the reference draws xavier-uniform
+        views = {"W_A_q": (d, h, rq), "W_A_k": (d, h, r), "W_A_v": (d, h, r),
+                 "W_B_q": (d, rq, dh), "W_B_k": (d, r, dh), "W_B_v": (d, r, dh)}
+        for name, (n_in, rows, width) in views.items():
+            bound = math.sqrt(6.0 / (rows * width + n_in * width))  # torch's fans of the 3-D view
+            setattr(self, name, linear(n_in, rows * width, init_as=bound))
 
 
 class TensorProductAttention(Attention):
@@ -310,7 +318,7 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc1 = linear(config.n_embd, config.intermediate_size)
         self.c_fc2 = linear(config.n_embd, config.intermediate_size)
-        self.c_proj = linear(config.intermediate_size, config.n_embd)
+        self.c_proj = linear(config.intermediate_size, config.n_embd, init_as="output")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(F.silu(self.c_fc1(x)) * self.c_fc2(x))
@@ -338,25 +346,23 @@ class MLRAPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         """The reference's initialization: N(0, init_std), RMSNorm ones, the two output projections zero
-        (output_init="zero") or N(0, init_std), TPA's factors xavier-uniform on their 3-D views."""
+        (output_init="zero") or N(0, init_std), TPA's factors xavier-uniform on their 3-D views. transformers
+        calls it per module whose own parameters are not loaded from a checkpoint."""
         std = self.config.init_std
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        if isinstance(module, nn.Linear):
+            init_as = getattr(module, "init_as", "normal")
+            if init_as == "output" and self.config.output_init == "zero":
+                init.zeros_(module.weight)
+            elif isinstance(init_as, float):
+                init.uniform_(module.weight, -init_as, init_as)
+            else:
+                init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, RMSNorm):
             init.ones_(module.weight)
-        if isinstance(module, (Attention, MLP)) and self.config.output_init == "zero":
-            init.zeros_(module.c_proj.weight)
-        if isinstance(module, LatentAttention) and isinstance(module.kv_b_proj, nn.Parameter):
+        elif isinstance(module, LatentAttention) and isinstance(module.kv_b_proj, nn.Parameter):
             init.normal_(module.kv_b_proj, mean=0.0, std=std)
-        if isinstance(module, TPAFactors):
-            c = self.config
-            for name, shape in (("W_A_q", (c.n_embd, c.n_head, c.tpa_q_rank)), ("W_B_q", (c.n_embd, c.tpa_q_rank,
-                                c.head_dim)), ("W_A_k", (c.n_embd, c.n_head, c.tpa_rank)), ("W_A_v", (c.n_embd,
-                                c.n_head, c.tpa_rank)), ("W_B_k", (c.n_embd, c.tpa_rank, c.head_dim)),
-                                ("W_B_v", (c.n_embd, c.tpa_rank, c.head_dim))):
-                fan_in, fan_out = shape[1] * shape[2], shape[0] * shape[2]  # torch's fans of the 3-D view
-                bound = math.sqrt(6.0 / (fan_in + fan_out))
-                init.uniform_(getattr(module, name).weight, -bound, bound)
 
 
 class MLRAForCausalLM(MLRAPreTrainedModel, GenerationMixin):
@@ -390,7 +396,8 @@ class MLRAForCausalLM(MLRAPreTrainedModel, GenerationMixin):
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
-                use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0, **kwargs) -> CausalLMOutputWithPast:
+                use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
+                **kwargs) -> CausalLMOutputWithPast:
         """attention_mask: [B, past + T] with 0 at (left) padding; position_ids [B, T] (default: each row counts
         from the cache's length). Padded keys are never attended to."""
         if (input_ids is None) == (inputs_embeds is None):
