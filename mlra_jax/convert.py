@@ -1,4 +1,4 @@
-"""Checkpoints to Hugging Face and to and from the official PyTorch code's format: `python -m mlra_jax.convert COMMAND`.
+"""Checkpoints to Hugging Face, and to and from the official PyTorch code: `python -m mlra_jax.convert COMMAND`.
 
     python -m mlra_jax.convert to-hf --checkpoint runs/mlra4 --out exports/mlra4_hf [--step N] [--dtype bfloat16]
         [--shard_size 5GB] [--push USER/NAME]
