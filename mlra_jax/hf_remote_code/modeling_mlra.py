@@ -78,16 +78,14 @@ class Attention(nn.Module):
     """The shared part: the optional sigmoid gate and the output projection c_proj. A variant defines
     `entry` (what it caches for new tokens) and `attend` (the heads' output over cached entries)."""
 
+    gate_name = "gated_proj"  # the gate's name in the official files (gqa_gated.py names it c_gated)
+
     def __init__(self, config: MLRAConfig, value_dim: int):
         super().__init__()
         self.config, self.n_head, self.value_dim = config, config.n_head, value_dim
         self.c_proj = linear(config.n_head * value_dim, config.n_embd, init_as="output")
-        if config.gated:  # named as in the official gqa_gated.py (c_gated) and the latent files (gated_proj)
+        if config.gated:
             setattr(self, self.gate_name, linear(config.n_embd, config.n_head * value_dim))
-
-    @property
-    def gate_name(self) -> str:
-        return "gated_proj"
 
     def entry(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -110,16 +108,14 @@ class Attention(nn.Module):
 class GroupedQueryAttention(Attention):
     """MHA, MQA, GQA: RoPE on the whole head; caches K and V per KV head."""
 
+    gate_name = "c_gated"
+
     def __init__(self, config: MLRAConfig):
         super().__init__(config, config.head_dim)
         self.kv_heads, self.head_dim = KV_HEADS[config.variant](config), config.head_dim
         self.c_q = linear(config.n_embd, config.n_head * config.head_dim)
         self.c_k = linear(config.n_embd, self.kv_heads * config.head_dim)
         self.c_v = linear(config.n_embd, self.kv_heads * config.head_dim)
-
-    @property
-    def gate_name(self) -> str:
-        return "c_gated"
 
     def entry(self, x, positions):
         b, t, _ = x.shape
@@ -185,7 +181,7 @@ class TensorProductAttention(Attention):
         b, _, s, _ = packed.shape
         a, f = packed[:, 0].split([self.n_head * self.rank, self.rank * self.head_dim], dim=-1)
         a, f = a.view(b, s, self.n_head, self.rank), f.view(b, s, self.rank, self.head_dim)
-        return (torch.einsum("bshr,bsrk->bhsk", a, f) / self.rank)
+        return torch.einsum("bshr,bsrk->bhsk", a, f) / self.rank
 
     def entry(self, x, positions):
         b, t, _ = x.shape
