@@ -9,6 +9,7 @@ explicitly and JAX's detection is switched off (cluster_detection_method="deacti
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import re
@@ -81,6 +82,28 @@ def slurm_task(env: Mapping[str, str], coordinator: str | None = None) -> SlurmT
     bound = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     local_ids = None if per_node == 1 or len(bound) == 1 else [int(env["SLURM_LOCALID"])]
     return SlurmTask(coordinator, int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"]), per_node, local_ids)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """--distributed, --coordinator, --num_processes and --process_id (launch/ passes them)."""
+    parser.add_argument("--distributed", action="store_true",
+                        help="call jax.distributed.initialize() first (multi-host; see launch/); the coordinator is "
+                             "found automatically on TPU pods, SLURM (one task per node with all its GPUs, or one "
+                             "per GPU), Open MPI and Kubernetes, or given below")
+    parser.add_argument("--coordinator", help="with --distributed: coordinator host:port (default: detected, or "
+                                              "JAX_COORDINATOR_ADDRESS)")
+    parser.add_argument("--num_processes", type=int, help="with --distributed: number of processes")
+    parser.add_argument("--process_id", type=int, help="with --distributed: this process's index")
+
+
+def data_parallel_devices(batch_size: int) -> list[jax.Device]:
+    """The devices for a batch of `batch_size` rows split evenly over every process and device used: the same
+    number of local devices in every process, as many as divide the batch's share of a process."""
+    processes, local = jax.process_count(), jax.local_device_count()
+    if batch_size % processes:
+        raise ValueError(f"batch_size={batch_size} does not split over {processes} processes")
+    per_process = max(d for d in range(1, local + 1) if (batch_size // processes) % d == 0 and local % d == 0)
+    return [d for p in range(processes) for d in [d for d in jax.devices() if d.process_index == p][:per_process]]
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,

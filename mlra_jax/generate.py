@@ -47,7 +47,7 @@ def load_model(run_dir: str | os.PathLike, step: int | None = None,
         experiment = dataclasses.replace(experiment, model=dataclasses.replace(experiment.model,
                                                                                compute_dtype=compute_dtype))
     model = abstract_model(experiment.model)
-    graphdef, device = nnx.split(model)[0], jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    graphdef, device = nnx.split(model)[0], jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                                        nnx.to_pure_dict(nnx.state(model, nnx.Param)))}
     checkpointer = Checkpointer(run_dir / "checkpoints", CheckpointConfig(), read_only=True)

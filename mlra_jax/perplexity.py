@@ -2,7 +2,8 @@
 
 The windows are the official eval_ppl.py's (`data.pipeline.eval_windows`); with the same batch_size
 both evaluate the same tokens. All windows have seq_len targets, so the mean of batch means (what
-the official script reports) is the mean over tokens.
+the official script reports) is the mean over tokens. Over several processes each reads only its rows
+of every batch (`eval_windows`), and the batch mean is taken on the global array, across hosts.
 """
 
 from __future__ import annotations
@@ -34,22 +35,28 @@ class SetResult:
 
 def batch_losses(model: Transformer, mesh: jax.sharding.Mesh, loss_chunk: int = 512
                  ) -> Callable[[np.ndarray], float]:
-    """A function of a batch of windows -> its mean loss, data-parallel over the mesh."""
+    """A function of this process's rows of a batch of windows -> the whole batch's mean loss, data-parallel
+    over the mesh (which may span several processes; every process calls it with its rows)."""
     graphdef, params = nnx.split(model)
-    params = jax.device_put(nnx.to_pure_dict(params), replicated(mesh))
+    params = jax.tree.map(lambda a: jax.make_array_from_process_local_data(replicated(mesh), np.asarray(a)),
+                          nnx.to_pure_dict(params))
     step = jax.jit(lambda p, t: loss_fn(graphdef, p, t, loss_chunk),
-                   in_shardings=(replicated(mesh), batch_sharding(mesh)))
+                   in_shardings=(replicated(mesh), batch_sharding(mesh)), out_shardings=replicated(mesh))
 
-    def evaluate(windows: np.ndarray) -> float:
-        return float(step(params, jax.device_put(windows, batch_sharding(mesh))))
+    def evaluate(local_windows: np.ndarray) -> float:
+        loss = step(params, jax.make_array_from_process_local_data(batch_sharding(mesh), local_windows))
+        return float(loss.addressable_data(0))
 
     return evaluate
 
 
 def evaluate_set(name: str, path: str, evaluate: Callable[[np.ndarray], float], seq_len: int, tokens: int,
                  batch_size: int) -> SetResult:
-    windows = eval_windows(path, seq_len, tokens, batch_size)
-    losses = [evaluate(windows[i: i + batch_size])
-              for i in tqdm(range(0, len(windows), batch_size), desc=name, unit="batch", leave=False)]
-    loss = float(np.mean(losses))
-    return SetResult(name, str(path), loss, math.exp(loss), len(windows), len(windows) * seq_len)
+    """One set's result; every process calls it, reading its own rows of each batch of batch_size windows."""
+    processes = jax.process_count()
+    windows = eval_windows(path, seq_len, tokens, batch_size, jax.process_index(), processes)
+    rows = batch_size // processes
+    losses = [evaluate(windows[i: i + rows]) for i in tqdm(range(0, len(windows), rows), desc=name, unit="batch",
+                                                           leave=False, disable=jax.process_index() > 0)]
+    loss, count = float(np.mean(losses)), len(windows) * processes
+    return SetResult(name, str(path), loss, math.exp(loss), count, count * seq_len)

@@ -23,6 +23,7 @@ from pathlib import Path
 from mlra_jax.cli import apply_overrides, disk_full, fields_help
 from mlra_jax.config import ConfigError, Experiment
 from mlra_jax.data.shards import DataError
+from mlra_jax.distributed import add_arguments as add_distributed_arguments
 from mlra_jax.experiments import all_experiments, get_experiment
 from mlra_jax.paths import as_path
 from mlra_jax.xla_flags import apply_gpu_defaults
@@ -49,14 +50,7 @@ def _parser() -> argparse.ArgumentParser:
                              "mlra_jax.convert from-reference) or Hugging Face folder (made by convert to-hf): fresh "
                              "optimizer state, step 0, data from its start; the model config must be the same. "
                              "Ignored once --workdir has checkpoints (it resumes)")
-    parser.add_argument("--distributed", action="store_true",
-                        help="call jax.distributed.initialize() first (multi-host; see launch/); the coordinator is "
-                             "found automatically on TPU pods, SLURM (one task per node with all its GPUs, or one "
-                             "per GPU), Open MPI and Kubernetes, or given below")
-    parser.add_argument("--coordinator", help="with --distributed: coordinator host:port (default: detected, or "
-                                              "JAX_COORDINATOR_ADDRESS)")
-    parser.add_argument("--num_processes", type=int, help="with --distributed: number of processes")
-    parser.add_argument("--process_id", type=int, help="with --distributed: this process's index")
+    add_distributed_arguments(parser)
     return parser
 
 

@@ -2,12 +2,14 @@
 and to a loss computed by hand; one row per set; bad files named."""
 
 import json
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
-from helpers import micro_experiment, records
+from helpers import ROOT, micro_experiment, records, subprocess_env
 from mlra_jax.data.builtin import builtin_shards
 from mlra_jax.data.shards import find_shards, write_shard
 from mlra_jax.eval import main as eval_main
@@ -71,6 +73,24 @@ def test_a_bad_eval_file_is_named(run, tmp_path, capsys, content, message):
     err = capsys.readouterr().err
     assert code == 2 and message in err and str(path) in err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_ppl_over_two_processes_equals_one(run, tmp_path):
+    """launch/local.sh: 2 processes x 2 CPU devices, each reading its rows of every batch, give the loss of one
+    process; only process 0 reports."""
+    val = find_shards(builtin_shards(), "*_val_*.bin")[0]
+    arguments = ["ppl", "--checkpoint", str(run), "--data", f"val={val}", "--tokens", str(2 * BATCH * SEQ),
+                 "--seq_len", str(SEQ), "--batch_size", str(BATCH)]
+    assert eval_main([*arguments, "--out", str(tmp_path / "one.json")]) == 0
+    env = dict(subprocess_env(), DEVICES_PER_PROCESS="2", PYTHON=sys.executable, MODULE="mlra_jax.eval")
+    env.pop("XLA_FLAGS")
+    result = subprocess.run(["bash", "launch/local.sh", "2", *arguments, "--out", str(tmp_path / "two.json")],
+                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("results: ") == 1
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text())["sets"][0] for n in ("one", "two"))
+    assert two["windows"] == one["windows"] == 2 * BATCH
+    assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
 
 
 def test_held_out_sets_are_evaluated_during_training(tmp_path):

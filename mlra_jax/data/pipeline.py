@@ -88,13 +88,17 @@ def validation_batches(cfg: DataConfig, seq_len: int, vocab_size: int, local_bat
     return [batched[i] for i in range(min(batches, available))]
 
 
-def eval_windows(path: str | os.PathLike, seq_len: int, tokens: int, batch_size: int) -> np.ndarray:
+def eval_windows(path: str | os.PathLike, seq_len: int, tokens: int, batch_size: int, process_index: int = 0,
+                 process_count: int = 1) -> np.ndarray:
     """[windows, seq_len + 1] int32: the official evaluation's windows of one shard, a whole number of
-    batches of `batch_size` covering at most `tokens` predicted tokens.
+    batches of `batch_size` covering at most `tokens` predicted tokens; of several processes', process p
+    reads only rows p, p + P, ... of each batch (batch_size // P of them).
 
     The official eval_ppl.py reads a .bin file as uint16 from word 512 on (past the 1024-byte header),
     takes windows of seq_len + 1 tokens every seq_len tokens and evaluates
     floor(min(tokens, available) / (batch_size * seq_len)) batches of batch_size windows."""
+    if batch_size % process_count:
+        raise DataError(f"batch_size={batch_size} does not split over {process_count} processes")
     data = open_shard(as_path(path))
     per_batch = batch_size * seq_len
     batches = min(tokens, data.size - 1) // per_batch
@@ -103,5 +107,5 @@ def eval_windows(path: str | os.PathLike, seq_len: int, tokens: int, batch_size:
                         f"{seq_len + 1} tokens ({per_batch + 1:,}); lower --batch_size or --seq_len, or use a "
                         f"longer file")
     count = batches * batch_size
-    starts = np.arange(count) * seq_len
+    starts = np.arange(process_index, count, process_count) * seq_len
     return np.stack([np.asarray(data[s: s + seq_len + 1], dtype=np.int32) for s in starts])

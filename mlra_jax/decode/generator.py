@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,9 +64,11 @@ def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, to
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [B, T], starts [B]) with every prompt ending at column T - 1."""
-    width = max(len(p) for p in prompts)
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0, width: int | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [B, T], starts [B]) with every prompt ending at column T - 1; T is the longest prompt's
+    length, or `width` (at least that) to keep the compiled shapes few."""
+    width = max(max(len(p) for p in prompts), width or 0)
     tokens = np.full((len(prompts), width), pad_id, np.int32)
     for row, prompt in enumerate(prompts):
         tokens[row, width - len(prompt):] = prompt
@@ -87,7 +89,7 @@ class Generator:
         self._step = jax.jit(lambda p, t, s: forward(p, t, s, True))
         self._sample = jax.jit(sample, static_argnums=(2, 3, 4))
 
-    def check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    def check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, width: int | None = None) -> None:
         if not prompts:
             raise GenerationError("no prompts given")
         for i, prompt in enumerate(prompts):
@@ -98,13 +100,14 @@ class Generator:
                 raise GenerationError(f"prompt {i} holds token id {bad[0]}, outside the vocabulary [0, "
                                       f"{self.cfg.vocab_size})")
         longest = max(len(p) for p in prompts)
-        if longest + max_new_tokens > self.max_len:
-            raise GenerationError(f"the longest prompt ({longest} tokens) plus max_new_tokens={max_new_tokens} "
+        padded = f"{width} tokens padded" if width and width > longest else f"{longest} tokens"
+        if max(longest, width or 0) + max_new_tokens > self.max_len:
+            raise GenerationError(f"the longest prompt ({padded}) plus max_new_tokens={max_new_tokens} "
                                   f"exceeds the cache length max_len={self.max_len}; raise max_len or shorten it")
 
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[jax.Array, DecodeState]:
-        """Logits of every prompt position [B, T, V] and the filled cache."""
-        tokens, starts = left_pad(prompts)
+    def prefill(self, prompts: Sequence[Sequence[int]], width: int | None = None) -> tuple[jax.Array, DecodeState]:
+        """Logits of every prompt position [B, T, V] and the filled cache (T: see left_pad)."""
+        tokens, starts = left_pad(prompts, width=width)
         state = init_cache(self.cfg, len(prompts), self.max_len, starts, mesh=self.mesh)
         return self._run(self._prefill, tokens, state)
 
@@ -118,13 +121,17 @@ class Generator:
         with jax.set_mesh(self.mesh):
             return fn(self.params, jnp.asarray(tokens), state)
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling = Sampling()) -> list[list[int]]:
-        """New tokens per prompt, ending at (and including) EOS or after max_new_tokens."""
-        self.check(prompts, sampling.max_new_tokens)
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling = Sampling(),
+                 stop: Callable[[int, list[int]], bool] | None = None, width: int | None = None) -> list[list[int]]:
+        """New tokens per prompt, ending at (and including) EOS or after max_new_tokens. `stop(row, tokens)`,
+        asked after each new token of a row still running, ends that row when it returns True (a stop
+        sequence reached, say); decoding ends when every row has ended. `width` pads the prompts to at
+        least that many columns (fewer compiled shapes across calls)."""
+        self.check(prompts, sampling.max_new_tokens, width)
         if sampling.top_k > self.cfg.vocab_size:
             raise GenerationError(f"top_k={sampling.top_k} exceeds the vocabulary of {self.cfg.vocab_size} tokens; "
                                   f"use top_k <= {self.cfg.vocab_size} (0 disables it)")
-        logits, state = self.prefill(prompts)
+        logits, state = self.prefill(prompts, width)
         key = jax.random.key(sampling.seed)
         outputs: list[list[int]] = [[] for _ in prompts]
         done = np.zeros(len(prompts), bool)
@@ -134,6 +141,8 @@ class Generator:
             host = np.asarray(tokens)
             for row in np.flatnonzero(~done):
                 outputs[row].append(int(host[row]))
+                if stop is not None and stop(int(row), outputs[row]):
+                    done[row] = True
             if sampling.eos_id is not None:
                 done |= host == sampling.eos_id
             if done.all():
