@@ -14,10 +14,11 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from mlra_jax.config import CheckpointConfig, ConfigError, DataConfig, Experiment, MeshConfig, ModelConfig, TrainConfig
+from mlra_jax.config import (CheckpointConfig, ConfigError, DataConfig, Experiment, MeshConfig, MetricsConfig,
+                             ModelConfig, ProfileConfig, TrainConfig)
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "mesh": MeshConfig,
-                             "checkpoint": CheckpointConfig}
+                             "checkpoint": CheckpointConfig, "metrics": MetricsConfig, "profile": ProfileConfig}
 _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 
 
@@ -94,15 +95,29 @@ def read_run_config(path: Path) -> dict[str, Any]:
                           f"configuration the run was trained with: restore it, or use another --workdir") from None
 
 
+def _allowed(annotation: Any, field: dataclasses.Field) -> str:
+    """How a field's value is written: its choices ({a,b}), true|false, or its type's name."""
+    choices = field.metadata.get("choices")
+    if choices is None and typing.get_origin(annotation) is typing.Literal:
+        choices = typing.get_args(annotation)
+    if choices is not None:
+        return "{" + ",".join(map(str, choices)) + "}"
+    if annotation is bool:
+        return "{true,false}"
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        return f"{_allowed(args[0], field)}|none"
+    return getattr(annotation, "__name__", str(annotation).replace("typing.", ""))
+
+
 def fields_help() -> str:
-    """Every overridable field with its type and its default in the base config."""
+    """Every overridable field with the values it takes and its default in the base config."""
     lines = []
     for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = "(required)" if f.default is dataclasses.MISSING else repr(f.default)
-            kind = getattr(hints[f.name], "__name__", str(hints[f.name]).replace("typing.", ""))
-            lines.append(f"  --{section}.{f.name}={kind}  default {default}")
+            lines.append(f"  --{section}.{f.name}={_allowed(hints[f.name], f)}  default {default}")
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash", "pallas")
 REMAT_POLICIES = ("none", "full", "dots", "dots_attn")
 # Fields that choose how a model runs, not what it computes: a run may resume with other values.
-RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers")
+RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers", "compute_dtype")
 
 
 class ConfigError(ValueError):
@@ -53,7 +53,7 @@ class ModelConfig:
     latent family (MLA, GLA, MLRA), whose RoPE width is `qk_rope_head_dim`.
     """
 
-    variant: str
+    variant: str = dataclasses.field(metadata={"choices": VARIANTS})
     n_layer: int
     n_head: int
     n_embd: int
@@ -76,12 +76,12 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     max_seq_len: int = 2048
-    param_dtype: str = "float32"
-    compute_dtype: str = "float32"
+    param_dtype: str = dataclasses.field(default="float32", metadata={"choices": tuple(DTYPES)})
+    compute_dtype: str = dataclasses.field(default="float32", metadata={"choices": tuple(DTYPES)})
     # auto: the fastest fused kernel for the backend and shape (attention.fused), else XLA
-    attention_impl: str = "auto"
+    attention_impl: str = dataclasses.field(default="auto", metadata={"choices": ATTENTION_IMPLS})
     scan_layers: bool = True
-    remat: str = "none"
+    remat: str = dataclasses.field(default="none", metadata={"choices": REMAT_POLICIES})
 
     def __post_init__(self) -> None:
         _check_choice("variant", self.variant, VARIANTS)
@@ -293,6 +293,27 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    """Where metrics go besides metrics.jsonl, TensorBoard and stdout."""
+
+    wandb_project: str | None = None  # log the same records to this Weights & Biases project (the wandb extra)
+    wandb_entity: str | None = None  # the W&B team or user (default: wandb's default entity)
+    wandb_name: str | None = None  # the W&B run's display name (default: the experiment's name)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+    """A JAX profiler trace of a few training steps into RUN/profile (TensorBoard's profile tab, Perfetto)."""
+
+    start_step: int = 10  # the first traced step (steps count from 1; the first ones include compilation)
+    steps: int = 0  # how many steps to trace (0: none)
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "start_step")
+        _require(isinstance(self.steps, int) and self.steps >= 0, f"steps={self.steps!r} must be >= 0 (0: no trace)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Experiment:
     """A named experiment: the model, the recipe, the data, the mesh and the checkpoints."""
 
@@ -303,6 +324,8 @@ class Experiment:
     data: DataConfig = DataConfig()
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    profile: ProfileConfig = ProfileConfig()
     reference_key: str | None = None  # key in paper_experiments.json, for the paper's runs
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Training metrics: model FLOPs and MFU, and the writers (stdout, JSONL, TensorBoard)."""
+"""Training metrics: model FLOPs and MFU, the JSONL / TensorBoard writer (and a tracker it feeds), the step line."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import json
 import logging
 import math
 import os
-import sys
 from typing import Any
 
 import jax
@@ -66,15 +65,18 @@ def json_safe(values: dict[str, Any]) -> dict[str, Any]:
 
 
 class MetricWriter:
-    """One record per call, to a JSONL file, TensorBoard (when tensorboardX is installed) and stdout.
+    """One record per call, to a JSONL file, TensorBoard (when tensorboardX is installed) and a tracker (W&B).
 
     Local files are appended to. On an object store (a gs:// workdir), which cannot append, the records
     stay in memory and metrics.jsonl and the event files are rewritten whole at most every
     `rewrite_every_s` seconds and at each `flush` (the training loop flushes at every checkpoint) and `close`.
     """
 
-    def __init__(self, workdir: str | os.PathLike, enabled: bool = True, rewrite_every_s: float = REWRITE_EVERY_S):
+    def __init__(self, workdir: str | os.PathLike, enabled: bool = True, rewrite_every_s: float = REWRITE_EVERY_S,
+                 tracker: Any = None):
+        """`tracker`: another sink of every record (tracking.WandbTracker: write(step, values), close())."""
         workdir = as_path(workdir)
+        self.tracker = tracker
         self.enabled, self.remote, self.rewrite_every_s = enabled, is_remote(workdir), rewrite_every_s
         self.jsonl_path = workdir / "metrics.jsonl"
         self._jsonl: RewrittenFile | None = None  # the remote metrics.jsonl, loaded on first use
@@ -136,6 +138,8 @@ class MetricWriter:
                 if isinstance(value, (int, float)) and value is not None:
                     self.tensorboard.add_scalar(key, value, step)
             self.tensorboard.flush()
+        if self.tracker is not None:
+            self.tracker.write(step, values)
 
     def flush(self) -> None:
         """Write out what an object store holds only in memory (local files are always current)."""
@@ -148,6 +152,8 @@ class MetricWriter:
         if self.tensorboard is not None:
             self.tensorboard.close()
         self.flush()
+        if self.tracker is not None:
+            self.tracker.close()
 
 
 def format_line(step: int, total: int, values: dict[str, Any]) -> str:
@@ -159,11 +165,3 @@ def format_line(step: int, total: int, values: dict[str, Any]) -> str:
     parts += [f"{key} {value:.4f}" for key, value in values.items() if key.startswith("val/") and value is not None]
     return "  ".join(parts)
 
-
-def progress_bar(total: int, initial: int):
-    """A tqdm bar on interactive terminals; None in logs and CI (the metric lines suffice)."""
-    if not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)

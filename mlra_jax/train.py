@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from mlra_jax.data.shards import DataError
 from mlra_jax.distributed import add_arguments as add_distributed_arguments
 from mlra_jax.experiments import all_experiments, get_experiment
 from mlra_jax.paths import as_path
+from mlra_jax.progress import configure_cli_logging
 from mlra_jax.xla_flags import apply_gpu_defaults
 
 
@@ -82,8 +82,7 @@ def dry_run(experiment: Experiment, compile_step: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     args, overrides = _parser().parse_known_args(argv)
     apply_gpu_defaults()  # before JAX starts a backend
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
-    logging.getLogger("mlra_jax").setLevel(logging.INFO)  # orbax and grain stay at WARNING
+    configure_cli_logging()  # one handler, on stdout; orbax and grain stay at WARNING
     if args.distributed:
         initialize_distributed(args)
     from mlra_jax.checkpoint import CheckpointError
@@ -113,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{as_path(args.workdir or Path('runs') / args.experiment) / 'checkpoints'}", file=sys.stderr)
         return 2
     print(f"{'stopped' if result.stopped_by_signal else 'finished'} at step {result.step}"
-          f"{f' (last step loss {result.last_loss:.4f})' if result.last_loss is not None else ''}. Checkpoints: "
+          f"{f' (loss {result.last_loss:.4f} on the last step line)' if result.last_loss is not None else ''}. "
+          f"Checkpoints: "
           f"{workdir / 'checkpoints'}; metrics: {workdir / 'metrics.jsonl'} and TensorBoard logs in "
           f"{workdir / 'tensorboard'} (tensorboard --logdir {workdir / 'tensorboard'})")
     return 0

@@ -21,7 +21,7 @@ LAYERS = (
     ("library", ("mlra_jax",)),
     ("experiments", ("mlra_jax.experiments",)),
     ("entry points", ("mlra_jax.train", "mlra_jax.info", "mlra_jax.generate", "mlra_jax.eval", "mlra_jax.benchmarks",
-                      "mlra_jax.convert")),
+                      "mlra_jax.convert", "mlra_jax.plot")),
 )
 SELF_CONTAINED = ("kernels",)  # layers that import nothing of the other layers
 # Top-level names the installed code must never import: the tests, and the folders' generic names.

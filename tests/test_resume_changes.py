@@ -9,10 +9,13 @@ import numpy as np
 import pytest
 
 from helpers import MICRO, micro_experiment, records
+from mlra_jax.cli import apply_overrides
+from mlra_jax.experiments import get_experiment
 from mlra_jax.config import DataConfig
 from mlra_jax.data.pipeline import train_dataset
 from mlra_jax.train import main as train_main
 from mlra_jax.training.loop import train
+from mlra_jax.training.resume_check import check_resume
 
 ONE_DEVICE = jax.devices()[:1]
 
@@ -48,12 +51,27 @@ def test_the_stream_from_an_example_is_the_same_whatever_the_batch_size():
 def test_settings_that_keep_the_trajectory_resume_freely(tmp_path, caplog):
     experiment = micro_experiment("mlra4_tiny", "--train.total_steps=4", "--train.eval_every=0")
     train(experiment, tmp_path, devices=ONE_DEVICE)
-    more = micro_experiment("mlra4_tiny", "--train.total_steps=4", "--train.eval_every=2", "--train.log_every=2",
-                            "--model.remat=full")
+    more = micro_experiment("mlra4_tiny", "--train.total_steps=6", "--train.eval_every=2", "--train.log_every=2",
+                            "--model.remat=full", "--model.compute_dtype=bfloat16", "--train.micro_batch_size=4",
+                            "--model.attention_impl=xla")
     with caplog.at_level("WARNING"):
-        assert train(more, tmp_path, devices=ONE_DEVICE).step == 4
-    assert "with train.log_every changed from 1 to 2" in caplog.text
-    assert "with model.remat changed from" in caplog.text
+        assert train(more, tmp_path, devices=ONE_DEVICE, allow_changed=("train.total_steps",)).step == 6
+    for field, old, new in [("train.log_every", 1, 2), ("model.remat", "'none'", "'full'"),
+                            ("model.compute_dtype", "'float32'", "'bfloat16'"), ("train.micro_batch_size", None, 4),
+                            ("model.attention_impl", "'auto'", "'xla'")]:
+        assert f"with {field} changed from {old} to {new}" in caplog.text
+    assert sorted(records(tmp_path)) == list(range(1, 5)) + [6]  # log_every=2 after the resume
+
+
+def test_a_changed_model_shape_is_refused_naming_the_field(tmp_path, capsys):
+    run = [f"--workdir={tmp_path}", "--experiment=mlra4_tiny", *MICRO]
+    check_resume(tmp_path, apply_overrides(get_experiment("mlra4_tiny"), MICRO), has_checkpoints=True)
+    saved = (tmp_path / "experiment.json").read_text()
+    assert train_main([*run, "--model.n_layer=2"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a run of a different model (model.n_layer was 1, now 2); use another --workdir" in err
+    assert (tmp_path / "experiment.json").read_text() == saved
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["experiment.json", "lock"]  # no checkpoint, no metrics
 
 
 def test_averaged_losses_after_a_resume_equal_the_uninterrupted_ones(tmp_path):

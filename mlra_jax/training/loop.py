@@ -25,11 +25,14 @@ from etils import epath
 from mlra_jax.checkpoint import Checkpointer
 from mlra_jax.config import Experiment
 from mlra_jax.data.pipeline import eval_windows, train_dataset, train_iterator, validation_batches
-from mlra_jax.metrics import MetricWriter, format_line, peak_flops, progress_bar, training_flops_per_token
+from mlra_jax.metrics import MetricWriter, format_line, peak_flops, training_flops_per_token
 from mlra_jax.optim import learning_rate_schedule
 from mlra_jax.paths import as_path
+from mlra_jax.progress import progress_bar, show_library_logs
 from mlra_jax.sharding import batch_sharding
+from mlra_jax.tracking import WandbTracker, check_available
 from mlra_jax.training.init_from import check_same_model, source_params
+from mlra_jax.training.profile import StepProfiler
 from mlra_jax.training.resume_check import check_resume
 from mlra_jax.training.run_lock import RunLock
 from mlra_jax.training.state import Setup, build_setup, global_batch, init_state, jit_train_step, state_from_params
@@ -45,7 +48,7 @@ class TrainingDiverged(RuntimeError):
 @dataclasses.dataclass
 class TrainResult:
     step: int
-    last_loss: float | None
+    last_loss: float | None  # the loss of the last step line (its mean over the steps since the line before)
     stopped_by_signal: bool
 
 
@@ -78,9 +81,12 @@ class TrainingLoop:
         self.cfg, self.train_cfg = setup.experiment.model, setup.experiment.train
         self.is_writer = jax.process_index() == 0
         self.checkpointer = Checkpointer(workdir / "checkpoints", self.experiment.checkpoint)
-        self.writer = MetricWriter(workdir, enabled=self.is_writer)
         self._restore(workdir)
+        tracked = self.is_writer and self.experiment.metrics.wandb_project
+        self.writer = MetricWriter(workdir, enabled=self.is_writer,
+                                   tracker=WandbTracker(self.experiment, workdir) if tracked else None)
         self.writer.truncate_after(self.step)
+        self.profiler = StepProfiler(self.experiment.profile, workdir, self.step)
         train_cfg, data = self.train_cfg, self.experiment.data
         # The data continues at the next unseen example, whatever the batch size now.
         dataset = train_dataset(data, train_cfg.seq_len, self.cfg.vocab_size, train_cfg.seed, setup.local_batch,
@@ -136,7 +142,9 @@ class TrainingLoop:
                     self.save()
                     self.checkpointer.wait()
                     return TrainResult(self.step, self.last_loss, stopped_by_signal=True)
+                self.profiler.before_step(self.step + 1)
                 self.train_one_step()
+                self.paused += self.profiler.after_step(self.step, self.state["params"])  # writing the trace
                 if bar is not None:
                     bar.update(1)
                 record = {**self.log_values(), **self.evaluate()}
@@ -149,6 +157,7 @@ class TrainingLoop:
             self.check_pending()
             return TrainResult(self.step, self.last_loss, stopped_by_signal=False)
         finally:
+            self.profiler.stop()  # a run that ends (or fails) inside the traced steps
             stop.restore()
             if bar is not None:
                 bar.close()
@@ -191,8 +200,8 @@ class TrainingLoop:
         self.check_pending()
         elapsed = time.perf_counter() - self.interval_start - self.paused
         tokens_per_s = self.timed * self.train_cfg.global_batch_size * self.train_cfg.seq_len / elapsed
-        self.last_loss = self.window[-1]["loss"]
-        record = dict(loss=float(np.mean([m["loss"] for m in self.window])), grad_norm=self.window[-1]["grad_norm"],
+        self.last_loss = float(np.mean([m["loss"] for m in self.window]))  # the line's loss, reported at the end
+        record = dict(loss=self.last_loss, grad_norm=self.window[-1]["grad_norm"],
                       lr=float(self.schedule(self.step - 1)), tokens_per_s=tokens_per_s,
                       step_time_s=elapsed / self.timed,
                       mfu=(self.flops_per_token * tokens_per_s / (self.peak * self.setup.mesh.size)
@@ -243,9 +252,11 @@ def train(experiment: Experiment, workdir: str | os.PathLike, devices: list[jax.
     (gs://bucket/run: checkpoints, metrics and TensorBoard logs go there; no run lock). `init_from`, a run
     directory or a Hugging Face folder of `convert to-hf`, gives a new run its weights (fresh optimizer state, step 0); a run that has checkpoints
     resumes from them instead."""
+    show_library_logs()  # the step lines appear also when train() is called from a notebook or a script
     workdir = as_path(workdir)
+    check_available(experiment)  # before anything is written
     if init_from is not None:
-        check_same_model(init_from, experiment.model)  # before anything is written
+        check_same_model(init_from, experiment.model)
     workdir.mkdir(parents=True, exist_ok=True)
     with RunLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():  # one writer per run
         has_checkpoints = any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*"))

@@ -1,0 +1,58 @@
+"""Every notebook runs top to bottom on a CPU under MLRA_JAX_SMOKE=1 (nbclient; any cell error fails), is
+stored without outputs, and starts each code cell with a one-line comment of what it does."""
+
+from __future__ import annotations
+
+import os
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from helpers import ROOT, subprocess_env
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+# What each notebook must leave in RUNS (the quickstart's plot cell writes its image)
+IMAGES = {"quickstart": ["quickstart_curves.png"], "tpu_vm_pod": ["pod_rehearsal_curves.png"],
+          "decode_kernels": ["paper_tables.png"]}
+
+
+def test_the_three_notebooks_are_there():
+    assert sorted(path.stem for path in NOTEBOOKS) == sorted(IMAGES)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_stored_valid_without_outputs_each_cell_saying_what_it_does(path):
+    notebook = nbformat.read(path, as_version=4)
+    nbformat.validate(notebook)
+    assert notebook.nbformat == 4
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert code and all(not cell.outputs and cell.execution_count is None for cell in code)
+    for cell in code:
+        first = cell.source.splitlines()[0]
+        assert first.startswith("# ") and len(first) > 10, first
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_runs_top_to_bottom_on_a_cpu(path, tmp_path, monkeypatch):
+    for key, value in {**subprocess_env(), "MLRA_JAX_SMOKE": "1", "MLRA_JAX_RUNS": str(tmp_path),
+                       "TPU": "", "ZONE": ""}.items():
+        monkeypatch.setenv(key, value)  # the kernel inherits this environment
+    notebook = nbformat.read(path, as_version=4)
+    client = NotebookClient(notebook, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    client.execute()  # raises CellExecutionError, naming the cell, on any error
+    for image in IMAGES[path.stem]:
+        assert (tmp_path / image).read_bytes().startswith(b"\x89PNG"), image
+    text = "".join(output.get("text", "") for cell in notebook.cells for output in cell.get("outputs", []))
+    assert "Traceback" not in text
+    if path.stem == "quickstart":
+        assert "step 8/8  loss" in text and "[step 8] The return value" in text
+        assert any("image/png" in output.get("data", {}) for cell in notebook.cells
+                   for output in cell.get("outputs", []))  # the curves inline
+    if path.stem == "tpu_vm_pod":
+        assert "stop signal received: saving a checkpoint" in text and "complete checkpoints at steps [" in text
+        assert "resumed from" in text and "finished at step 8" in text
+        assert "skipped: bash" in text  # the slice cells, with no slice configured
+    if path.stem == "decode_kernels":
+        assert "Paper Tables 1-2" in text and ("skipped: no GPU" in text or os.environ.get("JAX_PLATFORMS") == "cuda")
