@@ -1,7 +1,17 @@
-"""Checkpoints to and from the official PyTorch code's format: `python -m mlra_jax.convert COMMAND ...`.
+"""Checkpoints to Hugging Face, and to and from the official PyTorch code: `python -m mlra_jax.convert COMMAND`.
 
+    python -m mlra_jax.convert to-hf --checkpoint runs/mlra4 --out exports/mlra4_hf [--step N] [--dtype bfloat16]
+        [--shard_size 5GB] [--push USER/NAME]
     python -m mlra_jax.convert to-reference --checkpoint runs/mlra4 --out exports/mlra4 [--step N] [--shard_size 10GB]
     python -m mlra_jax.convert from-reference --src Soughing-MLRA/mlra_4 --out runs/mlra4_imported [--variant mlra4]
+
+to-hf writes a Hugging Face folder: config.json (model_type "mlra", every field of the variant, auto_map),
+our PyTorch modeling code (configuration_mlra.py, modeling_mlra.py: all 11 variants and their options, a KV
+cache through transformers' Cache API), the weights as transformers saves them (model.safetensors, sharded
+with an index above --shard_size, the tied embedding once) in --dtype, and the GPT-2 tokenizer made offline
+from the bundled BPE ranks. `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` and
+`AutoTokenizer.from_pretrained(DIR)` load it, `train --init_from=DIR` starts a run from it, and --push uploads
+it to the Hub with huggingface_hub (create_repo + upload_folder; log in first with `hf auth login`).
 
 to-reference writes `config.json` and `pytorch_model.bin` (shards `pytorch_model-0000k-of-0000N.bin` with
 `pytorch_model.bin.index.json` above --shard_size), which the official `GPT.from_pretrained(DIR)` of the model
@@ -31,6 +41,7 @@ from mlra_jax.generate import load_model
 from mlra_jax.interop import StateDictError, from_state_dict, model_state_dict
 from mlra_jax.interop.detect import detect_config
 from mlra_jax.interop.files import ReferenceFileError, parse_size, read_reference, write_reference
+from mlra_jax.interop.hf_folder import DTYPES, check_repo_id, push_folder, write_hf_folder
 from mlra_jax.interop.reference_config import reference_config
 from mlra_jax.params import unflatten
 from mlra_jax.training.state import build_setup, state_from_params
@@ -68,6 +79,36 @@ def to_reference(checkpoint: str, out: Path, step: int | None = None, shard_size
     print(f"wrote {', '.join(files)} to {out} (step {step} of {checkpoint})")
     print(f"load it with the official {reference_model}: GPT.from_pretrained({str(out)!r})")
     return reference_model
+
+
+def to_hf(checkpoint: str, out: Path, step: int | None = None, dtype: str = "float32", shard_size: str = "5GB",
+          push: str | None = None) -> list[str]:
+    """Write a run's model as a Hugging Face folder into `out` (and upload it to the Hub repository `push`);
+    the files written."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} is none of {', '.join(DTYPES)}")
+    try:
+        limit = parse_size(shard_size)
+    except ValueError as err:
+        raise ConfigError(f"--shard_size: {err}") from None
+    if push is not None:
+        check_repo_id(push)
+    if out.exists():
+        raise ConfigError(f"{out} exists; choose another --out (nothing is overwritten)")
+    model, step = load_model(checkpoint, step)
+    state_dict = model_state_dict(model)
+    source = {"variant": model.config.variant, "source": str(checkpoint), "step": step}
+    files = _fresh_output(out, lambda tmp: write_hf_folder(state_dict, model.config, tmp, dtype, limit, source))
+    print(f"wrote {', '.join(files)} to {out} (step {step} of {checkpoint}, {DTYPES[dtype]})")
+    print(f"load it with transformers: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
+    if push is not None:
+        try:
+            print(f"uploaded to {push_folder(out, push)}")
+        except Exception as err:  # noqa: BLE001 - the Hub client raises its own and the HTTP library's errors
+            raise ConfigError(f"{out} is written, but uploading it to {push} failed ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0][:300] if str(err) else ''}); log in (hf auth login, or set "
+                              f"HF_TOKEN) and upload it with: hf upload {push} {out}") from None
+    return files
 
 
 def write_run(run_dir: Path, experiment: Experiment, flat_params: dict[str, Any], source: str) -> None:
@@ -113,6 +154,17 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mlra_jax.convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
+    to_hf_cmd = commands.add_parser("to-hf", help="a run's checkpoint -> a Hugging Face folder (transformers)")
+    to_hf_cmd.add_argument("--checkpoint", required=True, help="a training run directory")
+    to_hf_cmd.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    to_hf_cmd.add_argument("--out", required=True, type=Path, help="output folder (must not exist)")
+    to_hf_cmd.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                           help="dtype of the stored weights (default float32)")
+    to_hf_cmd.add_argument("--shard_size", default="5GB",
+                           help="largest model.safetensors shard (e.g. 5GB, 500MB; default 5GB)")
+    to_hf_cmd.add_argument("--push", metavar="USER/NAME",
+                           help="also upload the folder to this Hub model repository (created if needed; needs a "
+                                "login: hf auth login or HF_TOKEN)")
     to_ref = commands.add_parser("to-reference", help="a run's checkpoint -> the official code's files")
     to_ref.add_argument("--checkpoint", required=True, help="a training run directory")
     to_ref.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
@@ -131,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
-        if args.command == "to-reference":
+        if args.command == "to-hf":
+            to_hf(args.checkpoint, args.out, args.step, args.dtype, args.shard_size, args.push)
+        elif args.command == "to-reference":
             to_reference(args.checkpoint, args.out, args.step, args.shard_size)
         else:
             from_reference(args.src, args.out, args.variant)

@@ -45,10 +45,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="resume although these data-order or schedule settings differ from the run's "
                              "experiment.json (e.g. train.global_batch_size,train.total_steps); the run continues at "
                              "the next unseen example")
-    parser.add_argument("--init_from", metavar="RUN",
+    parser.add_argument("--init_from", metavar="RUN_OR_HF_DIR",
                         help="start a new run from the weights of this run directory (e.g. one made by python -m "
-                             "mlra_jax.convert from-reference): fresh optimizer state, step 0, data from its start; "
-                             "the model config must be the same. Ignored once --workdir has checkpoints (it resumes)")
+                             "mlra_jax.convert from-reference) or Hugging Face folder (made by convert to-hf): fresh "
+                             "optimizer state, step 0, data from its start; the model config must be the same. "
+                             "Ignored once --workdir has checkpoints (it resumes)")
     add_distributed_arguments(parser)
     return parser
 

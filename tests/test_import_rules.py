@@ -165,6 +165,16 @@ def test_no_import_of_tests_or_of_the_folders_generic_names():
     assert {m: sorted(r & set(FORBIDDEN_ROOTS)) for m, r in roots.items() if r & set(FORBIDDEN_ROOTS)} == {}
 
 
+def test_hf_remote_code_stands_alone():
+    """configuration_mlra.py and modeling_mlra.py run inside exported Hugging Face folders (trust_remote_code): they
+    import nothing of mlra_jax, and the library never imports them (they need torch and transformers)."""
+    graph = import_graph()[0]
+    config, modeling = "mlra_jax.hf_remote_code.configuration_mlra", "mlra_jax.hf_remote_code.modeling_mlra"
+    assert {m: graph[m] for m in graph if m.startswith("mlra_jax.hf_remote_code.")} == {config: set(),
+                                                                                        modeling: {config}}
+    assert sorted(m for m, targets in graph.items() if targets & {config, modeling} and m != modeling) == []
+
+
 def test_the_checks_catch_what_they_should():
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []

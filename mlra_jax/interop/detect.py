@@ -6,13 +6,12 @@ from typing import Any, Mapping
 
 from mlra_jax.config import ConfigError, ModelConfig
 from mlra_jax.interop.names import LAYER_PREFIX, TIED_KEY, TOP_RULES, layer_rules
-from mlra_jax.interop.reference_config import config_from_reference
+from mlra_jax.interop.reference_config import OFFICIAL_MODEL_FILES, config_from_reference
 from mlra_jax.interop.state_dict import guess_variant, reference_shapes
 from mlra_jax.variants import SPECS
 
-# every reference model file that tensor names can tell apart (the other options change no name)
-_FILES = tuple(sorted({f"model/{spec.reference_stem}{gated}.py" for spec in SPECS.values()
-                       for gated in ("", "_gated")}))
+# the official model files that tensor names can tell apart (the other options change no name)
+_FILES = tuple(sorted(f for f in OFFICIAL_MODEL_FILES if not f.endswith(("_no_scale.py", "_normal_initialization.py"))))
 
 
 def _names(cfg: ModelConfig) -> set[str]:

@@ -45,7 +45,8 @@ def _torch() -> Any:
     return torch
 
 
-def _to_torch(array: np.ndarray) -> Any:
+def to_torch(array: np.ndarray) -> Any:
+    """A numpy array (bfloat16 included) as a CPU torch tensor."""
     torch = _torch()
     array = np.ascontiguousarray(array)
     if not array.flags.writeable:  # a view of a jax array: torch wants memory it may write
@@ -75,7 +76,7 @@ def write_reference(state_dict: Mapping[str, np.ndarray], config: Mapping[str, A
     The tied `lm_head.weight` shares the embedding's storage, as in the reference model, and is saved
     in the embedding's shard."""
     torch = _torch()
-    tensors = {k: _to_torch(v) for k, v in state_dict.items() if k != TIED_KEY}
+    tensors = {k: to_torch(v) for k, v in state_dict.items() if k != TIED_KEY}
     sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
     (out / CONFIG_FILE).write_text(json.dumps(dict(config), indent=2) + "\n")
     total = sum(sizes.values())

@@ -250,7 +250,7 @@ def train(experiment: Experiment, workdir: str | os.PathLike, devices: list[jax.
     `allow_changed` names the data-order and schedule fields (resume_check.TRAJECTORY_FIELDS) that
     may differ from the run's experiment.json when resuming. `workdir` is a local folder or a URL
     (gs://bucket/run: checkpoints, metrics and TensorBoard logs go there; no run lock). `init_from`, a run
-    directory, gives a new run its weights (fresh optimizer state, step 0); a run that has checkpoints
+    directory or a Hugging Face folder of `convert to-hf`, gives a new run its weights (fresh optimizer state, step 0); a run that has checkpoints
     resumes from them instead."""
     show_library_logs()  # the step lines appear also when train() is called from a notebook or a script
     workdir = as_path(workdir)
