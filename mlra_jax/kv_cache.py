@@ -78,7 +78,62 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, starts: jax.Array | N
     return DecodeState(kv, starts, jnp.zeros((), jnp.int32), tuple(plans.items()))
 
 
-def slot_mask(state: DecodeState, length: int) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["layers", "starts", "index"],
+                   meta_fields=["plans"])
+@dataclasses.dataclass(frozen=True)
+class LayerCaches:
+    """The serving form of the cache (decode.serving): one buffer per layer and cached tensor,
+    layers[l][name] [B, capacity, stored_units, *unit_shape], so that a jitted step given them donated
+    updates each in place (a stacked [n_layer, ...] array threaded through a layer scan is re-emitted,
+    copied whole, every step). Slots, starts and index mean what they mean in DecodeState."""
+
+    layers: tuple[dict[str, jax.Array], ...]
+    starts: jax.Array
+    index: jax.Array
+    plans: CachePlans
+
+    @property
+    def max_len(self) -> int:
+        """Slots per sequence (the capacity: the attended range is masked within it)."""
+        return next(iter(self.layers[0].values())).shape[1]
+
+    @property
+    def lengths(self) -> jax.Array:
+        return self.index - self.starts
+
+    def stacked(self) -> DecodeState:
+        """The same cache as a DecodeState (a copy; for tests and inspection)."""
+        kv = {name: jnp.stack([layer[name] for layer in self.layers]) for name in self.layers[0]}
+        return DecodeState(kv, self.starts, self.index, self.plans)
+
+
+def layer_cache_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh) -> dict[str, NamedSharding]:
+    """cache_shardings without the layer axis: one layer's buffers."""
+    return {name: NamedSharding(mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+            for name, sharding in cache_shardings(cfg, mesh).items()}
+
+
+def init_layer_caches(cfg: ModelConfig, batch: int, capacity: int, starts: jax.Array | None = None,
+                      mesh: jax.sharding.Mesh | None = None) -> LayerCaches:
+    """Empty per-layer caches of `capacity` slots (a multiple of SLOT_MULTIPLE) in the compute dtype,
+    created directly in their shardings under `mesh`."""
+    if capacity % SLOT_MULTIPLE:
+        raise ValueError(f"a cache capacity of {capacity} slots is not a multiple of {SLOT_MULTIPLE}")
+    tp = mesh.shape.get("tensor", 1) if mesh is not None else None
+    plans = cache_plans(cfg, tp)
+    shapes = {c.name: (batch, capacity, plans[c.name].stored, *c.unit_shape) for c in cache_layout(cfg)}
+    shardings = layer_cache_shardings(cfg, mesh) if mesh is not None else None
+
+    def make() -> tuple[dict[str, jax.Array], ...]:
+        return tuple({name: jnp.zeros(shape, cfg.dtype) for name, shape in shapes.items()}
+                     for _ in range(cfg.n_layer))
+
+    layers = jax.jit(make, out_shardings=(shardings,) * cfg.n_layer if mesh is not None else None)()
+    starts = jnp.zeros((batch,), jnp.int32) if starts is None else jnp.asarray(starts, jnp.int32)
+    return LayerCaches(layers, starts, jnp.zeros((), jnp.int32), tuple(plans.items()))
+
+
+def slot_mask(state: DecodeState | LayerCaches, length: int) -> tuple[jax.Array, jax.Array]:
     """(positions [B, T], mask [B, T, max_len]) for `length` new tokens written at state.index."""
     slots = state.index + jnp.arange(length, dtype=jnp.int32)
     positions = slots[None, :] - state.starts[:, None]

@@ -25,7 +25,7 @@ from flax import nnx
 from mlra_jax.loss import head_logits
 from mlra_jax.model import Transformer
 from mlra_jax.sharding import batch_sharding, data_parallel_size, replicated
-from mlra_jax.training.step import compute_params
+from mlra_jax.params import compute_params
 
 POSITION_CHUNK = 256  # positions whose [B, chunk, V] logits are held at once
 

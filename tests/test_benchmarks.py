@@ -16,17 +16,26 @@ def small_throughput_models(monkeypatch):
                             param_dtype="bfloat16") for v in ("gqa", "mla", "gla2", "mlra4")}
     models["gqa"] = tiny_model("gqa", n_layer=1, n_head=8, group_size=1, vocab_size=128, compute_dtype="bfloat16")
     monkeypatch.setattr(decode_throughput, "THROUGHPUT_MODELS", models)
+    monkeypatch.setattr(decode_throughput, "whole_model", lambda v: tiny_model(v, n_layer=1, n_head=8, vocab_size=128))
 
 
 def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models):
+    """Both scopes (one attention layer, a whole model on the serving path) on the 8 CPU devices, and the
+    4-device deployment of the study on the first four."""
     assert jax.device_count() == 8
     out = tmp_path / "throughput.json"
-    decode_throughput.main(["--contexts=16", "--repeats=1", f"--out={out}"])
+    decode_throughput.main(["--contexts=64", "--repeats=1", f"--out={out}"])
     record = json.loads(out.read_text())
     assert record["device_count"] == 8 and record["command"].startswith("python -m") and record["date"]
-    deployed = {r["variant"]: (r["tp"], r["dp"], r["batch"]) for r in record["results"]}
-    assert deployed == {"gqa": (8, 1, 128), "mla": (1, 8, 128), "gla2": (2, 4, 128), "mlra4": (4, 2, 128)}
+    assert all("error" not in r for r in record["results"]), record["results"]
+    for scope in ("attention", "model"):
+        deployed = {r["variant"]: (r["tp"], r["dp"], r["batch"]) for r in record["results"] if r["scope"] == scope}
+        assert deployed == {"gqa": (8, 1, 128), "mla": (1, 8, 128), "gla2": (2, 4, 128), "mlra4": (4, 2, 128)}
     assert all(r["tokens_per_s"] > 0 for r in record["results"])
+    decode_throughput.main(["--devices=4", "--scopes=attention", "--variants=gla2", "--contexts=64", "--repeats=1",
+                            f"--out={out}"])
+    deployed = {r["variant"]: (r["tp"], r["dp"], r["batch"]) for r in json.loads(out.read_text())["results"]}
+    assert deployed == {"gla2": (2, 2, 128)}
     assert benchmarks.deployment("mlra4", 4) == (4, 1, 64) and benchmarks.deployment("gqa", 2) == (2, 1, 32)
 
 
@@ -44,8 +53,11 @@ def test_decode_attention_and_model_modes(tmp_path):
     assert [r for r in merged["results"] if r["variant"] == "mlra4"] == first_mlra4
     assert sum(r["variant"] == "gqa" for r in merged["results"]) == 1 and len(merged["runs"]) == 2
     out = tmp_path / "model.json"
-    decode.main(["model", "--experiments=mlra4_tiny", "--batch=2", "--context=8", "--repeats=1", f"--out={out}"])
-    assert json.loads(out.read_text())["results"][0]["tokens_per_s"] > 0
+    decode.main(["model", "--experiments=mlra4_tiny", "--batch=2", "--context=64", "--impls=xla", "--repeats=1",
+                 "--copy_gb=0.01", f"--out={out}"])
+    result = json.loads(out.read_text())["results"][0]
+    assert result["tokens_per_s"] > 0 and result["weight_bytes"] > 0 and result["time_over_floor"] > 0
+    assert result["cache_bytes"] == 2 * 64 * (64 + 16) * 2 * 4  # batch, context, latent + RoPE key, bf16, layers
 
 
 def test_train_benchmark_settings(tmp_path):

@@ -2,6 +2,7 @@
 kernel and the model's pallas path on a GPU (run there with JAX_PLATFORMS=cuda)."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import pytest
 from flax import nnx
 
 from mlra_jax.attention.latent_kernels import ranges_from_mask
-from mlra_jax.decode.generator import Generator
+from mlra_jax.decode.generator import Generator, left_pad
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.model import init_model
 from mlra_jax.pallas_kernels.latent_decode_common import combine
@@ -174,8 +175,9 @@ def test_model_decode_with_the_pallas_kernel(variant):
 
 @pytest.mark.parametrize("variant,mesh_shape", [("mla", (8, 1)), ("mlra4", (2, 4)), ("gla2", (4, 2))])
 def test_pallas_decode_under_data_and_tensor_parallelism(monkeypatch, variant, mesh_shape):
-    """The kernel runs per data-parallel shard (GSPMD cannot split it), inside the TP region too; checked on
-    8 CPU devices with the jnp reference standing in for the hardware kernel (the wrapping is under test)."""
+    """The TPU kernel in Pallas interpret mode under a (data, tensor) mesh of 8 CPU devices: one shard_map with
+    every mesh axis manual around it (interpret mode's callbacks, like the GPU compiler, need that), each
+    device's own sequences, no gathered cache; the serving path's step equals the unsharded XLA step."""
     if jax.device_count() < 8 or jax.default_backend() != "cpu":
         pytest.skip("runs on the 8 virtual CPU devices of the test suite")
     import mlra_jax.attention.latent_kernels as kernels
@@ -187,19 +189,28 @@ def test_pallas_decode_under_data_and_tensor_parallelism(monkeypatch, variant, m
 
     def kernel(*args, scale):
         calls.append(args[0].shape[0])  # the batch each call sees
-        return reference(*args, scale=scale)
+        return latent_decode_tpu(*args, scale=scale, interpret=True)
 
     monkeypatch.setattr(kernels, "kernel_for_backend", lambda: kernel)
     cfg = tiny_model(variant, n_layer=1, n_head=8, vocab_size=64, output_init="normal")
     prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11], [12, 13], [14, 15, 16], [17]]
-    outputs = {}
+    model = init_model(cfg, seed=0)
+    unsharded = Generator(model, max_len=16)
+    _, state = unsharded.prefill(prompts)
+    want = np.asarray(unsharded.step(jnp.arange(8)[:, None], state)[0])[:, 0]
+
     mesh = make_mesh(MeshConfig(data=mesh_shape[0], tensor=mesh_shape[1]))
-    for impl in ("xla", "pallas"):
-        model = init_model(dataclasses.replace(cfg, attention_impl=impl), seed=0)
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        model = nnx.merge(nnx.split(model)[0], jax.device_put(params, tree_shardings(params, logical_axes(model), mesh)))
-        generator = Generator(model, max_len=16, mesh=mesh)
-        _, state = generator.prefill(prompts)
-        outputs[impl] = np.asarray(generator.step(jnp.arange(8)[:, None], state)[0])
-    np.testing.assert_allclose(outputs["pallas"], outputs["xla"], atol=2e-5)
+    model = init_model(dataclasses.replace(cfg, attention_impl="pallas"), seed=0)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    model = nnx.merge(nnx.split(model)[0], jax.device_put(params, tree_shardings(params, logical_axes(model), mesh)))
+    serving = Generator(model, max_len=40, mesh=mesh, min_bucket=40).serving  # 40 slots: no other size is 40
+    tokens, starts = left_pad(prompts)
+    _, session = serving.prefill(tokens, starts, 1, 40)
+    got = np.asarray(serving.step(jnp.arange(8)[:, None], session))
+    np.testing.assert_allclose(got, want, atol=2e-5)
     assert calls == [8 // mesh_shape[0]]  # traced once, on one data shard's sequences
+    with jax.set_mesh(mesh):
+        hlo = serving._step.lower(serving.weights, jnp.arange(8)[:, None], session.caches).compile().as_text()
+    gathered = [line for line in hlo.splitlines() if re.search(r"= \S+ all-gather\(", line)
+                and re.search(r"\[[\d,]*\b40\b[\d,]*\]", line.split("all-gather(")[0])]
+    assert session.caches.max_len == 40 and not gathered, gathered  # nothing with the cache's slots is gathered

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from mlra_jax.attention.fused import choose
-from mlra_jax.attention.latent_kernels import latent_decode_attention
+from mlra_jax.attention.latent_kernels import latent_decode_attention, use_kernel
 from mlra_jax.layers import einsum
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
@@ -56,9 +56,10 @@ def latent_attention(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, 
     Per latent block n: q = [q_rope || q_latent], k = [k_rope || latent_n], v = latent_n.
     q_rope [B, T, N, H, Dr], q_latent [B, T, N, H, R], k_rope [B, S, Dr], latent [B, S, N, R]
     -> [B, T, N, H, R]. No per-head key or value is ever formed. impl 'pallas' runs the
-    decode kernel; the others run XLA (the flash kernels do not cover this shape).
+    decode kernel, 'auto' runs it where it can (one token on a Hopper GPU or a TPU); otherwise XLA
+    (the flash kernels do not cover this shape).
     """
-    if impl == "pallas":
+    if use_kernel(impl, q_rope, latent):
         return latent_decode_attention(q_rope, q_latent, k_rope, latent, scale=scale, mask=mask)
     logits = (einsum("btnhr,bsnr->bnhts", q_latent, latent, preferred_element_type=jnp.float32)
               + einsum("btnhk,bsk->bnhts", q_rope, k_rope, preferred_element_type=jnp.float32)) * scale

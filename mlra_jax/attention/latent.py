@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from mlra_jax.attention.base import Attention, CacheComponent, DecodeShape, KVCache
 from mlra_jax.attention.core import attention, latent_attention
+from mlra_jax.attention.latent_kernels import automatic_axes, split_batch_axes
 from mlra_jax.attention.rope import apply_rope
 from mlra_jax.config import ModelConfig
 from mlra_jax.layers import RMSNorm, dense_init, einsum, make_param, project
@@ -144,6 +145,10 @@ class LatentAttention(Attention):
         meet in one psum_scatter that leaves [B, T, h, d_h] split over heads for the row-parallel output
         projection. queries: q_nope, q_rope [B, T, h, D]; kv: fresh entries in training, else the stored cache.
 
+        Decode steps make every mesh axis manual, the batch split over the data axes (where it divides), so
+        that the Pallas kernel inside runs on each device's own sequences in one shard_map (a kernel under
+        partly automatic axes fails to compile on GPUs). Training and prefill leave data and fsdp to GSPMD.
+
         In training the replicated inputs enter in float32, so that the psum of their cotangents is float32
         (XLA's CPU compiler crashes on bfloat16 ones in partially manual shard_maps, jax 0.10); the cache
         stays in the compute dtype."""
@@ -185,16 +190,20 @@ class LatentAttention(Attention):
                 return jax.lax.psum_scatter(full, TENSOR, scatter_dimension=2, tiled=True).astype(out_dtype)
             return jax.lax.psum(full, TENSOR).astype(out_dtype)
 
-        q_spec = P(None, None, TENSOR, None) if heads_sharded_in else P()
-        kv_specs = (units.spec(latent.ndim, 2), P())  # the latent split as planned, the one RoPE key replicated
+        batch = split_batch_axes(queries[0].shape[0]) if mode == "decode" else ()
+        lead = (batch or None,)
+        q_spec = P(*lead, None, TENSOR, None) if heads_sharded_in else P(*lead)
+        # the latent split as planned, the one RoPE key replicated over tensor
+        kv_specs = (units.spec(latent.ndim, 2, leading=lead), P(*lead))
         if mode == "train":
             widen = lambda x, spec: (x.astype(jnp.float32) if all(e is None for e in spec)
                                      and jnp.issubdtype(x.dtype, jnp.floating) else x)
             queries = tuple(widen(x, q_spec) for x in queries)
             stored_kv = tuple(widen(x, spec) for x, spec in zip(stored_kv, kv_specs))
-        out_spec = P(None, None, TENSOR, None) if heads_sharded_in or h % t == 0 else P()
-        mapped = jax.shard_map(body, in_specs=(q_spec, kv_specs, kv_up_spec, P()), out_specs=out_spec,
-                               axis_names={TENSOR}, check_vma=False)
+        out_spec = P(*lead, None, TENSOR, None) if heads_sharded_in or h % t == 0 else P(*lead)
+        manual = set(automatic_axes()) if batch else {TENSOR}
+        mapped = jax.shard_map(body, in_specs=(q_spec, kv_specs, kv_up_spec, P(*lead if mask is not None else ())),
+                               out_specs=out_spec, axis_names=manual, check_vma=False)
         return mapped(queries, stored_kv, kv_up, mask)
 
     def attend_blocks(self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,

@@ -1,7 +1,7 @@
 """Decode benchmarks.
 
     python -m mlra_jax.benchmarks.decode attention --impls=xla --out=experiments/results/decode_attention.json
-    python -m mlra_jax.benchmarks.decode model --experiments=mlra4_2p9b,mla_2p9b --batch=1,32 --context=4096
+    python -m mlra_jax.benchmarks.decode model --experiments=mlra4_2p9b,mla_2p9b --batch=1,64 --context=8192
 
 `attention`: one decode step of attention on one device at the paper's per-device
 settings (REFERENCE.md): MLRA-4 at TP=4 (64 heads over a 128-wide latent block plus
@@ -16,8 +16,11 @@ share (common.device_time). A jitted fori_loop is not used: XLA's GPU while loop
 host round trip per iteration (about 25 us here). The wall time of single calls, which
 adds the host's dispatch, is recorded too.
 
-`model`: per-token latency and throughput of whole-model decode steps (bf16 weights,
-absorbed attention) for experiments at given batch sizes and context lengths.
+`model`: whole-model decode steps on the serving path (decode.serving: bf16 weights split
+per layer, per-layer caches updated in place) for experiments, attention implementations,
+batch sizes and contexts: time per step (on GPUs the profiler's span, with the top kernels),
+tokens/s, and the bandwidth floor, the bytes a step must read (weights + `context` cached
+tokens per sequence and layer) over the device-to-device copy bandwidth of the same run.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from mlra_jax.benchmarks.common import device_time, earlier_results, environment, median_time, save
+from mlra_jax.benchmarks.common import device_time, earlier_results, environment, median_time, profiled_time, save
 
 H100_BANDWIDTH = 3.35e12  # bytes/s, the paper's ideal-time reference
 BATCH1_CONTEXTS = (131072, 262144, 524288, 1048576, 2097152)
@@ -205,39 +208,96 @@ def _earlier_results(args: argparse.Namespace, settings: list[tuple[int, int]]) 
     return kept, runs
 
 
+def serving_floor_bytes(serving, batch: int, context: int) -> dict[str, int]:
+    """Bytes one decode step must read at least: every weight a step reads (the layers, the final norm and the
+    tied head, as stored for serving; the embedding table only for the batch's rows) and `context` cached
+    tokens per sequence and layer."""
+    weights = serving.weights
+    read = [weights["layers"], weights["final_norm"], weights["head"]]
+    weight_bytes = sum(a.nbytes for a in jax.tree.leaves(read))
+    weight_bytes += batch * weights["embed"]["embedding"].shape[1] * weights["embed"]["embedding"].dtype.itemsize
+    from mlra_jax.cache_accounting import cache_layout
+
+    per_token = sum(c.elements for c in cache_layout(serving.cfg)) * jnp.dtype(serving.cfg.dtype).itemsize
+    return {"weight_bytes": int(weight_bytes), "cache_bytes": int(batch * context * per_token * serving.cfg.n_layer)}
+
+
 def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    """Whole-model decode steps on the serving path (decode.serving: bf16 weights split per layer, per-layer caches
+    donated and updated in place, a capacity bucket of exactly `context` slots), against the bandwidth floor: the
+    bytes a step must read (serving_floor_bytes) over the device-to-device copy bandwidth of the same run."""
     from flax import nnx
 
+    from mlra_jax.decode.serving import ServingModel
     from mlra_jax.experiments import get_experiment
-    from mlra_jax.kv_cache import init_cache
-    from mlra_jax.model import init_model
+    from mlra_jax.kv_cache import init_layer_caches
+    from mlra_jax.model import abstract_model, init_model
 
+    bandwidth = copy_bandwidth(args.copy_gb)
+    print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s", flush=True)
+    extra = {"copy_bandwidth_bytes_per_s": bandwidth}
     results = []
     for name in args.experiments.split(","):
-        cfg = dataclasses.replace(get_experiment(name).model, param_dtype="bfloat16", compute_dtype="bfloat16",
-                                  attention_impl=args.impl)
-        model = init_model(cfg, seed=0)
-        graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        step = jax.jit(lambda p, t, s: nnx.merge(graphdef, p).forward_cached(t, s), donate_argnums=(2,))
-        for batch in map(int, args.batch.split(",")):
-            for context in map(int, args.context.split(",")):
-                state = init_cache(cfg, batch, context + args.repeats + 8)
-                state = dataclasses.replace(state, kv={k: jax.random.normal(jax.random.key(2), v.shape, v.dtype)
-                                                       for k, v in state.kv.items()}, index=jnp.int32(context))
-                tokens = jnp.zeros((batch, 1), jnp.int32)
-                holder = {"state": state}
+        base = dataclasses.replace(get_experiment(name).model, param_dtype="bfloat16", compute_dtype="bfloat16",
+                                   max_seq_len=max(map(int, args.context.split(","))))
+        params = nnx.to_pure_dict(nnx.state(init_model(base, seed=0), nnx.Param))
+        for impl in args.impls.split(","):
+            cfg = dataclasses.replace(base, attention_impl=impl)
+            serving = ServingModel(nnx.merge(nnx.split(abstract_model(cfg))[0], params))
+            for batch in map(int, args.batch.split(",")):
+                for context in map(int, args.context.split(",")):
+                    result = {"experiment": name, "variant": cfg.variant, "impl": impl, "batch": batch,
+                              "context": context}
+                    try:
+                        result.update(_time_serving_step(serving, batch, context, args, init_layer_caches))
+                    except Exception as err:  # noqa: BLE001 - record it and go on with the other settings
+                        result["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+                        print(f"{name:14} {impl:6} B={batch:<4} ctx={context:<7} failed: {result['error']}", flush=True)
+                        results.append(result)
+                        save(args.out, "decode_model", results, **extra)
+                        continue
+                    floor = serving_floor_bytes(serving, batch, context)
+                    floor_s = (floor["weight_bytes"] + floor["cache_bytes"]) / bandwidth
+                    seconds = result["step_time_s"]
+                    result.update(floor, tokens_per_s=batch / seconds, floor_time_s=floor_s,
+                                  floor_tokens_per_s=batch / floor_s, time_over_floor=seconds / floor_s,
+                                  copy_bandwidth_bytes_per_s=bandwidth)
+                    results.append(result)
+                    save(args.out, "decode_model", results, **extra)
+                    print(f"{name:14} {impl:6} B={batch:<4} ctx={context:<7} {seconds * 1e3:8.3f} ms/step "
+                          f"{batch / seconds:10.0f} tokens/s   floor {floor_s * 1e3:7.3f} ms "
+                          f"({floor['weight_bytes'] / 1e9:.2f} GB weights + {floor['cache_bytes'] / 1e9:.2f} GB cache)"
+                          f"  {seconds / floor_s:5.2f}x floor", flush=True)
+            del serving
+    return results, extra
 
-                def run():
-                    logits, holder["state"] = step(params, tokens, holder["state"])
-                    return logits
 
-                seconds = median_time(run, repeats=args.repeats)
-                result = {"experiment": name, "variant": cfg.variant, "batch": batch, "context": context,
-                          "impl": args.impl, "step_time_s": seconds, "tokens_per_s": batch / seconds}
-                results.append(result)
-                print(f"{name:14} B={batch:<4} ctx={context:<7} {seconds * 1e3:8.2f} ms/token  "
-                      f"{batch / seconds:10.0f} tokens/s", flush=True)
-    return results, {}
+def _time_serving_step(serving, batch: int, context: int, args: argparse.Namespace, init_layer_caches) -> dict:
+    """Time per step of the serving decode step on random caches of `context` slots holding about `context`
+    tokens (it starts at context - 64 and advances one slot per call)."""
+    calls = 2 * (args.repeats + 2) + 2  # median_time and profiled_time, with their warm-ups
+    if context < calls + 8:
+        raise ValueError(f"context {context} is too short for {calls} timed steps")
+    caches = init_layer_caches(serving.cfg, batch, context)
+    key = jax.random.key(2)
+    layers = tuple({n: jax.random.normal(jax.random.fold_in(key, i), a.shape, a.dtype) for n, a in layer.items()}
+                   for i, layer in enumerate(caches.layers))
+    holder = {"caches": dataclasses.replace(caches, layers=layers, index=jnp.int32(context - calls - 1))}
+    del caches, layers
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+
+    def run():
+        logits, holder["caches"] = serving._step(serving.weights, tokens, holder["caches"])
+        return logits
+
+    wall = median_time(run, repeats=args.repeats)
+    timing = {"step_time_s": wall, "timing": "wall time per step (median)"}
+    if jax.default_backend() == "gpu":
+        profiled = profiled_time(run, repeats=args.repeats)
+        top = sorted(profiled["kernels_s"].items(), key=lambda kv: -kv[1])[:12]
+        timing = {"step_time_s": profiled["time_s"], "timing": "profiler span per step (median)",
+                  "wall_time_per_step_s": wall, "kernels_s": dict(top)}
+    return timing
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,12 +318,13 @@ def main(argv: list[str] | None = None) -> int:
     attention.add_argument("--out", type=Path, default=Path("experiments/results/decode_attention.json"))
     attention.add_argument("--merge", action="store_true",
                            help="keep the results already in --out for the settings this run does not measure")
-    model = sub.add_parser("model", help="whole-model decode steps")
-    model.add_argument("--experiments", default="gqa_2p9b,mla_2p9b,gla2_2p9b,mlra4_2p9b")
-    model.add_argument("--batch", default="1,32")
-    model.add_argument("--context", default="2048,8192")
-    model.add_argument("--impl", default="xla")
+    model = sub.add_parser("model", help="whole-model decode steps on the serving path, against the bandwidth floor")
+    model.add_argument("--experiments", default="mlra4_2p9b,mla_2p9b")
+    model.add_argument("--batch", default="1,64")
+    model.add_argument("--context", default="8192")
+    model.add_argument("--impls", default="xla,pallas", help="comma-separated attention_impl values (xla, pallas, auto)")
     model.add_argument("--repeats", type=int, default=20)
+    model.add_argument("--copy_gb", type=float, default=4.0, help="size of the bandwidth-reference copy")
     model.add_argument("--out", type=Path, default=Path("experiments/results/decode_model.json"))
     args = parser.parse_args(argv)
     results, extra = bench_attention(args) if args.mode == "attention" else bench_model(args)

@@ -1,11 +1,20 @@
-"""Decoding throughput of the attention layer on several GPUs (the paper's Sec. 5 study).
+"""Decoding throughput on several devices (the paper's Sec. 5 study), of the attention layer and of whole models.
 
-    python -m mlra_jax.benchmarks.decode_throughput --out=experiments/results/decode_throughput_8gpu.json
+    python -m mlra_jax.benchmarks.decode_throughput --devices=4 --out=experiments/results/decode_throughput_4gpu.json
 
-For each variant (experiments/benchmarks.py) it shards the layer's weights and KV cache
-over a DP x TP mesh of all devices, fills the cache to each context length, and times
-one jitted decode step (pre-attention projections, cache write, attention; absorbed
-weights for the latent family) for the whole batch: tokens/s = batch / step time.
+For each variant it deploys over a DP x TP mesh of --devices devices as the paper does on 8 GPUs
+(experiments/benchmarks.py: GQA TP=8, MLA DP=8, GLA-2 TP=2, MLRA-4 TP=4, DP taking the other devices;
+on fewer devices the TP degree is capped at the device count), fills the caches to each context
+length, and times one decode step for the whole batch (tokens/s = batch / step time):
+
+* scope `attention`: one layer of DeepSeek-V3's attention shape (THROUGHPUT_MODELS), as the paper
+  measures: pre-attention projections, cache write and attention (absorbed for the latent family);
+* scope `model`: the 2.9B model ({variant}_2p9b) on the serving path (decode.serving: bf16 weights
+  split per layer, per-layer caches updated in place), embedding to logits.
+
+--attention_impl auto (default) takes the Pallas kernels for the latent family's decode where they run
+(Hopper GPUs, TPUs) and XLA elsewhere (GQA always). On GPUs the step time is the profiler's span on
+device 0 (the wall time and the top kernels are recorded too); elsewhere the median wall time.
 """
 
 from __future__ import annotations
@@ -14,26 +23,65 @@ import argparse
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from mlra_jax.attention import attention_class
-from mlra_jax.benchmarks.common import median_time, save
-from mlra_jax.config import MeshConfig
-from mlra_jax.experiments.benchmarks import THROUGHPUT_CONTEXTS, THROUGHPUT_MODELS, deployment
-from mlra_jax.kv_cache import cache_shardings, init_cache, slot_mask
+from mlra_jax.benchmarks.common import median_time, profiled_time, save
+from mlra_jax.config import MeshConfig, ModelConfig
+from mlra_jax.experiments.benchmarks import PAPER_BATCH, THROUGHPUT_CONTEXTS, THROUGHPUT_MODELS, deployment
+from mlra_jax.kv_cache import cache_shardings, init_cache, init_layer_caches, layer_cache_shardings, slot_mask
 from mlra_jax.params import logical_axes
 from mlra_jax.sharding import batch_sharding, make_mesh, tree_shardings
 
+SCOPES = ("attention", "model")
 
-def measure(variant: str, contexts: list[int], repeats: int, impl: str = "xla") -> list[dict]:
-    cfg = THROUGHPUT_MODELS[variant]
-    if impl != "xla" and cfg.spec.latent_layout:  # the Pallas kernels cover the latent family's decode
-        cfg = dataclasses.replace(cfg, attention_impl=impl)
-    tp, dp, batch = deployment(variant, jax.device_count())
-    mesh = make_mesh(MeshConfig(data=dp, tensor=tp))
+
+def whole_model(variant: str) -> ModelConfig:
+    """The model of scope `model`: the paper's 2.9B run of the variant."""
+    from mlra_jax.experiments import get_experiment
+
+    return get_experiment(f"{variant}_2p9b").model
+
+
+def with_impl(cfg: ModelConfig, impl: str) -> ModelConfig:
+    """The latent family decodes with `impl`; the others keep XLA (no decode kernel of ours covers them)."""
+    return dataclasses.replace(cfg, attention_impl=impl if cfg.spec.latent_layout else "xla")
+
+
+def time_step(run: Callable[[], Any], repeats: int) -> dict[str, Any]:
+    """Seconds per call of run(): the profiler's span on GPUs (with the wall time and the top kernels), else the
+    median wall time."""
+    wall = median_time(run, repeats=repeats)
+    if jax.default_backend() != "gpu":
+        return {"step_time_s": wall, "timing": "wall time per step (median)"}
+    profiled = profiled_time(run, repeats=repeats)
+    top = dict(sorted(profiled["kernels_s"].items(), key=lambda kv: -kv[1])[:10])
+    return {"step_time_s": profiled["time_s"], "timing": "profiler span per step on device 0 (median)",
+            "wall_time_per_step_s": wall, "kernels_s": top}
+
+
+def random_like(tree: Any, shardings: Any) -> Any:
+    """Normal random arrays of the tree's shapes and dtypes, made directly in `shardings` (a full cache)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    shapes = [(a.shape, a.dtype) for a in leaves]
+
+    def make():
+        keys = jax.random.split(jax.random.key(1), len(shapes))
+        return treedef.unflatten([jax.random.normal(k, s, d) for k, (s, d) in zip(keys, shapes)])
+
+    return jax.jit(make, out_shardings=shardings)()
+
+
+def measure_attention(variant: str, contexts: list[int], repeats: int, impl: str, devices: list[jax.Device],
+                      batch: int) -> list[dict]:
+    """One decode step of one attention layer (DeepSeek-V3's shape) per context."""
+    cfg = with_impl(THROUGHPUT_MODELS[variant], impl)
+    tp, dp, _ = deployment(variant, len(devices))
+    mesh = make_mesh(MeshConfig(data=dp, tensor=tp), devices)
     attn = attention_class(variant)(cfg, rngs=nnx.Rngs(params=0))
     graphdef, params = nnx.split(attn)[0], nnx.to_pure_dict(nnx.state(attn, nnx.Param))
     axes = {k: v[1:] if v and v[0] == "layers" else v for k, v in logical_axes(attn).items()}
@@ -52,22 +100,66 @@ def measure(variant: str, contexts: list[int], repeats: int, impl: str = "xla") 
         x = jax.device_put(jax.random.normal(jax.random.key(0), (batch, 1, cfg.n_embd), jnp.bfloat16),
                            batch_sharding(mesh, 3))
         for context in contexts:
-            state = init_cache(cfg, batch, context + repeats + 8, mesh=mesh)
-            kv = {k: jax.random.normal(jax.random.key(1), v.shape, v.dtype) for k, v in state.kv.items()}
-            holder = {"state": dataclasses.replace(state, kv=jax.device_put(kv, cache_shardings(cfg, mesh)),
-                                                   index=jnp.int32(context))}
+            state = init_cache(cfg, batch, context, mesh=mesh)
+            kv = random_like(state.kv, cache_shardings(cfg, mesh))
+            holder = {"state": dataclasses.replace(state, kv=kv, index=jnp.int32(context - 4 * repeats - 16))}
+            del state, kv
 
             def run():
                 heads, holder["state"] = jitted(params, x, holder["state"])
                 return heads
 
-            seconds = median_time(run, repeats=repeats)
-            results.append({"variant": variant, "tp": tp, "dp": dp, "devices": jax.device_count(), "batch": batch,
-                            "context": context, "attention_impl": cfg.attention_impl, "step_time_s": seconds,
-                            "tokens_per_s": batch / seconds})
-            print(f"{variant:6} TP={tp} DP={dp} B={batch:<4} ctx={context:<6} {seconds * 1e3:8.3f} ms  "
-                  f"{batch / seconds:12,.0f} tokens/s", flush=True)
+            results.append(_record(variant, "attention", cfg, tp, dp, len(devices), batch, context,
+                                   time_step(run, repeats)))
+            del holder
     return results
+
+
+def measure_model(variant: str, contexts: list[int], repeats: int, impl: str, devices: list[jax.Device],
+                  batch: int) -> list[dict]:
+    """One decode step of the whole 2.9B model on the serving path per context."""
+    from mlra_jax.decode.serving import ServingModel
+    from mlra_jax.model import abstract_model, init_model
+
+    cfg = with_impl(dataclasses.replace(whole_model(variant), param_dtype="bfloat16",
+                                        compute_dtype="bfloat16", max_seq_len=max(contexts)), impl)
+    tp, dp, _ = deployment(variant, len(devices))
+    mesh = make_mesh(MeshConfig(data=dp, tensor=tp), devices)
+    abstract = abstract_model(cfg)
+    shapes = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+    results = []
+    with jax.set_mesh(mesh):
+        params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(init_model(cfg), nnx.Param)),
+                         out_shardings=tree_shardings(shapes, logical_axes(abstract), mesh))()
+        serving = ServingModel(nnx.merge(nnx.split(abstract)[0], params), mesh=mesh)
+        del params
+        tokens = jax.device_put(jnp.zeros((batch, 1), jnp.int32), batch_sharding(mesh, 2))
+        for context in contexts:
+            caches = init_layer_caches(cfg, batch, context, mesh=mesh)
+            layers = random_like(caches.layers, (layer_cache_shardings(cfg, mesh),) * cfg.n_layer)
+            holder = {"caches": dataclasses.replace(caches, layers=layers, index=jnp.int32(context - 4 * repeats - 16))}
+            del caches, layers
+
+            def run():
+                logits, holder["caches"] = serving._step(serving.weights, tokens, holder["caches"])
+                return logits
+
+            results.append(_record(variant, "model", cfg, tp, dp, len(devices), batch, context,
+                                   time_step(run, repeats)))
+            del holder
+    return results
+
+
+def _record(variant: str, scope: str, cfg: ModelConfig, tp: int, dp: int, devices: int, batch: int, context: int,
+            timing: dict[str, Any]) -> dict[str, Any]:
+    seconds = timing["step_time_s"]
+    print(f"{scope:9} {variant:6} TP={tp} DP={dp} B={batch:<4} ctx={context:<6} {cfg.attention_impl:6} "
+          f"{seconds * 1e3:8.3f} ms  {batch / seconds:12,.0f} tokens/s", flush=True)
+    return {"scope": scope, "variant": variant, "tp": tp, "dp": dp, "devices": devices, "batch": batch,
+            "context": context, "attention_impl": cfg.attention_impl, **timing, "tokens_per_s": batch / seconds}
+
+
+MEASURE = {"attention": measure_attention, "model": measure_model}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,23 +167,35 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="gqa,mla,gla2,mlra4")
     parser.add_argument("--contexts", default=",".join(map(str, THROUGHPUT_CONTEXTS)))
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--attention_impl", default="xla", choices=("xla", "pallas"),
-                        help="pallas: the latent family decodes with the Pallas kernels (GQA stays on XLA)")
+    parser.add_argument("--scopes", default=",".join(SCOPES), help="attention (one layer, as the paper), model (2.9B)")
+    parser.add_argument("--devices", type=int, default=0, help="devices to deploy over (default: all)")
+    parser.add_argument("--batch", type=int, default=PAPER_BATCH, help="sequences per step (all devices)")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--attention_impl", default="auto", choices=("auto", "xla", "pallas"),
+                        help="the latent family's decode attention (GQA stays on XLA)")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/decode_throughput.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    devices = jax.devices()[:args.devices or None]
+    if args.devices > len(jax.devices()):
+        parser.error(f"--devices={args.devices}: only {len(jax.devices())} devices are present")
+    scopes = args.scopes.split(",")
+    if set(scopes) - set(SCOPES):
+        parser.error(f"--scopes={args.scopes}: choose from {', '.join(SCOPES)}")
     contexts = [int(c) for c in args.contexts.split(",")]
-    results = []
-    for variant in args.variants.split(","):
-        try:
-            results += measure(variant, contexts, args.repeats, args.attention_impl)
-        except Exception as err:  # noqa: BLE001 - record it and measure the other variants
-            message = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
-            results.append({"variant": variant, "attention_impl": args.attention_impl, "error": message})
-            print(f"{variant}: failed: {message}", flush=True)
-    record = save(args.out, "decode_throughput", results)
-    print(f"saved {args.out} ({record['device']} x{record['device_count']})")
+    results: list[dict] = []
+    for scope in scopes:
+        for variant in args.variants.split(","):
+            try:
+                results += MEASURE[scope](variant, contexts, args.repeats, args.attention_impl, devices, args.batch)
+            except Exception as err:  # noqa: BLE001 - record it and measure the others
+                message = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+                results.append({"scope": scope, "variant": variant, "attention_impl": args.attention_impl,
+                                "error": message})
+                print(f"{scope} {variant}: failed: {message}", flush=True)
+            save(args.out, "decode_throughput", results, devices_used=len(devices))
+    record = save(args.out, "decode_throughput", results, devices_used=len(devices))
+    print(f"saved {args.out} ({record['device']} x{len(devices)})")
     return 0
 
 

@@ -6,6 +6,11 @@
 Prompts of different lengths are left-padded into one batch; every sequence counts
 positions from its own first token (the cache's `starts`), so a prompt gives the same
 logits in a batch as alone (RoPE is translation equivariant, paper App. B).
+
+`generate` runs the serving path (decode.serving: weights cast once, per-layer caches updated
+in place, capacity in buckets, chunked prefill, last-position logits). `prefill` and `step`
+are the model's own forward_cached over a stacked cache with every position's logits
+(scoring, tests: the definition the serving path is tested against).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mlra_jax.decode.serving import MIN_BUCKET, PREFILL_CHUNK, ServingModel
 from mlra_jax.kv_cache import DecodeState, init_cache
 from mlra_jax.model import Transformer
 
@@ -78,9 +84,12 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0, width: int | Non
 class Generator:
     """Jitted prefill and decode steps over one model; `mesh` shards the cache and the weights' use."""
 
-    def __init__(self, model: Transformer, max_len: int, mesh: jax.sharding.Mesh | None = None):
+    def __init__(self, model: Transformer, max_len: int, mesh: jax.sharding.Mesh | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK, min_bucket: int = MIN_BUCKET):
         self.cfg, self.max_len, self.mesh = model.config, max_len, mesh
         self.graphdef, self.params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        self._serving_options = dict(mesh=mesh, prefill_chunk=prefill_chunk, min_bucket=min_bucket)
+        self._serving: ServingModel | None = None
 
         def forward(params, tokens, state, absorbed):
             return nnx.merge(self.graphdef, params).forward_cached(tokens, state, absorbed)
@@ -121,23 +130,31 @@ class Generator:
         with jax.set_mesh(self.mesh):
             return fn(self.params, jnp.asarray(tokens), state)
 
+    @property
+    def serving(self) -> ServingModel:
+        """The serving path's model (weights cast and split on first use)."""
+        if self._serving is None:
+            self._serving = ServingModel(nnx.merge(self.graphdef, self.params), **self._serving_options)
+        return self._serving
+
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling = Sampling(),
                  stop: Callable[[int, list[int]], bool] | None = None, width: int | None = None) -> list[list[int]]:
-        """New tokens per prompt, ending at (and including) EOS or after max_new_tokens. `stop(row, tokens)`,
-        asked after each new token of a row still running, ends that row when it returns True (a stop
-        sequence reached, say); decoding ends when every row has ended. `width` pads the prompts to at
-        least that many columns (fewer compiled shapes across calls)."""
+        """New tokens per prompt on the serving path, ending at (and including) EOS or after max_new_tokens.
+        `stop(row, tokens)`, asked after each new token of a row still running, ends that row when it returns
+        True (a stop sequence reached, say); decoding ends when every row has ended. `width` pads the prompts
+        to at least that many columns (fewer compiled shapes across calls)."""
         self.check(prompts, sampling.max_new_tokens, width)
         if sampling.top_k > self.cfg.vocab_size:
             raise GenerationError(f"top_k={sampling.top_k} exceeds the vocabulary of {self.cfg.vocab_size} tokens; "
                                   f"use top_k <= {self.cfg.vocab_size} (0 disables it)")
-        logits, state = self.prefill(prompts, width)
+        tokens, starts = left_pad(prompts, width=width)
+        logits, session = self.serving.prefill(tokens, starts, sampling.max_new_tokens, self.max_len)
         key = jax.random.key(sampling.seed)
         outputs: list[list[int]] = [[] for _ in prompts]
         done = np.zeros(len(prompts), bool)
         for _ in range(sampling.max_new_tokens):
             key, sub = jax.random.split(key)
-            tokens = self._sample(logits[:, -1], sub, sampling.temperature, sampling.top_k, sampling.top_p)
+            tokens = self._sample(logits, sub, sampling.temperature, sampling.top_k, sampling.top_p)
             host = np.asarray(tokens)
             for row in np.flatnonzero(~done):
                 outputs[row].append(int(host[row]))
@@ -147,5 +164,5 @@ class Generator:
                 done |= host == sampling.eos_id
             if done.all():
                 break
-            logits, state = self.step(tokens[:, None], state)
+            logits = self.serving.step(tokens[:, None], session)
         return outputs

@@ -16,21 +16,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mlra_jax.loss import chunked_next_token_loss
+from mlra_jax.params import compute_params
 
 Params = dict[str, Any]
-
-
-def compute_params(params: Params, dtype: jnp.dtype) -> Params:
-    """Weights cast once to the compute dtype, before any layer reads them, so that FSDP all-gathers
-    them in it (the layers would cast each one after its gather). Norm scales stay float32, and so
-    does the embedding, whose lookup feeds the float32 residual stream; numerics are unchanged."""
-    def cast(path: tuple, leaf: jax.Array) -> jax.Array:
-        names = [str(getattr(key, "key", key)) for key in path]
-        keep = names[-1] == "scale" or names[-2:] == ["embed", "embedding"] or not jnp.issubdtype(leaf.dtype,
-                                                                                               jnp.floating)
-        return leaf if keep else leaf.astype(dtype)
-
-    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def loss_fn(graphdef: nnx.GraphDef, params: Params, tokens: jax.Array, loss_chunk: int = 0) -> jax.Array:

@@ -1,0 +1,162 @@
+"""The serving path that `Generator.generate` and `python -m mlra_jax.generate` run.
+
+* Weights are cast once to the compute dtype (norm scales and the embedding table stay float32,
+  as the model reads them; the tied head gets its own copy in the compute dtype) and split into
+  one pytree per layer, so a step reads each weight once, as stored.
+* The cache is `LayerCaches`: one buffer per layer and cached tensor, donated to every jitted step
+  and updated in place (the layers are unrolled; a layer scan over a stacked cache re-emits and
+  copies the whole cache every step).
+* The cache's capacity grows in buckets (`capacity_bucket`: powers of two and 1.5x them), so a
+  step compiles once per bucket, not per length, and a short context attends over a short buffer,
+  not max_len. Crossing a bucket copies the cache once into the next one.
+* Prompts are prefilled in chunks of at most `prefill_chunk` tokens through the cache (the
+  left padding rounded up to whole chunks), so a long prompt never forms [T, T] scores.
+* Only the last position's logits are computed, in prefill too.
+* With attention_impl="auto", decode steps of the latent family take the Pallas kernel where it
+  runs (attention.latent_kernels.use_kernel: Hopper GPUs, TPUs) and XLA elsewhere.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mlra_jax.kv_cache import SLOT_MULTIPLE, LayerCaches, init_layer_caches, layer_cache_shardings, slot_mask
+from mlra_jax.layers import einsum
+from mlra_jax.model import Transformer
+from mlra_jax.params import compute_params
+
+MIN_BUCKET = 256  # the smallest cache capacity (slots)
+PREFILL_CHUNK = 512  # prompt tokens per prefill call
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def capacity_bucket(slots: int, limit: int, minimum: int = MIN_BUCKET) -> int:
+    """The smallest capacity minimum * 2^k or 1.5 * minimum * 2^k (multiples of SLOT_MULTIPLE) that holds
+    `slots`, capped at `limit`: about two compiled steps per doubling of the context, and a buffer at most
+    1.5x the slots in use (beyond the minimum)."""
+    power = round_up(max(minimum, SLOT_MULTIPLE), SLOT_MULTIPLE)
+    while True:
+        for capacity in (power, round_up(power * 3 // 2, SLOT_MULTIPLE)):
+            if capacity >= slots:
+                return min(capacity, round_up(limit, SLOT_MULTIPLE))
+        power *= 2
+
+
+@dataclasses.dataclass
+class Session:
+    """A batch being decoded: its caches (replaced by every step, which donates them) and the slots
+    written so far (the host's copy of caches.index, so that no step waits on the device for it)."""
+
+    caches: LayerCaches
+    written: int
+    limit: int  # the largest capacity the caches may grow to
+
+
+class ServingModel:
+    """A model prepared for decoding: weights cast and split per layer; jitted prefill-chunk and decode
+    steps over LayerCaches; `traces` counts the compilations by (kind, tokens per call, capacity)."""
+
+    def __init__(self, model: Transformer, mesh: jax.sharding.Mesh | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK, min_bucket: int = MIN_BUCKET):
+        self.cfg, self.mesh = model.config, mesh
+        self.prefill_chunk, self.min_bucket = prefill_chunk, min_bucket
+        graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        shell = nnx.merge(graphdef, params)
+        self.embed_def = nnx.split(shell.embed)[0]
+        self.norm_def = nnx.split(shell.final_norm)[0]
+        self.block_def = nnx.split(shell.blocks)[0]
+        self.weights = serving_weights(params, self.cfg.dtype, self.cfg.n_layer)
+        self.traces: collections.Counter = collections.Counter()
+        self._prefill = jax.jit(functools.partial(self._forward, absorbed=False), donate_argnums=(2,))
+        self._step = jax.jit(functools.partial(self._forward, absorbed=True), donate_argnums=(2,))
+        self._grow = jax.jit(self._grown, static_argnums=(1,))  # a new shape: nothing to donate into
+
+    # -- the pure forward ------------------------------------------------------------------------
+    def _forward(self, weights: dict[str, Any], tokens: jax.Array, caches: LayerCaches,
+                 absorbed: bool) -> tuple[jax.Array, LayerCaches]:
+        """Float32 logits [B, V] of the last of tokens [B, T], written into the caches at caches.index."""
+        self.traces["step" if absorbed else "prefill", tokens.shape[1], caches.max_len] += 1
+        positions, mask = slot_mask(caches, tokens.shape[1])
+        plans = dict(caches.plans)
+        x = nnx.merge(self.embed_def, weights["embed"])(tokens)
+        layers = []
+        for layer_weights, cache in zip(weights["layers"], caches.layers):
+            block = nnx.merge(self.block_def, layer_weights)
+            x, cache = block.cached(x, positions, cache, mask, caches.index, plans, absorbed)
+            layers.append(cache)
+        last = nnx.merge(self.norm_def, weights["final_norm"])(x[:, -1])
+        logits = einsum("bd,vd->bv", last.astype(self.cfg.dtype), weights["head"], preferred_element_type=jnp.float32)
+        return logits, dataclasses.replace(caches, layers=tuple(layers), index=caches.index + tokens.shape[1])
+
+    def _grown(self, caches: LayerCaches, capacity: int) -> LayerCaches:
+        pad = lambda a: jnp.pad(a, [(0, 0), (0, capacity - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
+        layers = tuple({name: pad(a) for name, a in layer.items()} for layer in caches.layers)
+        if self.mesh is not None:
+            shardings = layer_cache_shardings(self.cfg, self.mesh)
+            layers = tuple({n: jax.lax.with_sharding_constraint(a, shardings[n]) for n, a in layer.items()}
+                           for layer in layers)
+        return dataclasses.replace(caches, layers=layers)
+
+    def _call(self, fn, *args):
+        if self.mesh is None:
+            return fn(*args)
+        with jax.set_mesh(self.mesh):
+            return fn(*args)
+
+    # -- serving -----------------------------------------------------------------------------------
+    def reserve(self, session: Session, slots: int) -> None:
+        """Grow the caches to the bucket that holds `slots` slots, if they do not already."""
+        if slots > session.caches.max_len:
+            capacity = capacity_bucket(slots, session.limit, self.min_bucket)
+            if capacity < slots:
+                raise ValueError(f"{slots} slots exceed the cache limit of {session.limit}")
+            session.caches = self._call(self._grow, session.caches, capacity)
+
+    def prefill(self, tokens: np.ndarray, starts: np.ndarray, max_new_tokens: int,
+                max_len: int) -> tuple[jax.Array, Session]:
+        """Left-padded prompts tokens [B, W] (sequence b starting at starts[b]) through the caches in chunks;
+        the logits [B, V] of their last position and the session to decode from."""
+        chunk = min(self.prefill_chunk, capacity_bucket(tokens.shape[1], self.prefill_chunk, minimum=16))
+        pad = round_up(tokens.shape[1], chunk) - tokens.shape[1]
+        tokens = np.pad(tokens, ((0, 0), (pad, 0)))
+        starts = np.asarray(starts) + pad
+        limit = round_up(max(max_len, tokens.shape[1] + max_new_tokens), SLOT_MULTIPLE)
+        capacity = capacity_bucket(chunk, limit, self.min_bucket)
+        caches = self._call(init_layer_caches, self.cfg, tokens.shape[0], capacity, starts, self.mesh)
+        session = Session(caches, 0, limit)
+        logits = None
+        for begin in range(0, tokens.shape[1], chunk):
+            self.reserve(session, begin + chunk)
+            logits, session.caches = self._call(self._prefill, self.weights, jnp.asarray(tokens[:, begin:begin + chunk]),
+                                                session.caches)
+            session.written = begin + chunk
+        return logits, session
+
+    def step(self, tokens: jax.Array, session: Session) -> jax.Array:
+        """One decode step of tokens [B, 1]: their logits [B, V]; the session's caches advance in place."""
+        self.reserve(session, session.written + 1)
+        logits, session.caches = self._call(self._step, self.weights, tokens, session.caches)
+        session.written += 1
+        return logits
+
+
+def serving_weights(params: dict[str, Any], dtype: jnp.dtype, n_layer: int) -> dict[str, Any]:
+    """The model's parameters as serving reads them: cast once to `dtype` (compute_params: norm scales and
+    the embedding table stay float32), the stacked layers split into one pytree per layer, and the tied
+    head's own copy in `dtype`."""
+    cast = compute_params(params, dtype)
+    layers = tuple(jax.tree.map(lambda a: a[i], cast["blocks"]) for i in range(n_layer))
+    table = params["embed"]["embedding"]
+    return {"embed": cast["embed"], "final_norm": cast["final_norm"], "layers": layers,
+            "head": table if table.dtype == dtype else table.astype(dtype)}

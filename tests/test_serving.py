@@ -1,0 +1,96 @@
+"""The serving path (decode.serving) against the model's own stacked-cache decoding: the same greedy
+tokens for every variant across chunked prefill and cache buckets, one compile per bucket, caches
+updated in place (no whole-cache copy in the compiled step), weights read in the compute dtype."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mlra_jax.decode.generator import Generator, Sampling
+from mlra_jax.decode.serving import capacity_bucket
+from mlra_jax.experiments.tiny import tiny_model
+from mlra_jax.kv_cache import init_cache, init_layer_caches
+from mlra_jax.model import init_model
+from mlra_jax.variants import VARIANTS
+
+PROMPTS = [[5, 17, 3], [9, 2, 44, 7, 1, 60, 8, 31, 12, 90, 4], [70, 6, 21, 15, 99, 3]]  # 3, 11 and 6 tokens
+NEW_TOKENS = 12  # 12 prompt slots (3 chunks of 4) + 12 new: capacities 16 then 24
+TWO_LAYERS = ("gqa", "mlra4")  # the others decode one layer (the per-layer plumbing is the same; the suite's time)
+
+
+def stacked_greedy(generator, prompts, steps):
+    """Greedy tokens from the model's forward_cached over a stacked cache (every position's logits)."""
+    logits, state = generator.prefill(prompts)
+    tokens = []
+    for _ in range(steps):
+        next_tokens = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+        tokens.append(np.asarray(next_tokens))
+        logits, state = generator.step(next_tokens[:, None], state)
+    return np.stack(tokens, axis=1).tolist()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_serving_decodes_the_same_tokens_as_the_stacked_cache(variant):
+    n_layer = 2 if variant in TWO_LAYERS else 1
+    model = init_model(tiny_model(variant, n_layer=n_layer, vocab_size=128, output_init="normal"), seed=0)
+    generator = Generator(model, max_len=32, prefill_chunk=4, min_bucket=16)
+    got = generator.generate(PROMPTS, Sampling(max_new_tokens=NEW_TOKENS, eos_id=None))
+    assert got == stacked_greedy(generator, PROMPTS, NEW_TOKENS)
+    # prefill: 3 chunks of 4 tokens, one compile; decode steps: one compile per bucket (16, then 24)
+    assert dict(generator.serving.traces) == {("prefill", 4, 16): 1, ("step", 1, 16): 1, ("step", 1, 24): 1}
+
+
+def test_capacity_buckets():
+    assert [capacity_bucket(n, 4096, 256) for n in (1, 256, 257, 385, 600, 3000, 5000)] == \
+        [256, 256, 384, 512, 768, 3072, 4096]
+    assert [capacity_bucket(n, 100, 16) for n in (17, 25, 90, 100)] == [24, 32, 96, 104]  # capped: the limit rounded to 8
+
+
+def top_level_ops(hlo: str):
+    """(op, dtype, dims) of the instructions outside fusion bodies."""
+    computation = ""
+    for line in hlo.splitlines():
+        if not line.startswith(" ") and line.rstrip().endswith("{"):
+            computation = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
+            continue
+        if "fused" in computation or "fusion" in computation:
+            continue
+        match = re.search(r"= (\w+)\[([\d,]*)\]\{[^}]*\} ([\w\-]+)\(", line)
+        if match:
+            yield match.group(3), match.group(1), tuple(int(d) for d in match.group(2).split(",") if d)
+
+
+def test_decode_step_updates_the_cache_in_place_and_reads_weights_in_the_compute_dtype():
+    """The stacked path re-emits the whole stacked cache every step (the scan's output); the serving step
+    aliases every cache buffer to its output and writes no array the size of a layer's cache except by the
+    in-place dynamic-update-slice. Numbers of this CPU compile are in the README."""
+    cfg = tiny_model("mlra4", n_layer=3, vocab_size=128, compute_dtype="bfloat16")
+    model = init_model(cfg, seed=0)
+    generator = Generator(model, max_len=1000)
+    serving = generator.serving
+    batch, slots = 2, 1000
+    caches = init_layer_caches(cfg, batch, slots)
+    compiled = serving._step.lower(serving.weights, jnp.zeros((batch, 1), jnp.int32), caches).compile()
+    cache_bytes = sum(a.nbytes for layer in caches.layers for a in layer.values())
+    assert compiled.memory_analysis().alias_size_in_bytes >= cache_bytes  # (and starts, index)
+    layer_shapes = {a.shape for a in caches.layers[0].values()}
+    writes = [(op, dims) for op, _, dims in top_level_ops(compiled.as_text()) if dims in layer_shapes
+              and op not in ("parameter", "get-tuple-element", "tuple", "bitcast")]
+    assert writes and all(op == "fusion" for op, _ in writes)  # the dynamic-update-slice fusions, one per buffer
+    assert "dynamic-update-slice" in compiled.as_text()
+    stacked_state = init_cache(cfg, batch, slots)
+    graphdef = generator.graphdef
+    stacked_step = jax.jit(lambda p, t, s: nnx.merge(graphdef, p).forward_cached(t, s), donate_argnums=(2,))
+    stacked_hlo = stacked_step.lower(generator.params, jnp.zeros((batch, 1), jnp.int32), stacked_state
+                                     ).compile().as_text()
+    stacked_shapes = {a.shape for a in stacked_state.kv.values()}
+    assert any(dims in stacked_shapes and op not in ("parameter", "get-tuple-element", "tuple", "bitcast")
+               for op, _, dims in top_level_ops(stacked_hlo))  # the whole stacked cache is written each step
+    dtypes = {a.dtype for layer in serving.weights["layers"] for a in jax.tree.leaves(layer)}
+    assert dtypes == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}  # matmul weights bf16, norm scales f32
+    assert serving.weights["layers"][0]["attn"]["q_up"].dtype == jnp.bfloat16
+    assert serving.weights["head"].dtype == jnp.bfloat16 and serving.weights["embed"]["embedding"].dtype == jnp.float32
