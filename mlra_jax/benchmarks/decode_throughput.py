@@ -32,6 +32,7 @@ from flax import nnx
 from mlra_jax.attention import attention_class
 from mlra_jax.benchmarks.common import median_time, profiled_time, save
 from mlra_jax.config import MeshConfig, ModelConfig
+from mlra_jax.decode.serving import ServingModel, serving_compiler_options
 from mlra_jax.experiments.benchmarks import PAPER_BATCH, THROUGHPUT_CONTEXTS, THROUGHPUT_MODELS, deployment
 from mlra_jax.kv_cache import cache_shardings, init_cache, init_layer_caches, layer_cache_shardings, slot_mask
 from mlra_jax.params import logical_axes
@@ -96,7 +97,7 @@ def measure_attention(variant: str, contexts: list[int], repeats: int, impl: str
                                                                          dict(state.plans), absorbed=True)
             return heads, dataclasses.replace(state, kv={k: v[None] for k, v in layer.items()}, index=state.index + 1)
 
-        jitted = jax.jit(step, donate_argnums=(2,))
+        jitted = jax.jit(step, donate_argnums=(2,), compiler_options=serving_compiler_options())
         x = jax.device_put(jax.random.normal(jax.random.key(0), (batch, 1, cfg.n_embd), jnp.bfloat16),
                            batch_sharding(mesh, 3))
         for context in contexts:
@@ -118,7 +119,6 @@ def measure_attention(variant: str, contexts: list[int], repeats: int, impl: str
 def measure_model(variant: str, contexts: list[int], repeats: int, impl: str, devices: list[jax.Device],
                   batch: int) -> list[dict]:
     """One decode step of the whole 2.9B model on the serving path per context."""
-    from mlra_jax.decode.serving import ServingModel
     from mlra_jax.model import abstract_model, init_model
 
     cfg = with_impl(dataclasses.replace(whole_model(variant), param_dtype="bfloat16",

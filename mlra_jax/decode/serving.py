@@ -34,7 +34,20 @@ from mlra_jax.model import Transformer
 from mlra_jax.params import compute_params
 
 MIN_BUCKET = 256  # the smallest cache capacity (slots)
+# XLA options of decode steps on GPUs (training keeps XLA's defaults). Measured on an H100, 2.9B MLRA-4 at 8K
+# tokens (experiments/results/decode_model_h100_serving.json):
+# - DotMerger turns dots that share an input (the SwiGLU's two input projections, the attention's projections
+#   of x) into one dot against a concatenation of their weights, made anew on every call: a copy of about half
+#   of all weights per step (1.9 ms of a 7.1 ms batch-1 step, the profile's "wrapped_concatenate");
+# - Triton GEMM fusions pad the weights of these skinny products on every call ("loop_pad_fusion", 1 ms of a
+#   step) where cuBLAS reads them as stored: 5.0 -> 4.4 ms at batch 1, 11.0 -> 9.7 ms at batch 64.
+SERVING_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0, "xla_gpu_enable_triton_gemm": False}
 PREFILL_CHUNK = 512  # prompt tokens per prefill call
+
+
+def serving_compiler_options() -> dict[str, Any] | None:
+    """The XLA options of decode steps on this backend (SERVING_COMPILER_OPTIONS on GPUs)."""
+    return SERVING_COMPILER_OPTIONS if jax.default_backend() == "gpu" else None
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -78,8 +91,11 @@ class ServingModel:
         self.block_def = nnx.split(shell.blocks)[0]
         self.weights = serving_weights(params, self.cfg.dtype, self.cfg.n_layer)
         self.traces: collections.Counter = collections.Counter()
-        self._prefill = jax.jit(functools.partial(self._forward, absorbed=False), donate_argnums=(2,))
-        self._step = jax.jit(functools.partial(self._forward, absorbed=True), donate_argnums=(2,))
+        options = serving_compiler_options()
+        self._prefill = jax.jit(functools.partial(self._forward, absorbed=False), donate_argnums=(2,),
+                                compiler_options=options)
+        self._step = jax.jit(functools.partial(self._forward, absorbed=True), donate_argnums=(2,),
+                             compiler_options=options)
         self._grow = jax.jit(self._grown, static_argnums=(1,))  # a new shape: nothing to donate into
 
     # -- the pure forward ------------------------------------------------------------------------
