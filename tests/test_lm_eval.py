@@ -228,3 +228,27 @@ def test_paper_suite_and_table():
 def test_registered_with_lm_eval(lm):
     assert lm_eval.api.registry.get_model("mlra_jax") is MlraLM
     assert lm.scorer.mesh.size == 4  # the test process's 8 CPU devices: batches of 4 rows over 4 of them
+
+
+def test_lm_evals_hf_model_on_the_exported_folder_gives_the_same_numbers(run, evaluated, tmp_path):
+    """The same tasks through lm-eval's own `hf` model on `convert to-hf`'s folder (our PyTorch modeling code,
+    float32): the same log-likelihood per request and the same metrics as our adapter."""
+    folder = tmp_path / "hf"
+    assert convert.main(["to-hf", "--checkpoint", str(run), "--out", str(folder), "--dtype", "float32"]) == 0
+    through_hf = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={folder},trust_remote_code=True,dtype=float32,max_length={MAX_LEN}",
+        tasks=["tiny_choice", "tiny_rolling"], task_manager=task_manager(str(TASKS)), log_samples=True,
+        batch_size=4, device="cpu")
+    for task in ("tiny_choice", "tiny_rolling"):
+        ours = sorted(evaluated["samples"][task], key=lambda s: s["doc_id"])
+        theirs = sorted(through_hf["samples"][task], key=lambda s: s["doc_id"])
+        assert [s["arguments"] for s in ours] == [s["arguments"] for s in theirs]  # the same requests
+        for mine, hf in zip(ours, theirs):
+            for a, b in zip(mine["resps"], hf["resps"]):
+                value_a, value_b = (a[0][0], b[0][0]) if task == "tiny_choice" else (a[0], b[0])
+                assert value_a == pytest.approx(value_b, rel=1e-5, abs=1e-4)
+                if task == "tiny_choice":
+                    assert a[0][1] == b[0][1]  # is_greedy
+        for metric, value in evaluated["results"][task].items():
+            if isinstance(value, float):
+                assert through_hf["results"][task][metric] == pytest.approx(value, rel=1e-5, abs=1e-6), metric
