@@ -48,6 +48,8 @@ def test_runs_top_to_bottom_on_a_cpu(path, tmp_path, monkeypatch):
     assert "Traceback" not in text
     if path.stem == "quickstart":
         assert "step 8/8  loss" in text and "[step 8] The return value" in text
+        gap = float(text.split("max |transformers - JAX| logits: ")[1].split()[0])  # the Hugging Face export
+        assert gap <= 1e-4 and "transformers, greedy:" in text
         assert any("image/png" in output.get("data", {}) for cell in notebook.cells
                    for output in cell.get("outputs", []))  # the curves inline
     if path.stem == "tpu_vm_pod":
