@@ -104,10 +104,13 @@ def plot_runs(runs: Sequence[str | os.PathLike], out: str | os.PathLike | None =
 
 
 def show_runs(runs: Sequence[str | os.PathLike], out: str | os.PathLike | None = None) -> Any:
-    """Draw the curves of `runs` inline in a notebook (and save them at `out` when given); returns the Figure."""
-    from IPython.display import Image, display
-
+    """Draw the curves of `runs` inline in a notebook (and save them at `out` when given); returns the Figure.
+    Outside IPython (a plain script) nothing is drawn: the Figure and `out` are what it gives."""
     fig = plot_runs(runs, out)
+    try:
+        from IPython.display import Image, display
+    except ImportError:
+        return fig
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=100)
     display(Image(data=png.getvalue()))

@@ -72,6 +72,10 @@ def test_config_and_logits_equal_the_jax_model(exported):
                                   "AutoModelForCausalLM": "modeling_mlra.MLRAForCausalLM"}
     assert {k: config[k] for k in hf_fields(model.config)} == hf_fields(model.config)  # every field, defaults too
     assert hf.dtype == torch.float32
+    bare = type(hf.config)()  # transformers builds one to diff against (logging a loaded config does)
+    assert json.loads(hf.config.to_json_string())["variant"] == model.config.variant and bare.variant
+    with pytest.raises(ValueError, match="needs"):
+        type(hf)(type(hf.config)(variant="mla"))  # a latent variant without its ranks: named, when a model is built
     tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 16))
     expected = np.asarray(model(jnp.asarray(tokens)))
     with torch.no_grad():

@@ -68,6 +68,10 @@ class MLRAConfig(PretrainedConfig):
         super().__post_init__(**kwargs)
         if self.variant not in VARIANT_FIELDS:
             raise ValueError(f"variant={self.variant!r} is none of {', '.join(VARIANT_FIELDS)}")
+
+    def check_complete(self) -> None:
+        """A ValueError naming the fields the variant needs and the config lacks. Checked when a model is built,
+        not here: transformers also builds a bare MLRAConfig() (to diff against its defaults, when it logs one)."""
         missing = [f for f in VARIANT_FIELDS[self.variant] if getattr(self, f) is None]
         if missing:
             raise ValueError(f"variant {self.variant!r} needs {', '.join(missing)} in config.json")

@@ -368,6 +368,7 @@ class MLRAForCausalLM(MLRAPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
 
     def __init__(self, config: MLRAConfig):
+        config.check_complete()
         super().__init__(config)
         self.transformer = nn.ModuleDict({
             "wte": nn.Embedding(config.vocab_size, config.n_embd),
