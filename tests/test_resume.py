@@ -39,7 +39,8 @@ def start_and_wait(workdir, min_step):
 
 
 # checkpoints every 2 steps (so kills often land in a save), averaged log lines every 3
-MANY = ["--train.total_steps=100", "--checkpoint.every=2", "--train.log_every=3", "--train.eval_every=10"]
+STEPS = 60
+MANY = [f"--train.total_steps={STEPS}", "--checkpoint.every=2", "--train.log_every=3", "--train.eval_every=10"]
 
 
 def saved_steps(workdir):
@@ -75,7 +76,7 @@ def kill_at_a_random_moment(workdir, rng, mid_save):
 
 
 def final_weights(workdir):
-    return ocp.StandardCheckpointer().restore(workdir / "checkpoints" / "100" / "state")
+    return ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(STEPS) / "state")
 
 
 def test_ten_kills_at_random_moments_leave_metrics_and_weights_bit_identical(tmp_path):
@@ -83,7 +84,7 @@ def test_ten_kills_at_random_moments_leave_metrics_and_weights_bit_identical(tmp
     rng, workdir = random.Random(2026), tmp_path / "killed"
     in_save = [kill_at_a_random_moment(workdir, rng, mid_save=k % 2 == 1) for k in range(10)]
     assert any(in_save), "no kill landed in a save"
-    assert max(saved_steps(workdir)) < 100
+    assert max(saved_steps(workdir)) < STEPS
     run_training(workdir, *MANY)
     assert records(workdir) == records(tmp_path / "whole")  # loss averages, grad norms, lr, val_loss: exact
     whole, killed = final_weights(tmp_path / "whole"), final_weights(workdir)
