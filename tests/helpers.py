@@ -70,3 +70,20 @@ def records(workdir: Path) -> dict[int, dict]:
     timing = {"tokens_per_s", "step_time_s", "mfu"}
     lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: {k: v for k, v in r.items() if k not in timing} for r in lines}
+
+
+def first_batch_loss(run_dir, experiment) -> float:
+    """The loss of the newest checkpoint of `run_dir` on the first training batch of `experiment`."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from mlra_jax.data.pipeline import train_dataset
+    from mlra_jax.generate import load_model
+    from mlra_jax.training.step import loss_fn
+
+    model, _ = load_model(run_dir)
+    first = np.asarray(train_dataset(experiment.data, experiment.train.seq_len, experiment.model.vocab_size,
+                                     experiment.train.seed, experiment.train.global_batch_size)[0])
+    graphdef, params = nnx.split(model, nnx.Param)
+    return float(jax.jit(loss_fn, static_argnums=0)(graphdef, nnx.to_pure_dict(params), first))

@@ -10,19 +10,16 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 torch = pytest.importorskip("torch")
 
-from helpers import losses, micro_experiment  # noqa: E402
+from helpers import first_batch_loss, losses, micro_experiment  # noqa: E402
 from mlra_jax import convert, generate  # noqa: E402
-from mlra_jax.data.pipeline import train_dataset  # noqa: E402
 from mlra_jax.generate import load_model  # noqa: E402
 from mlra_jax.interop import reference_shapes  # noqa: E402
 from mlra_jax.model import abstract_model  # noqa: E402
 from mlra_jax.params import flat_params  # noqa: E402
 from mlra_jax.training.loop import train  # noqa: E402
-from mlra_jax.training.step import loss_fn  # noqa: E402
 
 SMALL = ("--model.n_layer=2", "--train.total_steps=2", "--train.warmup_steps=1", "--train.eval_every=0",
          "--checkpoint.every=2")
@@ -149,11 +146,7 @@ def test_train_init_from_starts_at_the_imported_weights(exported, tmp_path):
     experiment = micro_experiment("mlra4_tiny", *SMALL, "--train.total_steps=1", "--train.warmup_steps=0")
     result = train(experiment, tmp_path / "new", devices=jax.devices()[:1], init_from=root / "back")
     assert result.step == 1
-    model, _ = load_model(root / "back")
-    first = np.asarray(train_dataset(experiment.data, experiment.train.seq_len, experiment.model.vocab_size,
-                                     experiment.train.seed, experiment.train.global_batch_size)[0])
-    graphdef, params = nnx.split(model, nnx.Param)
-    expected = float(jax.jit(loss_fn, static_argnums=0)(graphdef, nnx.to_pure_dict(params), first))
+    expected = first_batch_loss(root / "back", experiment)
     assert losses(tmp_path / "new")[1] == pytest.approx(expected, rel=1e-5)  # step 1 trains on the first batch
 
 

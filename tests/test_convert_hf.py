@@ -10,25 +10,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import losses, micro_experiment  # noqa: E402
+from helpers import first_batch_loss, losses, micro_experiment  # noqa: E402
 from mlra_jax import convert  # noqa: E402
-from mlra_jax.data.pipeline import train_dataset  # noqa: E402
 from mlra_jax.data.tokenizer import gpt2_tokenizer  # noqa: E402
 from mlra_jax.decode.generator import Generator, Sampling  # noqa: E402
 from mlra_jax.experiments.tiny import tiny_model  # noqa: E402
-from mlra_jax.generate import load_model  # noqa: E402
 from mlra_jax.interop import model_state_dict  # noqa: E402
 from mlra_jax.interop.files import parse_size  # noqa: E402
 from mlra_jax.interop.hf_folder import hf_fields, write_hf_folder  # noqa: E402
 from mlra_jax.model import abstract_model  # noqa: E402
 from mlra_jax.params import flat_params, set_flat_params  # noqa: E402
 from mlra_jax.training.loop import train  # noqa: E402
-from mlra_jax.training.step import loss_fn  # noqa: E402
 
 # every variant, the gate under both of its names (c_gated in the GQA family, gated_proj elsewhere), no-scale
 CASES = [("mha", {}), ("mqa", {}), ("gqa", {}), ("mla", {}), ("mfa", {}), ("tpa", {}), ("gla2", {}), ("gla4", {}),
@@ -179,11 +175,7 @@ def test_train_init_from_the_hf_folder(one_folder, tmp_path):
     experiment, root = one_folder
     result = train(experiment, tmp_path / "new", devices=jax.devices()[:1], init_from=root / "hf")
     assert result.step == 1
-    model, _ = load_model(root / "run")
-    first = np.asarray(train_dataset(experiment.data, experiment.train.seq_len, experiment.model.vocab_size,
-                                     experiment.train.seed, experiment.train.global_batch_size)[0])
-    graphdef, params = nnx.split(model, nnx.Param)
-    expected = float(jax.jit(loss_fn, static_argnums=0)(graphdef, nnx.to_pure_dict(params), first))
+    expected = first_batch_loss(root / "run", experiment)
     assert losses(tmp_path / "new")[1] == pytest.approx(expected, rel=1e-5)
     other = micro_experiment("mlra4_tiny", "--model.n_layer=2", "--model.gated=true")
     with pytest.raises(Exception, match="model.gated is False there, True here"):
