@@ -14,6 +14,7 @@ from mlra_jax.decode.generator import Generator, Sampling
 from mlra_jax.decode.serving import capacity_bucket
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.kv_cache import init_cache, init_layer_caches
+from mlra_jax.layers import single_row_axes, two_rows
 from mlra_jax.model import init_model
 from mlra_jax.variants import VARIANTS
 
@@ -94,3 +95,26 @@ def test_decode_step_updates_the_cache_in_place_and_reads_weights_in_the_compute
     assert dtypes == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}  # matmul weights bf16, norm scales f32
     assert serving.weights["layers"][0]["attn"]["q_up"].dtype == jnp.bfloat16
     assert serving.weights["head"].dtype == jnp.bfloat16 and serving.weights["embed"]["embedding"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("spec, x_shape, w_shape, axes", [
+    ("btd,dq->btq", (1, 1, 8), (8, 6), (0, 0)),  # a projection at batch 1
+    ("btnhk,nrhk->btnhr", (1, 1, 2, 3, 4), (2, 5, 3, 4), (0, 0)),  # absorbed W_UK: block and head axes batched
+    ("bd,vd->bv", (1, 8), (11, 8), (0, 0)),  # the tied head
+    ("bthd,bshd->bhts", (1, 1, 2, 4), (1, 5, 2, 4), (1, 2)),  # decode scores: the query's one position
+    ("btd,dq->btq", (3, 1, 8), (8, 6), None),  # three rows: unchanged
+])
+def test_a_single_row_product_is_computed_on_two_rows_with_the_same_result(spec, x_shape, w_shape, axes):
+    x = jax.random.normal(jax.random.key(0), x_shape, jnp.float32)
+    w = jax.random.normal(jax.random.key(1), w_shape, jnp.float32)
+    seen = []
+
+    def product(spec, x, w):
+        seen.append(x.shape)
+        return jnp.einsum(spec, x, w, precision=jax.lax.Precision.HIGHEST)
+
+    out = two_rows(product, spec, x, w)
+    assert single_row_axes(spec, x_shape) == axes
+    expected_rows = x_shape if axes is None else x_shape[:axes[0]] + (2,) + x_shape[axes[0] + 1:]
+    assert seen == [expected_rows]
+    np.testing.assert_allclose(out, product(spec, x, w), rtol=1e-6, atol=1e-6)

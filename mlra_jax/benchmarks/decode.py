@@ -33,7 +33,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from mlra_jax.benchmarks.common import device_time, earlier_results, environment, median_time, profiled_time, save
+from mlra_jax.benchmarks.common import (benchmark_params, device_time, earlier_results, environment, median_time,
+                                        profiled_time, save)
 
 H100_BANDWIDTH = 3.35e12  # bytes/s, the paper's ideal-time reference
 BATCH1_CONTEXTS = (131072, 262144, 524288, 1048576, 2097152)
@@ -231,7 +232,7 @@ def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
     from mlra_jax.decode.serving import ServingModel
     from mlra_jax.experiments import get_experiment
     from mlra_jax.kv_cache import init_layer_caches
-    from mlra_jax.model import abstract_model, init_model
+    from mlra_jax.model import abstract_model
 
     bandwidth = copy_bandwidth(args.copy_gb)
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s", flush=True)
@@ -240,7 +241,7 @@ def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
     for name in args.experiments.split(","):
         base = dataclasses.replace(get_experiment(name).model, param_dtype="bfloat16", compute_dtype="bfloat16",
                                    max_seq_len=max(map(int, args.context.split(","))))
-        params = nnx.to_pure_dict(nnx.state(init_model(base, seed=0), nnx.Param))
+        params = benchmark_params(base)
         for impl in args.impls.split(","):
             cfg = dataclasses.replace(base, attention_impl=impl)
             serving = ServingModel(nnx.merge(nnx.split(abstract_model(cfg))[0], params))

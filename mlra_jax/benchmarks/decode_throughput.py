@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlra_jax.attention import attention_class
-from mlra_jax.benchmarks.common import median_time, profiled_time, save
+from mlra_jax.benchmarks.common import benchmark_params, median_time, profiled_time, save
 from mlra_jax.config import MeshConfig, ModelConfig
 from mlra_jax.decode.serving import ServingModel, serving_compiler_options
 from mlra_jax.experiments.benchmarks import PAPER_BATCH, THROUGHPUT_CONTEXTS, THROUGHPUT_MODELS, deployment
@@ -119,7 +119,7 @@ def measure_attention(variant: str, contexts: list[int], repeats: int, impl: str
 def measure_model(variant: str, contexts: list[int], repeats: int, impl: str, devices: list[jax.Device],
                   batch: int) -> list[dict]:
     """One decode step of the whole 2.9B model on the serving path per context."""
-    from mlra_jax.model import abstract_model, init_model
+    from mlra_jax.model import abstract_model
 
     cfg = with_impl(dataclasses.replace(whole_model(variant), param_dtype="bfloat16",
                                         compute_dtype="bfloat16", max_seq_len=max(contexts)), impl)
@@ -129,8 +129,7 @@ def measure_model(variant: str, contexts: list[int], repeats: int, impl: str, de
     shapes = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     results = []
     with jax.set_mesh(mesh):
-        params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(init_model(cfg), nnx.Param)),
-                         out_shardings=tree_shardings(shapes, logical_axes(abstract), mesh))()
+        params = benchmark_params(cfg, tree_shardings(shapes, logical_axes(abstract), mesh))
         serving = ServingModel(nnx.merge(nnx.split(abstract)[0], params), mesh=mesh)
         del params
         tokens = jax.device_put(jnp.zeros((batch, 1), jnp.int32), batch_sharding(mesh, 2))

@@ -150,11 +150,19 @@ class Generator:
         tokens, starts = left_pad(prompts, width=width)
         logits, session = self.serving.prefill(tokens, starts, sampling.max_new_tokens, self.max_len)
         key = jax.random.key(sampling.seed)
+
+        def draw(logits: jax.Array) -> jax.Array:
+            nonlocal key
+            key, sub = jax.random.split(key)
+            return self._sample(logits, sub, sampling.temperature, sampling.top_k, sampling.top_p)
+
         outputs: list[list[int]] = [[] for _ in prompts]
         done = np.zeros(len(prompts), bool)
-        for _ in range(sampling.max_new_tokens):
-            key, sub = jax.random.split(key)
-            tokens = self._sample(logits, sub, sampling.temperature, sampling.top_k, sampling.top_p)
+        tokens = draw(logits)
+        for i in range(sampling.max_new_tokens):
+            # The next step is dispatched before this step's tokens reach the host, so that the host's
+            # work (dispatch, stop checks) overlaps the device's; when every row ends here it is wasted.
+            upcoming = draw(self.serving.step(tokens[:, None], session)) if i + 1 < sampling.max_new_tokens else None
             host = np.asarray(tokens)
             for row in np.flatnonzero(~done):
                 outputs[row].append(int(host[row]))
@@ -164,5 +172,5 @@ class Generator:
                 done |= host == sampling.eos_id
             if done.all():
                 break
-            logits = self.serving.step(tokens[:, None], session)
+            tokens = upcoming
         return outputs
