@@ -93,6 +93,9 @@ def einsum(spec: str, *operands: jax.Array, **kwargs) -> jax.Array:
     return product(spec, *operands)
 
 
+ROW_COPIES = 2  # rows that a one-row product runs on (two_rows)
+
+
 def single_row_axes(spec: str, x_shape: tuple[int, ...]) -> tuple[int, int] | None:
     """For einsum(spec, x, w): when every axis that only x and the output have (x's rows) has size 1,
     the first of them in x and in the output; else None."""
@@ -115,7 +118,8 @@ def two_rows(product: Callable[..., jax.Array], spec: str, x: jax.Array, w: jax.
     if axes is None:
         return product(spec, x, w)
     x_axis, out_axis = axes
-    out = product(spec, jnp.concatenate([x, x], axis=x_axis), w)
+    rows = jnp.broadcast_to(x, x.shape[:x_axis] + (ROW_COPIES,) + x.shape[x_axis + 1:])  # fuses into the GEMM
+    out = product(spec, rows, w)
     return jax.lax.slice_in_dim(out, 0, 1, axis=out_axis)
 
 

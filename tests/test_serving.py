@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 from mlra_jax.decode.generator import Generator, Sampling
-from mlra_jax.decode.serving import capacity_bucket
+from mlra_jax.decode.serving import capacity_bucket, padded_mlp
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.kv_cache import init_cache, init_layer_caches
-from mlra_jax.layers import single_row_axes, two_rows
+from mlra_jax.layers import MLP, single_row_axes, two_rows
 from mlra_jax.model import init_model
 from mlra_jax.variants import VARIANTS
 
@@ -37,8 +37,15 @@ def stacked_greedy(generator, prompts, steps):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_serving_decodes_the_same_tokens_as_the_stacked_cache(variant):
     n_layer = 2 if variant in TWO_LAYERS else 1
-    model = init_model(tiny_model(variant, n_layer=n_layer, vocab_size=128, output_init="normal"), seed=0)
+    # an MLP width of 200: serving pads it to 256 (padded_mlp)
+    model = init_model(tiny_model(variant, n_layer=n_layer, vocab_size=128, output_init="normal",
+                                  intermediate_size=200), seed=0)
     generator = Generator(model, max_len=32, prefill_chunk=4, min_bucket=16)
+    layer = generator.serving.weights["layers"][0]
+    assert layer["mlp"]["down_proj"].shape[0] == 256
+    if "kv_up" in layer["attn"]:  # the latent family: head-major W_UK and W_UV (use_serving_layout)
+        blocks, rank, heads, width = model.blocks.attn.kv_up.shape[1:]
+        assert layer["attn"]["kv_up"].shape == (blocks, 2, heads, rank, width // 2)
     got = generator.generate(PROMPTS, Sampling(max_new_tokens=NEW_TOKENS, eos_id=None))
     assert got == stacked_greedy(generator, PROMPTS, NEW_TOKENS)
     # prefill: 3 chunks of 4 tokens, one compile; decode steps: one compile per bucket (16, then 24)
@@ -118,3 +125,12 @@ def test_a_single_row_product_is_computed_on_two_rows_with_the_same_result(spec,
     expected_rows = x_shape if axes is None else x_shape[:axes[0]] + (2,) + x_shape[axes[0] + 1:]
     assert seen == [expected_rows]
     np.testing.assert_allclose(out, product(spec, x, w), rtol=1e-6, atol=1e-6)
+
+
+def test_a_padded_mlp_gives_the_same_output():
+    mlp = MLP(tiny_model("mha", intermediate_size=200, output_init="normal"), rngs=nnx.Rngs(0))
+    graphdef, weights = nnx.split(mlp)
+    padded = padded_mlp(nnx.to_pure_dict(weights), multiple=128)
+    assert padded["gate_proj"].shape == (128, 256) and padded["down_proj"].shape == (256, 128)
+    x = jax.random.normal(jax.random.key(3), (2, 3, 128), jnp.float32)
+    np.testing.assert_allclose(nnx.merge(graphdef, padded)(x), mlp(x), rtol=1e-6, atol=1e-6)

@@ -81,6 +81,11 @@ class Attention(nnx.Module):
         self.gate_proj = (make_param(rngs, (cfg.n_embd, cfg.n_head, dv), ("embed", "q_heads", "head_dim"),
                                      dense_init(cfg), cfg) if cfg.gated else None)
 
+    def use_serving_layout(self, params: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """This module's parameters (stacked over layers or not) in the layout a single device's decode steps
+        read best, and the module set to read them so. The base class keeps its layout."""
+        return params
+
     # -- what subclasses implement -------------------------------------------
     @staticmethod
     def cache_layout(cfg: ModelConfig) -> list[CacheComponent]:

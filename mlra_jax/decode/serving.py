@@ -2,7 +2,9 @@
 
 * Weights are cast once to the compute dtype (norm scales and the embedding table stay float32,
   as the model reads them; the tied head gets its own copy in the compute dtype) and split into
-  one pytree per layer, so a step reads each weight once, as stored.
+  one pytree per layer, so a step reads each weight once, as stored. On one device the attention
+  stores them in its serving layout (Attention.use_serving_layout), and the MLP's hidden width is
+  padded to a multiple of 128 (padded_mlp); a one-row product runs on two rows (layers.two_rows).
 * The cache is `LayerCaches`: one buffer per layer and cached tensor, donated to every jitted step
   and updated in place (the layers are unrolled; a layer scan over a stacked cache re-emits and
   copies the whole cache every step).
@@ -34,14 +36,13 @@ from mlra_jax.model import Transformer
 from mlra_jax.params import compute_params
 
 MIN_BUCKET = 256  # the smallest cache capacity (slots)
-# XLA options of decode steps on GPUs (training keeps XLA's defaults). Measured on an H100, 2.9B MLRA-4 at 8K
-# tokens (experiments/results/decode_model_h100_serving.json):
-# - DotMerger turns dots that share an input (the SwiGLU's two input projections, the attention's projections
-#   of x) into one dot against a concatenation of their weights, made anew on every call: a copy of about half
-#   of all weights per step (1.9 ms of a 7.1 ms batch-1 step, the profile's "wrapped_concatenate");
-# - Triton GEMM fusions pad the weights of these skinny products on every call ("loop_pad_fusion", 1 ms of a
-#   step) where cuBLAS reads them as stored: 5.0 -> 4.4 ms at batch 1, 11.0 -> 9.7 ms at batch 64.
-SERVING_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0, "xla_gpu_enable_triton_gemm": False}
+# XLA options of decode steps on GPUs (training keeps XLA's defaults). DotMerger turns dots that share an
+# input (the SwiGLU's two input projections, the attention's projections of x) into one dot against a
+# concatenation of their weights, made anew on every call: a copy of about half of all weights per step
+# (H100, 2.9B MLRA-4 at 8K tokens: 1.9 ms of a 7.1 ms batch-1 step, the profile's "wrapped_concatenate").
+SERVING_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+# The MLP's hidden width in serving weights is padded with zeros to a multiple of this (padded_mlp).
+MLP_MULTIPLE = 128
 PREFILL_CHUNK = 512  # prompt tokens per prefill call
 
 
@@ -86,6 +87,9 @@ class ServingModel:
         self.prefill_chunk, self.min_bucket = prefill_chunk, min_bucket
         graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
         shell = nnx.merge(graphdef, params)
+        if mesh is None:  # the attention's own layout for decode steps (Attention.use_serving_layout)
+            attn = shell.blocks.attn.use_serving_layout(params["blocks"]["attn"])
+            params = {**params, "blocks": {**params["blocks"], "attn": attn}}
         self.embed_def = nnx.split(shell.embed)[0]
         self.norm_def = nnx.split(shell.final_norm)[0]
         self.block_def = nnx.split(shell.blocks)[0]
@@ -169,10 +173,29 @@ class ServingModel:
 
 def serving_weights(params: dict[str, Any], dtype: jnp.dtype, n_layer: int) -> dict[str, Any]:
     """The model's parameters as serving reads them: cast once to `dtype` (compute_params: norm scales and
-    the embedding table stay float32), the stacked layers split into one pytree per layer, and the tied
-    head's own copy in `dtype`."""
+    the embedding table stay float32), the stacked layers split into one pytree per layer (their MLPs
+    padded: padded_mlp), and the tied head's own copy in `dtype`."""
     cast = compute_params(params, dtype)
     layers = tuple(jax.tree.map(lambda a: a[i], cast["blocks"]) for i in range(n_layer))
+    layers = tuple({**layer, "mlp": padded_mlp(layer["mlp"])} for layer in layers)
     table = params["embed"]["embedding"]
     return {"embed": cast["embed"], "final_norm": cast["final_norm"], "layers": layers,
             "head": table if table.dtype == dtype else table.astype(dtype)}
+
+
+def padded_mlp(mlp: dict[str, jax.Array], multiple: int = MLP_MULTIPLE) -> dict[str, jax.Array]:
+    """The SwiGLU's weights with its hidden width padded with zeros to a multiple of `multiple`: the same
+    output (a padded unit's gate and up are 0, and silu(0) * 0 = 0 meets zero rows of down_proj), and
+    weights that XLA's Triton GEMMs read as stored. They pad an odd width (9880 in the 2.9B models) on
+    every call: H100, 2.9B MLRA-4 at 8K tokens, 1 ms of each step (the profile's "loop_pad_fusion")."""
+    width = mlp["gate_proj"].shape[-1]
+    extra = round_up(width, multiple) - width
+    if not extra:
+        return mlp
+
+    def pad(a: jax.Array, axis: int) -> jax.Array:
+        padded = jnp.pad(a, [(0, extra if i == axis else 0) for i in range(a.ndim)])
+        return jax.device_put(padded, a.sharding) if isinstance(a.sharding, jax.sharding.NamedSharding) else padded
+
+    return {**mlp, "gate_proj": pad(mlp["gate_proj"], 1), "up_proj": pad(mlp["up_proj"], 1),
+            "down_proj": pad(mlp["down_proj"], 0)}
