@@ -45,7 +45,7 @@ def test_serving_decodes_the_same_tokens_as_the_stacked_cache(variant):
     assert layer["mlp"]["down_proj"].shape[0] == 256
     if "kv_up" in layer["attn"]:  # the latent family: head-major W_UK and W_UV (use_serving_layout)
         blocks, rank, heads, width = model.blocks.attn.kv_up.shape[1:]
-        assert layer["attn"]["kv_up"].shape == (blocks, 2, heads, rank, width // 2)
+        assert layer["attn"]["kv_up"].shape == (2, blocks, heads, rank, width // 2)
     got = generator.generate(PROMPTS, Sampling(max_new_tokens=NEW_TOKENS, eos_id=None))
     assert got == stacked_greedy(generator, PROMPTS, NEW_TOKENS)
     # prefill: 3 chunks of 4 tokens, one compile; decode steps: one compile per bucket (16, then 24)
@@ -82,7 +82,7 @@ def test_decode_step_updates_the_cache_in_place_and_reads_weights_in_the_compute
     serving = generator.serving
     batch, slots = 2, 1000
     caches = init_layer_caches(cfg, batch, slots)
-    compiled = serving._step.lower(serving.weights, jnp.zeros((batch, 1), jnp.int32), caches).compile()
+    compiled = serving.compiled(True, (batch, 1)).lower(serving.weights, jnp.zeros((batch, 1), jnp.int32), caches).compile()
     cache_bytes = sum(a.nbytes for layer in caches.layers for a in layer.values())
     assert compiled.memory_analysis().alias_size_in_bytes >= cache_bytes  # (and starts, index)
     layer_shapes = {a.shape for a in caches.layers[0].values()}

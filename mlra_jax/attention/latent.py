@@ -60,7 +60,7 @@ class LatentAttention(Attention):
         self.kv_norm = RMSNorm((self.blocks, self.block_rank), ("latent_blocks", "latent"), cfg, rngs=rngs)
         self.kv_up = make_param(rngs, (self.blocks, self.block_rank, self.block_heads, 2 * dh),
                                 ("latent_blocks", "latent", "block_heads", "kv_head_dim"), init, cfg)
-        self.kv_up_layout = "nrhk"  # as stored: the parameter's [n, R, H, 2 d_h], or "n2hrk" (use_serving_layout)
+        self.kv_up_layout = "nrhk"  # as stored: the parameter's [n, R, H, 2 d_h], or "2nhrk" (use_serving_layout)
         self.q_scale = math.sqrt(d / dq) if cfg.latent_scale else 1.0
         self.kv_scale = math.sqrt(d / self.block_rank) if cfg.latent_scale else 1.0
         self.softmax_scale = (dh + dr) ** -0.5
@@ -142,18 +142,19 @@ class LatentAttention(Attention):
     def up_weights(self) -> tuple[jax.Array, jax.Array]:
         """W_UK and W_UV [n, R, H, d_h] in the compute dtype, from kv_up in either layout."""
         w = self.kv_up[...].astype(self.dtype)
-        if self.kv_up_layout == "n2hrk":
-            return jnp.swapaxes(w[:, 0], 1, 2), jnp.swapaxes(w[:, 1], 1, 2)
+        if self.kv_up_layout == "2nhrk":
+            return jnp.swapaxes(w[0], 1, 2), jnp.swapaxes(w[1], 1, 2)
         return split_up(w, self.nope_dim)
 
     def use_serving_layout(self, params: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        """kv_up stored head-major, [n, 2, H, R, d_h] (W_UK then W_UV): the absorbed products batch over block
-        and head, which the parameter's [n, R, H, 2 d_h] interleaves with the rank, so XLA copies a transposed
-        W_UK and W_UV out of it on every decode step (H100, 2.9B MLRA-4 at batch 1: 6.4 us of a layer's 132)."""
+        """kv_up stored as W_UK and W_UV, each head-major, [2, n, H, R, d_h]: the absorbed products batch over
+        block and head, which the parameter's [n, R, H, 2 d_h] interleaves with the rank, so XLA copies a
+        transposed W_UK and W_UV out of it on every decode step (H100, 2.9B MLRA-4 at batch 1: 6.4 us of a
+        layer's 132); each of them must be contiguous too, or XLA copies it out."""
         up = params["kv_up"]
         split = up.reshape(up.shape[:-1] + (2, self.nope_dim))  # [..., n, R, H, 2, d_h]
-        self.kv_up_layout = "n2hrk"
-        return {**params, "kv_up": jnp.moveaxis(split, (-2, -3), (-4, -3))}
+        self.kv_up_layout = "2nhrk"
+        return {**params, "kv_up": jnp.moveaxis(split, (-2, -5, -3, -4), (-5, -4, -3, -2))}
 
     def blocks_fn(self, mode: Mode) -> Callable[..., jax.Array]:
         return self.absorbed_blocks if mode == "decode" else self.attend_blocks

@@ -97,7 +97,7 @@ def measure_attention(variant: str, contexts: list[int], repeats: int, impl: str
                                                                          dict(state.plans), absorbed=True)
             return heads, dataclasses.replace(state, kv={k: v[None] for k, v in layer.items()}, index=state.index + 1)
 
-        jitted = jax.jit(step, donate_argnums=(2,), compiler_options=serving_compiler_options())
+        jitted = jax.jit(step, donate_argnums=(2,), compiler_options=serving_compiler_options(batch))
         x = jax.device_put(jax.random.normal(jax.random.key(0), (batch, 1, cfg.n_embd), jnp.bfloat16),
                            batch_sharding(mesh, 3))
         for context in contexts:
@@ -139,8 +139,10 @@ def measure_model(variant: str, contexts: list[int], repeats: int, impl: str, de
             holder = {"caches": dataclasses.replace(caches, layers=layers, index=jnp.int32(context - 4 * repeats - 16))}
             del caches, layers
 
+            step = serving.compiled(True, tokens.shape)
+
             def run():
-                logits, holder["caches"] = serving._step(serving.weights, tokens, holder["caches"])
+                logits, holder["caches"] = step(serving.weights, tokens, holder["caches"])
                 return logits
 
             results.append(_record(variant, "model", cfg, tp, dp, len(devices), batch, context,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,19 +36,27 @@ from mlra_jax.model import Transformer
 from mlra_jax.params import compute_params
 
 MIN_BUCKET = 256  # the smallest cache capacity (slots)
-# XLA options of decode steps on GPUs (training keeps XLA's defaults). DotMerger turns dots that share an
+# XLA options of serving calls on GPUs (training keeps XLA's defaults). DotMerger turns dots that share an
 # input (the SwiGLU's two input projections, the attention's projections of x) into one dot against a
 # concatenation of their weights, made anew on every call: a copy of about half of all weights per step
 # (H100, 2.9B MLRA-4 at 8K tokens: 1.9 ms of a 7.1 ms batch-1 step, the profile's "wrapped_concatenate").
 SERVING_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+# Calls of more tokens than this take cuBLAS for their GEMMs, fewer XLA's Triton GEMM fusions. Measured on an
+# H100 (2.9B MLRA-4, 8K tokens): at 1 token a step takes 3.3 ms with Triton and 3.9 with cuBLAS, whose skinny
+# GEMMs split K and add a reduction kernel each; at 64 tokens the SwiGLU's input projections take 1.46 ms
+# with Triton and 1.20 with cuBLAS.
+TRITON_GEMM_ROWS = 16
 # The MLP's hidden width in serving weights is padded with zeros to a multiple of this (padded_mlp).
 MLP_MULTIPLE = 128
 PREFILL_CHUNK = 512  # prompt tokens per prefill call
 
 
-def serving_compiler_options() -> dict[str, Any] | None:
-    """The XLA options of decode steps on this backend (SERVING_COMPILER_OPTIONS on GPUs)."""
-    return SERVING_COMPILER_OPTIONS if jax.default_backend() == "gpu" else None
+def serving_compiler_options(rows: int) -> dict[str, Any] | None:
+    """The XLA options of a serving call of `rows` tokens (batch x tokens per sequence) on this backend:
+    on GPUs SERVING_COMPILER_OPTIONS, with Triton GEMMs off above TRITON_GEMM_ROWS rows."""
+    if jax.default_backend() != "gpu":
+        return None
+    return SERVING_COMPILER_OPTIONS | ({"xla_gpu_enable_triton_gemm": False} if rows > TRITON_GEMM_ROWS else {})
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -95,12 +103,18 @@ class ServingModel:
         self.block_def = nnx.split(shell.blocks)[0]
         self.weights = serving_weights(params, self.cfg.dtype, self.cfg.n_layer)
         self.traces: collections.Counter = collections.Counter()
-        options = serving_compiler_options()
-        self._prefill = jax.jit(functools.partial(self._forward, absorbed=False), donate_argnums=(2,),
-                                compiler_options=options)
-        self._step = jax.jit(functools.partial(self._forward, absorbed=True), donate_argnums=(2,),
-                             compiler_options=options)
+        self._calls: dict[tuple[bool, bool], Callable] = {}  # (absorbed, few rows) -> jitted forward
         self._grow = jax.jit(self._grown, static_argnums=(1,))  # a new shape: nothing to donate into
+
+    def compiled(self, absorbed: bool, tokens_shape: tuple[int, int]) -> Callable:
+        """The jitted forward (absorbed: a decode step, else a prefill chunk) for tokens [B, T], with the
+        compiler options of B x T rows (serving_compiler_options)."""
+        rows = tokens_shape[0] * tokens_shape[1]
+        key = absorbed, rows <= TRITON_GEMM_ROWS
+        if key not in self._calls:
+            self._calls[key] = jax.jit(functools.partial(self._forward, absorbed=absorbed), donate_argnums=(2,),
+                                       compiler_options=serving_compiler_options(rows))
+        return self._calls[key]
 
     # -- the pure forward ------------------------------------------------------------------------
     def _forward(self, weights: dict[str, Any], tokens: jax.Array, caches: LayerCaches,
@@ -158,7 +172,8 @@ class ServingModel:
         logits = None
         for begin in range(0, tokens.shape[1], chunk):
             self.reserve(session, begin + chunk)
-            logits, session.caches = self._call(self._prefill, self.weights, jnp.asarray(tokens[:, begin:begin + chunk]),
+            chunk_tokens = jnp.asarray(tokens[:, begin:begin + chunk])
+            logits, session.caches = self._call(self.compiled(False, chunk_tokens.shape), self.weights, chunk_tokens,
                                                 session.caches)
             session.written = begin + chunk
         return logits, session
@@ -166,7 +181,7 @@ class ServingModel:
     def step(self, tokens: jax.Array, session: Session) -> jax.Array:
         """One decode step of tokens [B, 1]: their logits [B, V]; the session's caches advance in place."""
         self.reserve(session, session.written + 1)
-        logits, session.caches = self._call(self._step, self.weights, tokens, session.caches)
+        logits, session.caches = self._call(self.compiled(True, tokens.shape), self.weights, tokens, session.caches)
         session.written += 1
         return logits
 
