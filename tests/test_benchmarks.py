@@ -19,7 +19,7 @@ def small_throughput_models(monkeypatch):
     monkeypatch.setattr(decode_throughput, "whole_model", lambda v: tiny_model(v, n_layer=1, n_head=8, vocab_size=128))
 
 
-def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models):
+def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monkeypatch):
     """Both scopes (one attention layer, a whole model on the serving path) on the 8 CPU devices, and the
     4-device deployment of the study on the first four."""
     assert jax.device_count() == 8
@@ -36,6 +36,21 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models):
                             f"--out={out}"])
     deployed = {r["variant"]: (r["tp"], r["dp"], r["batch"]) for r in json.loads(out.read_text())["results"]}
     assert deployed == {"gla2": (2, 2, 128)}
+    # a context that fails (out of memory, say) is recorded after the ones measured before it
+    time_step = decode_throughput.time_step
+    calls = []
+
+    def fail_second(run, repeats):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return time_step(run, repeats)
+
+    monkeypatch.setattr(decode_throughput, "time_step", fail_second)
+    decode_throughput.main(["--devices=4", "--scopes=attention", "--variants=gla2", "--contexts=64,128",
+                            "--repeats=1", f"--out={out}"])
+    results = json.loads(out.read_text())["results"]
+    assert [r.get("context") for r in results] == [64, None] and "RESOURCE_EXHAUSTED" in results[1]["error"]
     assert benchmarks.deployment("mlra4", 4) == (4, 1, 64) and benchmarks.deployment("gqa", 2) == (2, 1, 32)
 
 

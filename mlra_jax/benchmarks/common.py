@@ -46,26 +46,33 @@ def earlier_results(path: Path, remeasured: Callable[[dict[str, Any]], bool],
     return kept, record.get("runs", [{k: record.get(k) for k in run_keys}]), record
 
 
+def filled_like(tree: Any, shardings: Any = None, scale: float = 1.0,
+                ones: Callable[[tuple], bool] = lambda path: False) -> Any:
+    """Arrays of the tree's shapes and dtypes for timing, made on the device(s) in `shardings`: one random
+    row of the last axis (normal, times `scale`) repeated over the others, or ones where ones(key path).
+    Drawing every element at random compiles for minutes at the 2.9B models' sizes under a mesh (seen on
+    2 x H200: 3 minutes); timings do not depend on the values."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+
+    def make():
+        keys = jax.random.split(jax.random.key(0), len(paths))
+        return treedef.unflatten([
+            jnp.ones(a.shape, a.dtype) if ones(path) else
+            jnp.broadcast_to((scale * jax.random.normal(key, a.shape[-1:], jnp.float32)).astype(a.dtype), a.shape)
+            for key, (path, a) in zip(keys, paths)])
+
+    return jax.jit(make, out_shardings=shardings)()
+
+
 def benchmark_params(cfg: Any, shardings: Any = None) -> dict[str, Any]:
-    """Parameters of the model of `cfg` for timing, made on the device(s) in one small jitted function:
-    normal(0, 0.02) weights and unit norm scales, in cfg.param_dtype (in `shardings` when given). The
-    model's own initializer traces every layer's init and compiles for minutes at 2.9B under a mesh;
-    timings do not depend on the values."""
+    """Parameters of the model of `cfg` for timing (filled_like: 0.02 x normal weights, unit norm scales) in
+    cfg.param_dtype, in `shardings` when given; the model's own initializer compiles for minutes at 2.9B."""
     from flax import nnx
 
     from mlra_jax.model import abstract_model
 
     shapes = nnx.to_pure_dict(nnx.state(abstract_model(cfg), nnx.Param))
-    paths, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-
-    def make():
-        keys = jax.random.split(jax.random.key(0), len(paths))
-        return treedef.unflatten([
-            jnp.ones(a.shape, a.dtype) if path[-1] == jax.tree_util.DictKey("scale")
-            else (0.02 * jax.random.normal(key, a.shape, jnp.float32)).astype(a.dtype)
-            for key, (path, a) in zip(keys, paths)])
-
-    return jax.jit(make, out_shardings=shardings)()
+    return filled_like(shapes, shardings, scale=0.02, ones=lambda path: path[-1] == jax.tree_util.DictKey("scale"))
 
 
 def chained(fn: Callable[..., jax.Array], feed: int, calls: int) -> Callable[..., jax.Array]:

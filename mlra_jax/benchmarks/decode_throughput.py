@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlra_jax.attention import attention_class
-from mlra_jax.benchmarks.common import benchmark_params, median_time, profiled_time, save
+from mlra_jax.benchmarks.common import benchmark_params, filled_like, median_time, profiled_time, save
 from mlra_jax.config import MeshConfig, ModelConfig
 from mlra_jax.decode.serving import ServingModel, serving_compiler_options
 from mlra_jax.experiments.benchmarks import PAPER_BATCH, THROUGHPUT_CONTEXTS, THROUGHPUT_MODELS, deployment
@@ -65,28 +65,15 @@ def time_step(run: Callable[[], Any], repeats: int) -> dict[str, Any]:
             "wall_time_per_step_s": wall, "kernels_s": top}
 
 
-def random_like(tree: Any, shardings: Any) -> Any:
-    """Normal random arrays of the tree's shapes and dtypes, made directly in `shardings` (a full cache)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    shapes = [(a.shape, a.dtype) for a in leaves]
-
-    def make():
-        keys = jax.random.split(jax.random.key(1), len(shapes))
-        return treedef.unflatten([jax.random.normal(k, s, d) for k, (s, d) in zip(keys, shapes)])
-
-    return jax.jit(make, out_shardings=shardings)()
-
-
 def measure_attention(variant: str, contexts: list[int], repeats: int, impl: str, devices: list[jax.Device],
-                      batch: int) -> list[dict]:
-    """One decode step of one attention layer (DeepSeek-V3's shape) per context."""
+                      batch: int, results: list[dict]) -> None:
+    """One decode step of one attention layer (DeepSeek-V3's shape) per context, appended to results."""
     cfg = with_impl(THROUGHPUT_MODELS[variant], impl)
     tp, dp, _ = deployment(variant, len(devices))
     mesh = make_mesh(MeshConfig(data=dp, tensor=tp), devices)
     attn = attention_class(variant)(cfg, rngs=nnx.Rngs(params=0))
     graphdef, params = nnx.split(attn)[0], nnx.to_pure_dict(nnx.state(attn, nnx.Param))
     axes = {k: v[1:] if v and v[0] == "layers" else v for k, v in logical_axes(attn).items()}
-    results = []
     with jax.set_mesh(mesh):
         params = jax.device_put(params, tree_shardings(params, axes, mesh))
 
@@ -102,7 +89,7 @@ def measure_attention(variant: str, contexts: list[int], repeats: int, impl: str
                            batch_sharding(mesh, 3))
         for context in contexts:
             state = init_cache(cfg, batch, context, mesh=mesh)
-            kv = random_like(state.kv, cache_shardings(cfg, mesh))
+            kv = filled_like(state.kv, cache_shardings(cfg, mesh))
             holder = {"state": dataclasses.replace(state, kv=kv, index=jnp.int32(context - 4 * repeats - 16))}
             del state, kv
 
@@ -113,12 +100,11 @@ def measure_attention(variant: str, contexts: list[int], repeats: int, impl: str
             results.append(_record(variant, "attention", cfg, tp, dp, len(devices), batch, context,
                                    time_step(run, repeats)))
             del holder
-    return results
 
 
 def measure_model(variant: str, contexts: list[int], repeats: int, impl: str, devices: list[jax.Device],
-                  batch: int) -> list[dict]:
-    """One decode step of the whole 2.9B model on the serving path per context."""
+                  batch: int, results: list[dict]) -> None:
+    """One decode step of the whole 2.9B model on the serving path per context, appended to results."""
     from mlra_jax.model import abstract_model
 
     cfg = with_impl(dataclasses.replace(whole_model(variant), param_dtype="bfloat16",
@@ -127,7 +113,6 @@ def measure_model(variant: str, contexts: list[int], repeats: int, impl: str, de
     mesh = make_mesh(MeshConfig(data=dp, tensor=tp), devices)
     abstract = abstract_model(cfg)
     shapes = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
-    results = []
     with jax.set_mesh(mesh):
         params = benchmark_params(cfg, tree_shardings(shapes, logical_axes(abstract), mesh))
         serving = ServingModel(nnx.merge(nnx.split(abstract)[0], params), mesh=mesh)
@@ -135,7 +120,7 @@ def measure_model(variant: str, contexts: list[int], repeats: int, impl: str, de
         tokens = jax.device_put(jnp.zeros((batch, 1), jnp.int32), batch_sharding(mesh, 2))
         for context in contexts:
             caches = init_layer_caches(cfg, batch, context, mesh=mesh)
-            layers = random_like(caches.layers, (layer_cache_shardings(cfg, mesh),) * cfg.n_layer)
+            layers = filled_like(caches.layers, (layer_cache_shardings(cfg, mesh),) * cfg.n_layer)
             holder = {"caches": dataclasses.replace(caches, layers=layers, index=jnp.int32(context - 4 * repeats - 16))}
             del caches, layers
 
@@ -148,7 +133,6 @@ def measure_model(variant: str, contexts: list[int], repeats: int, impl: str, de
             results.append(_record(variant, "model", cfg, tp, dp, len(devices), batch, context,
                                    time_step(run, repeats)))
             del holder
-    return results
 
 
 def _record(variant: str, scope: str, cfg: ModelConfig, tp: int, dp: int, devices: int, batch: int, context: int,
@@ -188,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     for scope in scopes:
         for variant in args.variants.split(","):
             try:
-                results += MEASURE[scope](variant, contexts, args.repeats, args.attention_impl, devices, args.batch)
-            except Exception as err:  # noqa: BLE001 - record it and measure the others
+                MEASURE[scope](variant, contexts, args.repeats, args.attention_impl, devices, args.batch, results)
+            except Exception as err:  # noqa: BLE001 - record it (the contexts measured before it stay) and go on
                 message = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
                 results.append({"scope": scope, "variant": variant, "attention_impl": args.attention_impl,
                                 "error": message})
