@@ -12,7 +12,7 @@ module=${MODULE:-mlra_jax.train}
 port=${PORT:-$((20000 + RANDOM % 20000))}
 pids=()
 for ((i = 0; i < processes; i++)); do
-  JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=${devices_per_process}" \
+  JAX_PLATFORMS=cpu XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=${devices_per_process}" \
     "$python" -m "$module" --distributed --coordinator="localhost:${port}" \
       --num_processes="${processes}" --process_id="${i}" "$@" &
   pids+=($!)

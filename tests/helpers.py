@@ -7,10 +7,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from mlra_jax.cli import apply_overrides
+from xla_test_flags import SUBPROCESS
 from mlra_jax.experiments import get_experiment
 
 ROOT = Path(__file__).parent.parent
@@ -32,15 +32,9 @@ def train_command(workdir: Path, *overrides: str, experiment: str = "mlra4_tiny"
             *MICRO, *overrides]
 
 
-# Compiled programs shared by the training subprocesses of one pytest process (one xdist worker): a
-# resumed run then skips most of its compile time.
-COMPILE_CACHE = Path(tempfile.gettempdir()) / f"mlra_jax_test_compile_cache_{os.getpid()}"
-
-
 def subprocess_env(devices: int = 1) -> dict[str, str]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_COMPILATION_CACHE_DIR=str(COMPILE_CACHE), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {SUBPROCESS}")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return env
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, micro_experiment, records, subprocess_env
+from xla_test_flags import SUBPROCESS
 from mlra_jax.data.builtin import builtin_shards
 from mlra_jax.data.shards import find_shards, write_shard
 from mlra_jax.eval import main as eval_main
@@ -83,7 +84,7 @@ def test_ppl_over_two_processes_equals_one(run, tmp_path):
                  "--seq_len", str(SEQ), "--batch_size", str(BATCH)]
     assert eval_main([*arguments, "--out", str(tmp_path / "one.json")]) == 0
     env = dict(subprocess_env(), DEVICES_PER_PROCESS="2", PYTHON=sys.executable, MODULE="mlra_jax.eval")
-    env.pop("XLA_FLAGS")
+    env["XLA_FLAGS"] = SUBPROCESS  # launch/local.sh adds the device count
     result = subprocess.run(["bash", "launch/local.sh", "2", *arguments, "--out", str(tmp_path / "two.json")],
                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -54,13 +54,7 @@ FAKE_SCONTROL = '#!/usr/bin/env bash\necho "$*" >> "$FAKE_SCONTROL_LOG"\n'
 RUN = [*MICRO, "--train.total_steps=12", "--checkpoint.every=2", "--train.eval_every=0"]
 
 
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory) -> Path:
-    """JAX's persistent compilation cache, shared by this file's runs (the same programs, compiled once)."""
-    return tmp_path_factory.mktemp("jax_cache")
-
-
-def sbatch_env(tmp_path: Path, cache: Path, nodes: int = 2, per_node: int = 1) -> dict[str, str]:
+def sbatch_env(tmp_path: Path, nodes: int = 2, per_node: int = 1) -> dict[str, str]:
     """The environment of the batch script as sbatch starts it (4 CPU devices per node)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
@@ -73,8 +67,7 @@ def sbatch_env(tmp_path: Path, cache: Path, nodes: int = 2, per_node: int = 1) -
                 SLURM_JOB_ID=job_id, SLURM_JOB_NODELIST=nodelist, SLURM_NODELIST=nodelist, SLURM_NNODES=str(nodes),
                 SLURM_NTASKS=str(nodes * per_node), SLURM_NTASKS_PER_NODE=str(per_node), SLURM_PROCID="0",
                 SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_SUBMIT_DIR=str(ROOT),
-                FAKE_SCONTROL_LOG=str(tmp_path / "scontrol.log"), FAKE_SRUN_PIDS=str(tmp_path / "pids"),
-                JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+                FAKE_SCONTROL_LOG=str(tmp_path / "scontrol.log"), FAKE_SRUN_PIDS=str(tmp_path / "pids"))
 
 
 def sbatch(workdir: Path, *args: str) -> list[str]:
@@ -102,9 +95,9 @@ def start_sbatch(workdir: Path, env: dict[str, str], min_step: int, *args: str) 
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, compile_cache):
+def uninterrupted(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("slurm")
-    result = run_sbatch(tmp_path / "run", sbatch_env(tmp_path, compile_cache))
+    result = run_sbatch(tmp_path / "run", sbatch_env(tmp_path))
     return result.stdout, losses(tmp_path / "run")
 
 
@@ -119,17 +112,17 @@ def test_one_task_per_node_drives_every_local_device(uninterrupted):
     assert sorted(run_losses) == list(range(1, 13))
 
 
-def test_one_task_per_gpu_gets_its_own_gpu(tmp_path, compile_cache):
+def test_one_task_per_gpu_gets_its_own_gpu(tmp_path):
     """--ntasks-per-node=2: task LOCALID is given GPU LOCALID (a dry run: no training)."""
-    env = sbatch_env(tmp_path, compile_cache, nodes=1, per_node=2)
+    env = sbatch_env(tmp_path, nodes=1, per_node=2)
     result = run_sbatch(tmp_path / "run", env, "--dry_run")
     visible = dict(re.findall(r"process (\d) of 2 \(SLURM, 2 tasks per node, 1 GPU each\).*GPUs visible: (\w+)",
                               result.stdout))
     assert visible == {"0": "0", "1": "1"}, result.stdout[-4000:]
 
 
-def test_a_killed_task_then_the_same_command_resumes_exactly(tmp_path, compile_cache, uninterrupted):
-    env = sbatch_env(tmp_path, compile_cache)
+def test_a_killed_task_then_the_same_command_resumes_exactly(tmp_path, uninterrupted):
+    env = sbatch_env(tmp_path)
     process = start_sbatch(tmp_path / "run", env, min_step=3)
     os.kill(int((tmp_path / "pids").read_text().split()[1]), signal.SIGKILL)  # node 2 dies
     output, _ = process.communicate(timeout=120)
@@ -141,8 +134,8 @@ def test_a_killed_task_then_the_same_command_resumes_exactly(tmp_path, compile_c
     assert losses(tmp_path / "run") == uninterrupted[1]  # float equality, step for step
 
 
-def test_time_limit_notice_checkpoints_and_requeues(tmp_path, compile_cache, uninterrupted):
-    env, no_periodic_saves = sbatch_env(tmp_path, compile_cache), "--checkpoint.every=1000"  # the stop saves the only checkpoint
+def test_time_limit_notice_checkpoints_and_requeues(tmp_path, uninterrupted):
+    env, no_periodic_saves = sbatch_env(tmp_path), "--checkpoint.every=1000"  # the stop saves the only checkpoint
     process = start_sbatch(tmp_path / "run", env, 3, no_periodic_saves)
     process.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 sends before the time limit
     output, _ = process.communicate(timeout=120)

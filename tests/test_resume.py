@@ -12,6 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from helpers import ROOT, losses, records, run_training, subprocess_env, train_command
+from xla_test_flags import SUBPROCESS
 
 LONG = ["--train.total_steps=36", "--checkpoint.every=4", "--train.eval_every=18"]
 
@@ -135,7 +136,7 @@ def test_two_processes_train_like_one(tmp_path):
     run = ["--train.total_steps=6", "--train.eval_every=3"]
     run_training(tmp_path / "one", *run, devices=8)
     env = dict(subprocess_env(), DEVICES_PER_PROCESS="4", PYTHON=sys.executable)
-    env.pop("XLA_FLAGS")
+    env["XLA_FLAGS"] = SUBPROCESS  # launch/local.sh adds the device count
     result = subprocess.run(["bash", "launch/local.sh", "2", *train_command(tmp_path / "two", *run)[3:]], env=env,
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
