@@ -136,12 +136,26 @@ class MLP(nnx.Module):
         self.gate_proj = make_param(rngs, (d, f), ("embed", "mlp"), dense_init(cfg), cfg)
         self.up_proj = make_param(rngs, (d, f), ("embed", "mlp"), dense_init(cfg), cfg)
         self.down_proj = make_param(rngs, (f, d), ("mlp", "embed"), output_init(cfg), cfg)
+        self.gate_up: nnx.Param | None = None  # gate_proj and up_proj in one [d, 2, f] (use_serving_layout)
         self.dtype = cfg.dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = project(x, self.gate_proj, "btd,df->btf", self.dtype)
-        up = project(x, self.up_proj, "btd,df->btf", self.dtype)
+        if self.gate_up is None:
+            gate = project(x, self.gate_proj, "btd,df->btf", self.dtype)
+            up = project(x, self.up_proj, "btd,df->btf", self.dtype)
+        else:
+            both = project(x, self.gate_up, "btd,dgf->btgf", self.dtype)
+            gate, up = both[:, :, 0], both[:, :, 1]
         return project(jax.nn.silu(gate) * up, self.down_proj, "btf,fd->btd", self.dtype)
+
+    def use_serving_layout(self, params: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """gate_proj and up_proj (stacked over layers or not) as one gate_up [d, 2, f], and the module set to
+        read it: one product of x instead of two, as XLA's DotMerger would make it by copying both on every
+        call (the serving path turns that pass off: serving.SERVING_COMPILER_OPTIONS)."""
+        gate_up = jnp.stack([params["gate_proj"], params["up_proj"]], axis=-2)
+        self.gate_proj = self.up_proj = None
+        self.gate_up = nnx.data(nnx.Param(gate_up))
+        return {"gate_up": gate_up, "down_proj": params["down_proj"]}
 
 
 class Embed(nnx.Module):

@@ -112,12 +112,6 @@ class Attention(nnx.Module):
         """[B, T, n_head, d_v] attention output of the queries of x over kv."""
         raise NotImplementedError
 
-    def attend_cache(self, x: jax.Array, positions: jax.Array, kv: KVCache, mask: jax.Array,
-                     absorbed: bool) -> jax.Array:
-        """Attention over a decode cache (laid out by the TP plans); the latent family overrides this:
-        absorbed weights for decode steps, up-projected keys and values for prefill."""
-        return self.attend(x, positions, kv, mask)
-
     # -- shared --------------------------------------------------------------
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         """Self-attention over the sequence x [B, T, d] (causal when mask is None)."""
@@ -127,12 +121,11 @@ class Attention(nnx.Module):
                          index: jax.Array, plans: dict, absorbed: bool) -> tuple[jax.Array, KVCache]:
         """New tokens x [B, T, d]: their entries stored at slot `index` of this layer's cache
         ([B, max_len, stored units, ...], laid out by `plans`), then attention over the cache.
-        Returns the heads' output [B, T, h, d_v] (before the output projection) and the cache."""
-        entry = self.cache_entry(x, positions)
-        cache = {name: jax.lax.dynamic_update_slice_in_dim(
-            cache[name], plans[name].store(entry[name], axis=2).astype(cache[name].dtype), index, axis=1)
-            for name in cache}
-        return self.attend_cache(x, positions, cache, mask, absorbed), cache
+        Returns the heads' output [B, T, h, d_v] (before the output projection) and the cache. The latent
+        family overrides this: absorbed weights for decode steps, up-projected keys and values for prefill."""
+        del absorbed
+        cache = store_entry(cache, self.cache_entry(x, positions), index, plans)
+        return self.attend(x, positions, cache, mask), cache
 
     def output(self, x: jax.Array, heads_out: jax.Array) -> jax.Array:
         """Optional sigmoid gate computed from x (the attention's input), then the output projection."""
@@ -140,6 +133,14 @@ class Attention(nnx.Module):
         if self.gate_proj is not None:
             heads_out = heads_out * jax.nn.sigmoid(project(x, self.gate_proj, "btd,dhk->bthk", self.dtype))
         return project(heads_out, self.o_proj, "bthk,hkd->btd", self.dtype)
+
+
+def store_entry(cache: KVCache, entry: KVCache, index: jax.Array, plans: dict) -> KVCache:
+    """The cache [B, max_len, stored units, ...] with a new tokens' entry written at slot `index`, each tensor
+    laid out by its TP plan."""
+    return {name: jax.lax.dynamic_update_slice_in_dim(
+        cache[name], plans[name].store(entry[name], axis=2).astype(cache[name].dtype), index, axis=1)
+        for name in cache}
 
 
 def check_cache_entry(layout: list[CacheComponent], entry: KVCache) -> None:

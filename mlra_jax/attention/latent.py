@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from mlra_jax.attention.base import Attention, CacheComponent, DecodeShape, KVCache
+from mlra_jax.attention.base import Attention, CacheComponent, DecodeShape, KVCache, store_entry
 from mlra_jax.attention.core import attention, latent_attention
 from mlra_jax.attention.latent_kernels import automatic_axes, split_batch_axes
 from mlra_jax.attention.rope import apply_rope
@@ -49,7 +49,7 @@ class LatentAttention(Attention):
         self.blocks, self.branches = cfg.latent_layout
         self.block_rank = cfg.kv_lora_rank // self.blocks
         self.block_heads = h * self.branches // self.blocks
-        self.nope_dim, self.rope_dim = dh, dr
+        self.q_rank, self.nope_dim, self.rope_dim = dq, dh, dr
         init = dense_init(cfg)
         self.q_down = make_param(rngs, (d, dq), ("embed", "q_lora"), init, cfg)
         self.q_norm = RMSNorm((dq,), ("q_lora",), cfg, rngs=rngs)
@@ -61,6 +61,7 @@ class LatentAttention(Attention):
         self.kv_up = make_param(rngs, (self.blocks, self.block_rank, self.block_heads, 2 * dh),
                                 ("latent_blocks", "latent", "block_heads", "kv_head_dim"), init, cfg)
         self.kv_up_layout = "nrhk"  # as stored: the parameter's [n, R, H, 2 d_h], or "2nhrk" (use_serving_layout)
+        self.x_proj: nnx.Param | None = None  # q_down | kv_down | k_rope_proj in one [d, d_c'+n R+d_h^R] (serving)
         self.q_scale = math.sqrt(d / dq) if cfg.latent_scale else 1.0
         self.kv_scale = math.sqrt(d / self.block_rank) if cfg.latent_scale else 1.0
         self.softmax_scale = (dh + dr) ** -0.5
@@ -89,15 +90,37 @@ class LatentAttention(Attention):
         return branches * cfg.n_head, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
 
     def cache_entry(self, x: jax.Array, positions: jax.Array) -> KVCache:
-        latent = self.kv_norm(project(x, self.kv_down, "btd,dnr->btnr", self.dtype)) * self.kv_scale
-        k_rope = apply_rope(project(x, self.k_rope_proj, "btd,dr->btr", self.dtype), positions, self.theta)
+        return self.entry_from(project(x, self.kv_down, "btd,dnr->btnr", self.dtype),
+                               project(x, self.k_rope_proj, "btd,dr->btr", self.dtype), positions)
+
+    def entry_from(self, latent: jax.Array, k_rope: jax.Array, positions: jax.Array) -> KVCache:
+        """The cache entry from x's projections: latent [B, T, n, R] normalized and scaled, k_rope [B, T, d_h^R]
+        roped."""
+        latent = self.kv_norm(latent) * self.kv_scale
+        k_rope = apply_rope(k_rope, positions, self.theta)
         return {"latent": latent.astype(self.dtype), "k_rope": k_rope[:, :, None, :]}
 
     def queries(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """q_nope [B, T, h, d_h] and roped q_rope [B, T, h, d_h^R]."""
-        c_q = self.q_norm(project(x, self.q_down, "btd,dq->btq", self.dtype)) * self.q_scale
+        return self.queries_from(project(x, self.q_down, "btd,dq->btq", self.dtype), positions)
+
+    def queries_from(self, c_q: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The queries from x's query down-projection c_q [B, T, d_c']."""
+        c_q = self.q_norm(c_q) * self.q_scale
         q = project(c_q.astype(self.dtype), self.q_up, "btq,qhk->bthk", self.dtype)
         return q[..., : self.nope_dim], apply_rope(q[..., self.nope_dim:], positions, self.theta)
+
+    def x_projections(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x's three down-projections, c_q [B, T, d_c'], latent [B, T, n, R] and k_rope [B, T, d_h^R]: three
+        products, or one over the serving layout's x_proj."""
+        if self.x_proj is None:
+            return (project(x, self.q_down, "btd,dq->btq", self.dtype),
+                    project(x, self.kv_down, "btd,dnr->btnr", self.dtype),
+                    project(x, self.k_rope_proj, "btd,dr->btr", self.dtype))
+        latent_width = self.blocks * self.block_rank
+        y = project(x, self.x_proj, "btd,dk->btk", self.dtype)
+        c_q, latent, k_rope = jnp.split(y, (self.q_rank, self.q_rank + latent_width), axis=-1)
+        return c_q, latent.reshape(latent.shape[:-1] + (self.blocks, self.block_rank)), k_rope
 
     def per_block(self, x: jax.Array) -> jax.Array:
         """[B, T, h, D] -> [B, T, blocks, block_heads, D]: the heads that block b serves."""
@@ -115,18 +138,22 @@ class LatentAttention(Attention):
 
     def attend(self, x: jax.Array, positions: jax.Array, kv: KVCache, mask: jax.Array | None) -> jax.Array:
         """Training over fresh entries: each block's latent up-projected to per-head keys and values."""
-        return self.run_blocks("train", x, positions, kv, mask)
+        return self.run_blocks("train", self.queries(x, positions), kv, mask)
 
-    def attend_cache(self, x: jax.Array, positions: jax.Array, kv: KVCache, mask: jax.Array,
-                     absorbed: bool) -> jax.Array:
-        """Over the cache: prefill up-projects keys and values as training does; decode steps absorb the
-        weights (paper Steps 1-3) and form no per-head key or value."""
-        return self.run_blocks("decode" if absorbed else "prefill", x, positions, kv, mask)
+    def write_and_attend(self, x: jax.Array, positions: jax.Array, cache: KVCache, mask: jax.Array,
+                         index: jax.Array, plans: dict, absorbed: bool) -> tuple[jax.Array, KVCache]:
+        """Over the cache, x projected down once (x_projections): prefill up-projects keys and values as
+        training does; decode steps absorb the weights (paper Steps 1-3) and form no per-head key or value."""
+        c_q, latent, k_rope = self.x_projections(x)
+        cache = store_entry(cache, self.entry_from(latent, k_rope, positions), index, plans)
+        queries = self.queries_from(c_q, positions)
+        return self.run_blocks("decode" if absorbed else "prefill", queries, cache, mask), cache
 
-    def run_blocks(self, mode: Mode, x: jax.Array, positions: jax.Array, kv: KVCache,
+    def run_blocks(self, mode: Mode, queries: tuple[jax.Array, jax.Array], kv: KVCache,
                    mask: jax.Array | None) -> jax.Array:
-        """Every latent block's attention, locally or each device's blocks under TP; [B, T, h, d_h]."""
-        q_nope, q_rope = self.queries(x, positions)
+        """Every latent block's attention from queries (q_nope, q_rope), locally or each device's blocks under
+        TP; [B, T, h, d_h]."""
+        q_nope, q_rope = queries
         tp = tensor_size()
         if tp == 1:
             out = self.blocks_fn(mode)(self.per_block(q_nope), self.per_block(q_rope), kv["latent"], kv["k_rope"],
@@ -147,14 +174,23 @@ class LatentAttention(Attention):
         return split_up(w, self.nope_dim)
 
     def use_serving_layout(self, params: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        """kv_up stored as W_UK and W_UV, each head-major, [2, n, H, R, d_h]: the absorbed products batch over
-        block and head, which the parameter's [n, R, H, 2 d_h] interleaves with the rank, so XLA copies a
-        transposed W_UK and W_UV out of it on every decode step (H100, 2.9B MLRA-4 at batch 1: 6.4 us of a
-        layer's 132); each of them must be contiguous too, or XLA copies it out."""
+        """Two layouts for a single device's decode steps:
+        * kv_up stored as W_UK and W_UV, each head-major, [2, n, H, R, d_h]: the absorbed products batch over
+          block and head, which the parameter's [n, R, H, 2 d_h] interleaves with the rank, so XLA copies a
+          transposed W_UK and W_UV out of it on every decode step (H100, 2.9B MLRA-4 at batch 1: 6.4 us of a
+          layer's 132); each of them must be contiguous too, or XLA copies it out.
+        * q_down, kv_down and k_rope_proj concatenated into x_proj [d, d_c' + n R + d_h^R]: one product of x
+          instead of three (x_projections), each of which at batch 1 takes about twice its bytes' time."""
         up = params["kv_up"]
         split = up.reshape(up.shape[:-1] + (2, self.nope_dim))  # [..., n, R, H, 2, d_h]
         self.kv_up_layout = "2nhrk"
-        return {**params, "kv_up": jnp.moveaxis(split, (-2, -5, -3, -4), (-5, -4, -3, -2))}
+        kv_down = params["kv_down"]
+        x_proj = jnp.concatenate([params["q_down"], kv_down.reshape(kv_down.shape[:-2] + (-1,)),
+                                  params["k_rope_proj"]], axis=-1)
+        self.q_down = self.kv_down = self.k_rope_proj = None
+        self.x_proj = nnx.data(nnx.Param(x_proj))
+        rest = {name: a for name, a in params.items() if name not in ("q_down", "kv_down", "k_rope_proj")}
+        return {**rest, "kv_up": jnp.moveaxis(split, (-2, -5, -3, -4), (-5, -4, -3, -2)), "x_proj": x_proj}
 
     def blocks_fn(self, mode: Mode) -> Callable[..., jax.Array]:
         return self.absorbed_blocks if mode == "decode" else self.attend_blocks

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlra_jax.attention import attention_class
-from mlra_jax.benchmarks.common import benchmark_params, filled_like, median_time, profiled_time, save
+from mlra_jax.benchmarks.common import (benchmark_params, earlier_results, environment, filled_like, median_time,
+                                        profiled_time, save)
 from mlra_jax.config import MeshConfig, ModelConfig
 from mlra_jax.decode.serving import ServingModel, serving_compiler_options
 from mlra_jax.experiments.benchmarks import PAPER_BATCH, THROUGHPUT_CONTEXTS, THROUGHPUT_MODELS, deployment
@@ -147,6 +148,18 @@ def _record(variant: str, scope: str, cfg: ModelConfig, tp: int, dp: int, device
 MEASURE = {"attention": measure_attention, "model": measure_model}
 
 
+def earlier_throughput(path: Path, scopes: list[str], variants: list[str], contexts: list[int],
+                       impl: str) -> tuple[list[dict], list[dict]]:
+    """For --merge: the results in `path` of settings this run does not measure (a failure row of a scope and
+    variant it measures goes too), and the runs they came from."""
+    def remeasured(r: dict) -> bool:
+        ours = r["scope"] in scopes and r["variant"] in variants and r["attention_impl"] == impl
+        return ours and ("error" in r or r["context"] in contexts)
+
+    kept, runs, _ = earlier_results(path, remeasured, ("device", "command", "date", "jax_version", "devices_used"))
+    return kept, runs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlra_jax.benchmarks.decode_throughput", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -159,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention_impl", default="auto", choices=("auto", "xla", "pallas"),
                         help="the latent family's decode attention (GQA stays on XLA)")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/decode_throughput.json"))
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the results in --out of the settings this run does not measure (with its runs)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     devices = jax.devices()[:args.devices or None]
@@ -168,9 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     if set(scopes) - set(SCOPES):
         parser.error(f"--scopes={args.scopes}: choose from {', '.join(SCOPES)}")
     contexts = [int(c) for c in args.contexts.split(",")]
-    results: list[dict] = []
+    variants = args.variants.split(",")
+    results, runs = earlier_throughput(args.out, scopes, variants, contexts, args.attention_impl) if args.merge \
+        else ([], [])
+    extra = {"devices_used": len(devices), "runs": [*runs, {**environment(), "devices_used": len(devices)}]}
     for scope in scopes:
-        for variant in args.variants.split(","):
+        for variant in variants:
             try:
                 MEASURE[scope](variant, contexts, args.repeats, args.attention_impl, devices, args.batch, results)
             except Exception as err:  # noqa: BLE001 - record it (the contexts measured before it stay) and go on
@@ -178,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                 results.append({"scope": scope, "variant": variant, "attention_impl": args.attention_impl,
                                 "error": message})
                 print(f"{scope} {variant}: failed: {message}", flush=True)
-            save(args.out, "decode_throughput", results, devices_used=len(devices))
-    record = save(args.out, "decode_throughput", results, devices_used=len(devices))
+            save(args.out, "decode_throughput", results, **extra)
+    record = save(args.out, "decode_throughput", results, **extra)
     print(f"saved {args.out} ({record['device']} x{len(devices)})")
     return 0
 

@@ -2,9 +2,10 @@
 
 * Weights are cast once to the compute dtype (norm scales and the embedding table stay float32,
   as the model reads them; the tied head gets its own copy in the compute dtype) and split into
-  one pytree per layer, so a step reads each weight once, as stored. On one device the attention
-  stores them in its serving layout (Attention.use_serving_layout), and the MLP's hidden width is
-  padded to a multiple of 128 (padded_mlp); a one-row product runs on two rows (layers.two_rows).
+  one pytree per layer, so a step reads each weight once, as stored. The MLP's hidden width is padded
+  to a multiple of 128 (padded_mlp). On one device the attention and the MLP store their weights in
+  their serving layouts (use_serving_layout: the products of the same input merged into one, the
+  latent family's W_UK and W_UV head-major). A one-row product runs on two rows (layers.two_rows).
 * The cache is `LayerCaches`: one buffer per layer and cached tensor, donated to every jitted step
   and updated in place (the layers are unrolled; a layer scan over a stacked cache re-emits and
   copies the whole cache every step).
@@ -95,13 +96,15 @@ class ServingModel:
         self.prefill_chunk, self.min_bucket = prefill_chunk, min_bucket
         graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
         shell = nnx.merge(graphdef, params)
-        if mesh is None:  # the attention's own layout for decode steps (Attention.use_serving_layout)
-            attn = shell.blocks.attn.use_serving_layout(params["blocks"]["attn"])
-            params = {**params, "blocks": {**params["blocks"], "attn": attn}}
+        blocks = compute_params(params["blocks"], self.cfg.dtype)
+        blocks = {**blocks, "mlp": padded_mlp(blocks["mlp"])}
+        if mesh is None:  # the layouts a single device's decode steps read best (use_serving_layout)
+            blocks = {**blocks, "attn": shell.blocks.attn.use_serving_layout(blocks["attn"]),
+                      "mlp": shell.blocks.mlp.use_serving_layout(blocks["mlp"])}
         self.embed_def = nnx.split(shell.embed)[0]
         self.norm_def = nnx.split(shell.final_norm)[0]
         self.block_def = nnx.split(shell.blocks)[0]
-        self.weights = serving_weights(params, self.cfg.dtype, self.cfg.n_layer)
+        self.weights = serving_weights(params, blocks, self.cfg.dtype, self.cfg.n_layer)
         self.traces: collections.Counter = collections.Counter()
         self._calls: dict[tuple[bool, bool], Callable] = {}  # (absorbed, few rows) -> jitted forward
         self._grow = jax.jit(self._grown, static_argnums=(1,))  # a new shape: nothing to donate into
@@ -186,31 +189,31 @@ class ServingModel:
         return logits
 
 
-def serving_weights(params: dict[str, Any], dtype: jnp.dtype, n_layer: int) -> dict[str, Any]:
-    """The model's parameters as serving reads them: cast once to `dtype` (compute_params: norm scales and
-    the embedding table stay float32), the stacked layers split into one pytree per layer (their MLPs
-    padded: padded_mlp), and the tied head's own copy in `dtype`."""
-    cast = compute_params(params, dtype)
-    layers = tuple(jax.tree.map(lambda a: a[i], cast["blocks"]) for i in range(n_layer))
-    layers = tuple({**layer, "mlp": padded_mlp(layer["mlp"])} for layer in layers)
+def serving_weights(params: dict[str, Any], blocks: dict[str, Any], dtype: jnp.dtype,
+                    n_layer: int) -> dict[str, Any]:
+    """The weights serving reads: `blocks`, the stacked layers as prepared (cast, padded, laid out), split
+    into one pytree per layer; the model's other parameters cast once to `dtype` (compute_params: norm
+    scales and the embedding table stay float32), and the tied head's own copy in `dtype`."""
+    cast = compute_params({name: params[name] for name in ("embed", "final_norm")}, dtype)
+    layers = tuple(jax.tree.map(lambda a: a[i], blocks) for i in range(n_layer))
     table = params["embed"]["embedding"]
-    return {"embed": cast["embed"], "final_norm": cast["final_norm"], "layers": layers,
-            "head": table if table.dtype == dtype else table.astype(dtype)}
+    return {**cast, "layers": layers, "head": table if table.dtype == dtype else table.astype(dtype)}
 
 
 def padded_mlp(mlp: dict[str, jax.Array], multiple: int = MLP_MULTIPLE) -> dict[str, jax.Array]:
-    """The SwiGLU's weights with its hidden width padded with zeros to a multiple of `multiple`: the same
+    """The SwiGLU's weights (stacked over layers or not) with its hidden width padded with zeros to a
+    multiple of `multiple`: the same
     output (a padded unit's gate and up are 0, and silu(0) * 0 = 0 meets zero rows of down_proj), and
     weights that XLA's Triton GEMMs read as stored. They pad an odd width (9880 in the 2.9B models) on
     every call: H100, 2.9B MLRA-4 at 8K tokens, 1 ms of each step (the profile's "loop_pad_fusion")."""
-    width = mlp["gate_proj"].shape[-1]
+    width = mlp["down_proj"].shape[-2]
     extra = round_up(width, multiple) - width
     if not extra:
         return mlp
 
     def pad(a: jax.Array, axis: int) -> jax.Array:
-        padded = jnp.pad(a, [(0, extra if i == axis else 0) for i in range(a.ndim)])
+        padded = jnp.pad(a, [(0, extra if i == axis % a.ndim else 0) for i in range(a.ndim)])
         return jax.device_put(padded, a.sharding) if isinstance(a.sharding, jax.sharding.NamedSharding) else padded
 
-    return {**mlp, "gate_proj": pad(mlp["gate_proj"], 1), "up_proj": pad(mlp["up_proj"], 1),
-            "down_proj": pad(mlp["down_proj"], 0)}
+    return {**mlp, "gate_proj": pad(mlp["gate_proj"], -1), "up_proj": pad(mlp["up_proj"], -1),
+            "down_proj": pad(mlp["down_proj"], -2)}
