@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mlra_jax.decode.generator import Generator, Sampling
+from mlra_jax.decode.generator import Generator, Sampling, left_pad, sample
 from mlra_jax.decode.serving import capacity_bucket, padded_mlp
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.kv_cache import init_cache, init_layer_caches
@@ -53,6 +53,24 @@ def test_serving_decodes_the_same_tokens_as_the_stacked_cache(variant):
     assert got == stacked_greedy(generator, PROMPTS, NEW_TOKENS)
     # prefill: 3 chunks of 4 tokens, one compile; decode steps: one compile per bucket (16, then 24)
     assert dict(generator.serving.traces) == {("prefill", 4, 16): 1, ("step", 1, 16): 1, ("step", 1, 24): 1}
+
+
+def test_sampled_steps_draw_what_separate_sampling_draws():
+    """generate samples inside each decode step's call; the tokens are those of a step, then a draw with the
+    next key of the seed's chain."""
+    model = init_model(tiny_model("mlra4", vocab_size=128, output_init="normal"), seed=0)
+    generator = Generator(model, max_len=32, prefill_chunk=4, min_bucket=16)
+    sampling = Sampling(max_new_tokens=6, temperature=0.9, top_k=20, top_p=0.9, eos_id=None, seed=3)
+    got = generator.generate(PROMPTS, sampling)
+    tokens, starts = left_pad(PROMPTS)
+    logits, session = generator.serving.prefill(tokens, starts, 6, 32)
+    key, drawn = jax.random.key(3), []
+    for _ in range(6):
+        key, draw_key = jax.random.split(key)
+        drawn.append(sample(logits, draw_key, 0.9, 20, 0.9))
+        logits = generator.serving.step(drawn[-1][:, None], session)
+    assert got == np.stack(drawn, axis=1).tolist()
+    assert generator.sampler(sampling) is generator.sampler(Sampling(temperature=0.9, top_k=20, top_p=0.9))
 
 
 def test_capacity_buckets():

@@ -150,11 +150,11 @@ MEASURE = {"attention": measure_attention, "model": measure_model}
 
 def earlier_throughput(path: Path, scopes: list[str], variants: list[str], contexts: list[int],
                        impl: str) -> tuple[list[dict], list[dict]]:
-    """For --merge: the results in `path` of settings this run does not measure (a failure row of a scope and
-    variant it measures goes too), and the runs they came from."""
+    """For --merge: the results in `path` (failures included) of settings this run does not measure, and the
+    runs they came from."""
     def remeasured(r: dict) -> bool:
-        ours = r["scope"] in scopes and r["variant"] in variants and r["attention_impl"] == impl
-        return ours and ("error" in r or r["context"] in contexts)
+        return (r["scope"] in scopes and r["variant"] in variants and r["attention_impl"] == impl
+                and r.get("context") in contexts)
 
     kept, runs, _ = earlier_results(path, remeasured, ("device", "command", "date", "jax_version", "devices_used"))
     return kept, runs
@@ -189,13 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     extra = {"devices_used": len(devices), "runs": [*runs, {**environment(), "devices_used": len(devices)}]}
     for scope in scopes:
         for variant in variants:
+            before = len(results)
             try:
                 MEASURE[scope](variant, contexts, args.repeats, args.attention_impl, devices, args.batch, results)
             except Exception as err:  # noqa: BLE001 - record it (the contexts measured before it stay) and go on
                 message = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+                measured = {r["context"] for r in results[before:]}
+                failed = next((c for c in contexts if c not in measured), None)
                 results.append({"scope": scope, "variant": variant, "attention_impl": args.attention_impl,
-                                "error": message})
-                print(f"{scope} {variant}: failed: {message}", flush=True)
+                                "context": failed, "error": message})
+                print(f"{scope} {variant} at {failed} tokens: failed: {message}", flush=True)
             save(args.out, "decode_throughput", results, **extra)
     record = save(args.out, "decode_throughput", results, **extra)
     print(f"saved {args.out} ({record['device']} x{len(devices)})")

@@ -16,6 +16,7 @@ are the model's own forward_cached over a stacked cache with every position's lo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -96,7 +97,7 @@ class Generator:
 
         self._prefill = jax.jit(lambda p, t, s: forward(p, t, s, False))
         self._step = jax.jit(lambda p, t, s: forward(p, t, s, True))
-        self._sample = jax.jit(sample, static_argnums=(2, 3, 4))
+        self._samplers: dict[tuple[float, int, float], Callable] = {}  # one object per setting: one compilation
 
     def check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, width: int | None = None) -> None:
         if not prompts:
@@ -130,6 +131,15 @@ class Generator:
         with jax.set_mesh(self.mesh):
             return fn(self.params, jnp.asarray(tokens), state)
 
+    def sampler(self, sampling: Sampling) -> Callable[[jax.Array, jax.Array], jax.Array]:
+        """sample() with the setting's temperature, top-k and top-p, jitted: one object per setting, which the
+        serving path's sampled steps compile once for."""
+        setting = sampling.temperature, sampling.top_k, sampling.top_p
+        if setting not in self._samplers:
+            self._samplers[setting] = jax.jit(functools.partial(sample, temperature=setting[0], top_k=setting[1],
+                                                                top_p=setting[2]))
+        return self._samplers[setting]
+
     @property
     def serving(self) -> ServingModel:
         """The serving path's model (weights cast and split on first use)."""
@@ -149,20 +159,18 @@ class Generator:
                                   f"use top_k <= {self.cfg.vocab_size} (0 disables it)")
         tokens, starts = left_pad(prompts, width=width)
         logits, session = self.serving.prefill(tokens, starts, sampling.max_new_tokens, self.max_len)
-        key = jax.random.key(sampling.seed)
-
-        def draw(logits: jax.Array) -> jax.Array:
-            nonlocal key
-            key, sub = jax.random.split(key)
-            return self._sample(logits, sub, sampling.temperature, sampling.top_k, sampling.top_p)
-
+        key, draw_key = jax.random.split(jax.random.key(sampling.seed))
+        sampler = self.sampler(sampling)
         outputs: list[list[int]] = [[] for _ in prompts]
         done = np.zeros(len(prompts), bool)
-        tokens = draw(logits)
+        tokens = sampler(logits, draw_key)
         for i in range(sampling.max_new_tokens):
-            # The next step is dispatched before this step's tokens reach the host, so that the host's
-            # work (dispatch, stop checks) overlaps the device's; when every row ends here it is wasted.
-            upcoming = draw(self.serving.step(tokens[:, None], session)) if i + 1 < sampling.max_new_tokens else None
+            # The next step (which samples too) is dispatched before this step's tokens reach the host, so
+            # that the host's work (dispatch, stop checks) overlaps the device's; when every row ends here it
+            # is wasted.
+            upcoming = None
+            if i + 1 < sampling.max_new_tokens:
+                upcoming, key = self.serving.sampled_step(tokens, session, key, sampler)
             host = np.asarray(tokens)
             for row in np.flatnonzero(~done):
                 outputs[row].append(int(host[row]))

@@ -106,17 +106,19 @@ class ServingModel:
         self.block_def = nnx.split(shell.blocks)[0]
         self.weights = serving_weights(params, blocks, self.cfg.dtype, self.cfg.n_layer)
         self.traces: collections.Counter = collections.Counter()
-        self._calls: dict[tuple[bool, bool], Callable] = {}  # (absorbed, few rows) -> jitted forward
+        self._calls: dict[tuple, Callable] = {}  # (absorbed, few rows, sampler) -> jitted call
         self._grow = jax.jit(self._grown, static_argnums=(1,))  # a new shape: nothing to donate into
 
-    def compiled(self, absorbed: bool, tokens_shape: tuple[int, int]) -> Callable:
+    def compiled(self, absorbed: bool, tokens_shape: tuple[int, int], sampler: Callable | None = None) -> Callable:
         """The jitted forward (absorbed: a decode step, else a prefill chunk) for tokens [B, T], with the
-        compiler options of B x T rows (serving_compiler_options)."""
+        compiler options of B x T rows (serving_compiler_options); with a sampler, the decode step that
+        samples in the same call (_sampled_step; one compilation per sampler object)."""
         rows = tokens_shape[0] * tokens_shape[1]
-        key = absorbed, rows <= TRITON_GEMM_ROWS
+        key = absorbed, rows <= TRITON_GEMM_ROWS, sampler
         if key not in self._calls:
-            self._calls[key] = jax.jit(functools.partial(self._forward, absorbed=absorbed), donate_argnums=(2,),
-                                       compiler_options=serving_compiler_options(rows))
+            fn = (functools.partial(self._forward, absorbed=absorbed) if sampler is None
+                  else functools.partial(self._sampled_step, sampler=sampler))
+            self._calls[key] = jax.jit(fn, donate_argnums=(2,), compiler_options=serving_compiler_options(rows))
         return self._calls[key]
 
     # -- the pure forward ------------------------------------------------------------------------
@@ -135,6 +137,15 @@ class ServingModel:
         last = nnx.merge(self.norm_def, weights["final_norm"])(x[:, -1])
         logits = einsum("bd,vd->bv", last.astype(self.cfg.dtype), weights["head"], preferred_element_type=jnp.float32)
         return logits, dataclasses.replace(caches, layers=tuple(layers), index=caches.index + tokens.shape[1])
+
+    def _sampled_step(self, weights: dict[str, Any], tokens: jax.Array, caches: LayerCaches, key: jax.Array,
+                      sampler: Callable[[jax.Array, jax.Array], jax.Array]
+                      ) -> tuple[jax.Array, jax.Array, LayerCaches]:
+        """A decode step of tokens [B] and the sampling of the next ones: (next tokens [B], the next key,
+        caches); sampler(logits [B, V], key) draws with a key split from `key`, as a separate draw would."""
+        logits, caches = self._forward(weights, tokens[:, None], caches, absorbed=True)
+        key, draw_key = jax.random.split(key)
+        return sampler(logits, draw_key), key, caches
 
     def _grown(self, caches: LayerCaches, capacity: int) -> LayerCaches:
         pad = lambda a: jnp.pad(a, [(0, 0), (0, capacity - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
@@ -187,6 +198,16 @@ class ServingModel:
         logits, session.caches = self._call(self.compiled(True, tokens.shape), self.weights, tokens, session.caches)
         session.written += 1
         return logits
+
+    def sampled_step(self, tokens: jax.Array, session: Session, key: jax.Array,
+                     sampler: Callable[[jax.Array, jax.Array], jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """One decode step of tokens [B] that also samples the next tokens, in one call (one dispatch per token:
+        the host keeps ahead of the device at batch 1): (next tokens [B], the next key)."""
+        self.reserve(session, session.written + 1)
+        tokens, key, session.caches = self._call(self.compiled(True, (tokens.shape[0], 1), sampler), self.weights,
+                                                 tokens, session.caches, key)
+        session.written += 1
+        return tokens, key
 
 
 def serving_weights(params: dict[str, Any], blocks: dict[str, Any], dtype: jnp.dtype,
