@@ -75,9 +75,13 @@ def test_decode_attention_and_model_modes(tmp_path):
     assert sum(r["variant"] == "gqa" for r in merged["results"]) == 1 and len(merged["runs"]) == 2
     out = tmp_path / "model.json"
     decode.main(["model", "--experiments=mlra4_tiny", "--batch=2", "--context=64", "--impls=xla", "--repeats=1",
-                 "--copy_gb=0.01", f"--out={out}"])
+                 "--copy_gb=0.01", "--generate_tokens=24", f"--out={out}"])
     result = json.loads(out.read_text())["results"][0]
     assert result["tokens_per_s"] > 0 and result["weight_bytes"] > 0 and result["time_over_floor"] > 0
+    assert result["generate_tokens"] == 24 and result["generate_s_per_token"] > 0
+    with pytest.raises(SystemExit) as exit_info:  # as many new tokens as the context: refused before any work
+        decode.main(["model", "--experiments=mlra4_tiny", "--context=64", "--generate_tokens=64", f"--out={out}"])
+    assert exit_info.value.code == 2
     assert result["cache_bytes"] == 2 * 64 * (64 + 16) * 2 * 4  # batch, context, latent + RoPE key, bf16, layers
 
 

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from pathlib import Path
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mlra_jax.benchmarks.common import (benchmark_params, device_time, earlier_results, environment, median_time,
                                         profiled_time, save)
@@ -263,14 +265,44 @@ def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
                     result.update(floor, tokens_per_s=batch / seconds, floor_time_s=floor_s,
                                   floor_tokens_per_s=batch / floor_s, time_over_floor=seconds / floor_s,
                                   copy_bandwidth_bytes_per_s=bandwidth)
+                    if args.generate_tokens:
+                        result.update(_time_generate(cfg, params, batch, context, args.generate_tokens))
                     results.append(result)
                     save(args.out, "decode_model", results, **extra)
                     print(f"{name:14} {impl:6} B={batch:<4} ctx={context:<7} {seconds * 1e3:8.3f} ms/step "
                           f"{batch / seconds:10.0f} tokens/s   floor {floor_s * 1e3:7.3f} ms "
                           f"({floor['weight_bytes'] / 1e9:.2f} GB weights + {floor['cache_bytes'] / 1e9:.2f} GB cache)"
-                          f"  {seconds / floor_s:5.2f}x floor", flush=True)
+                          f"  {seconds / floor_s:5.2f}x floor" + (f"; generate {result['generate_s_per_token'] * 1e3:.3f} "
+                                                                  f"ms/token" if args.generate_tokens else ""),
+                          flush=True)
             del serving
     return results, extra
+
+
+def _time_generate(cfg, params, batch: int, context: int, new_tokens: int) -> dict:
+    """Wall time per new token of Generator.generate (greedy, every row running to new_tokens) from random
+    prompts that end the decoding at `context` tokens: the median gap between consecutive tokens reaching the
+    host (a stop callback stamps them), over the last of three calls, the first 8 tokens left out."""
+    from flax import nnx
+
+    from mlra_jax.decode.generator import Generator, Sampling
+    from mlra_jax.model import abstract_model
+
+    generator = Generator(nnx.merge(nnx.split(abstract_model(cfg))[0], params), max_len=context)
+    prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, context - new_tokens)).tolist()
+    stamps: list[float] = []
+
+    def stamp(row: int, tokens: list[int]) -> bool:
+        if row == 0:
+            stamps.append(time.perf_counter())
+        return False
+
+    for _ in range(3):
+        stamps.clear()
+        generator.generate(prompts, Sampling(max_new_tokens=new_tokens, eos_id=None), stop=stamp)
+    gaps = np.diff(stamps[8:])
+    return {"generate_tokens": new_tokens, "generate_s_per_token": float(np.median(gaps)),
+            "generate_timing": "Generator.generate, median wall time between new tokens"}
 
 
 def _time_serving_step(serving, batch: int, context: int, args: argparse.Namespace, init_layer_caches) -> dict:
@@ -328,8 +360,15 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--impls", default="xla,pallas", help="comma-separated attention_impl values (xla, pallas, auto)")
     model.add_argument("--repeats", type=int, default=20)
     model.add_argument("--copy_gb", type=float, default=4.0, help="size of the bandwidth-reference copy")
+    model.add_argument("--generate_tokens", type=int, default=0,
+                       help="also time Generator.generate per new token, decoding this many tokens up to the context")
     model.add_argument("--out", type=Path, default=Path("experiments/results/decode_model.json"))
     args = parser.parse_args(argv)
+    if args.mode == "model" and args.generate_tokens:
+        shortest = min(int(c) for c in args.context.split(","))
+        if not 16 <= args.generate_tokens < shortest:
+            parser.error(f"--generate_tokens={args.generate_tokens}: use at least 16 (the first 8 gaps are left out) "
+                         f"and fewer than the shortest --context ({shortest})")
     results, extra = bench_attention(args) if args.mode == "attention" else bench_model(args)
     record = save(args.out, f"decode_{args.mode}", results, **extra)
     print(f"saved {args.out} ({record['device']})")
