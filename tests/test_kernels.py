@@ -210,7 +210,8 @@ def test_pallas_decode_under_data_and_tensor_parallelism(monkeypatch, variant, m
     np.testing.assert_allclose(got, want, atol=2e-5)
     assert calls == [8 // mesh_shape[0]]  # traced once, on one data shard's sequences
     with jax.set_mesh(mesh):
-        hlo = serving.compiled(True, (8, 1)).lower(serving.weights, jnp.arange(8)[:, None], session.caches).compile().as_text()
+        step = serving.compiled(True, (8, 1))
+        hlo = step.lower(serving.weights, jnp.arange(8)[:, None], session.caches).compile().as_text()
     gathered = [line for line in hlo.splitlines() if re.search(r"= \S+ all-gather\(", line)
                 and re.search(r"\[[\d,]*\b40\b[\d,]*\]", line.split("all-gather(")[0])]
     assert session.caches.max_len == 40 and not gathered, gathered  # nothing with the cache's slots is gathered

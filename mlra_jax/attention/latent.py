@@ -90,8 +90,16 @@ class LatentAttention(Attention):
         return branches * cfg.n_head, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
 
     def cache_entry(self, x: jax.Array, positions: jax.Array) -> KVCache:
-        return self.entry_from(project(x, self.kv_down, "btd,dnr->btnr", self.dtype),
-                               project(x, self.k_rope_proj, "btd,dr->btr", self.dtype), positions)
+        return self.entry_from(*self.kv_projections(x), positions)
+
+    def kv_projections(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x's latent [B, T, n, R] and RoPE key [B, T, d_h^R] projections, as stored (before norm and RoPE)."""
+        return (project(x, self.kv_down, "btd,dnr->btnr", self.dtype),
+                project(x, self.k_rope_proj, "btd,dr->btr", self.dtype))
+
+    def q_projection(self, x: jax.Array) -> jax.Array:
+        """x's query down-projection c_q [B, T, d_c'], as stored (before its norm)."""
+        return project(x, self.q_down, "btd,dq->btq", self.dtype)
 
     def entry_from(self, latent: jax.Array, k_rope: jax.Array, positions: jax.Array) -> KVCache:
         """The cache entry from x's projections: latent [B, T, n, R] normalized and scaled, k_rope [B, T, d_h^R]
@@ -102,7 +110,7 @@ class LatentAttention(Attention):
 
     def queries(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """q_nope [B, T, h, d_h] and roped q_rope [B, T, h, d_h^R]."""
-        return self.queries_from(project(x, self.q_down, "btd,dq->btq", self.dtype), positions)
+        return self.queries_from(self.q_projection(x), positions)
 
     def queries_from(self, c_q: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The queries from x's query down-projection c_q [B, T, d_c']."""
@@ -114,9 +122,7 @@ class LatentAttention(Attention):
         """x's three down-projections, c_q [B, T, d_c'], latent [B, T, n, R] and k_rope [B, T, d_h^R]: three
         products, or one over the serving layout's x_proj."""
         if self.x_proj is None:
-            return (project(x, self.q_down, "btd,dq->btq", self.dtype),
-                    project(x, self.kv_down, "btd,dnr->btnr", self.dtype),
-                    project(x, self.k_rope_proj, "btd,dr->btr", self.dtype))
+            return self.q_projection(x), *self.kv_projections(x)
         latent_width = self.blocks * self.block_rank
         y = project(x, self.x_proj, "btd,dk->btk", self.dtype)
         c_q, latent, k_rope = jnp.split(y, (self.q_rank, self.q_rank + latent_width), axis=-1)

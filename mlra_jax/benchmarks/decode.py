@@ -269,12 +269,12 @@ def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
                         result.update(_time_generate(cfg, params, batch, context, args.generate_tokens))
                     results.append(result)
                     save(args.out, "decode_model", results, **extra)
+                    generated = (f"; generate {result['generate_s_per_token'] * 1e3:.3f} ms/token"
+                                 if args.generate_tokens else "")
                     print(f"{name:14} {impl:6} B={batch:<4} ctx={context:<7} {seconds * 1e3:8.3f} ms/step "
                           f"{batch / seconds:10.0f} tokens/s   floor {floor_s * 1e3:7.3f} ms "
                           f"({floor['weight_bytes'] / 1e9:.2f} GB weights + {floor['cache_bytes'] / 1e9:.2f} GB cache)"
-                          f"  {seconds / floor_s:5.2f}x floor" + (f"; generate {result['generate_s_per_token'] * 1e3:.3f} "
-                                                                  f"ms/token" if args.generate_tokens else ""),
-                          flush=True)
+                          f"  {seconds / floor_s:5.2f}x floor{generated}", flush=True)
             del serving
     return results, extra
 

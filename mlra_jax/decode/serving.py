@@ -224,8 +224,9 @@ def serving_weights(params: dict[str, Any], blocks: dict[str, Any], dtype: jnp.d
 def padded_mlp(mlp: dict[str, jax.Array], multiple: int = MLP_MULTIPLE) -> dict[str, jax.Array]:
     """The SwiGLU's weights (stacked over layers or not) with its hidden width padded with zeros to a
     multiple of `multiple`: the same output (a padded unit's gate and up are 0, and silu(0) * 0 = 0 meets
-    zero rows of down_proj), and weights that XLA's Triton GEMMs read as stored. They pad an odd width (9880 in the 2.9B models) on
-    every call: H100, 2.9B MLRA-4 at 8K tokens, 1 ms of each step (the profile's "loop_pad_fusion")."""
+    zero rows of down_proj), and weights that XLA's Triton GEMMs read as stored. They pad an odd width
+    (9880 in the 2.9B models) on every call: H100, 2.9B MLRA-4 at 8K tokens, 1 ms of each step (the
+    profile's "loop_pad_fusion")."""
     width = mlp["down_proj"].shape[-2]
     extra = round_up(width, multiple) - width
     if not extra:
