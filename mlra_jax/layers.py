@@ -123,6 +123,15 @@ def two_rows(product: Callable[..., jax.Array], spec: str, x: jax.Array, w: jax.
     return jax.lax.slice_in_dim(out, 0, 1, axis=out_axis)
 
 
+def row_copies(x: jax.Array) -> jax.Array:
+    """On GPUs a single row x [1, 1, ...] as ROW_COPIES copies [ROW_COPIES, 1, ...], for a chain of products that
+    runs on the copies as they are and is sliced once at its end; else x. Each product of a single row otherwise
+    slices its result back to one row (two_rows), and the next copies it again in front of its GEMM."""
+    if jax.default_backend() != "gpu" or x.shape[0] * x.shape[1] != 1:
+        return x
+    return jnp.broadcast_to(x, (ROW_COPIES,) + x.shape[1:])
+
+
 def project(x: jax.Array, kernel: nnx.Param, spec: str, dtype: jnp.dtype) -> jax.Array:
     """einsum(spec, x, W) in the compute dtype."""
     return einsum(spec, x.astype(dtype), kernel[...].astype(dtype))
@@ -140,13 +149,20 @@ class MLP(nnx.Module):
         self.dtype = cfg.dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """x [B, T, d] -> [B, T, d]. On GPUs one row (B = T = 1) runs through both products as ROW_COPIES rows,
+        sliced once at the end (row_copies): the SwiGLU's product feeds the second GEMM as it is. With the row
+        sliced out and copied again in front of it (two_rows) that GEMM took 24.1 us instead of 22.0 (H100,
+        2.9B at batch 1, per layer)."""
+        rows = x.shape[0]
+        x = row_copies(x)
         if self.gate_up is None:
             gate = project(x, self.gate_proj, "btd,df->btf", self.dtype)
             up = project(x, self.up_proj, "btd,df->btf", self.dtype)
         else:
             both = project(x, self.gate_up, "btd,dgf->btgf", self.dtype)
             gate, up = both[:, :, 0], both[:, :, 1]
-        return project(jax.nn.silu(gate) * up, self.down_proj, "btf,fd->btd", self.dtype)
+        out = project(jax.nn.silu(gate) * up, self.down_proj, "btf,fd->btd", self.dtype)
+        return out[:rows]
 
     def use_serving_layout(self, params: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """gate_proj and up_proj (stacked over layers or not) as one gate_up [d, 2, f], and the module set to

@@ -11,10 +11,12 @@ import pytest
 from flax import nnx
 
 from mlra_jax.decode.generator import Generator, Sampling, left_pad, sample
-from mlra_jax.decode.serving import capacity_bucket, padded_mlp
+from mlra_jax.decode.serving import ServingModel, capacity_bucket, padded_mlp
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.kv_cache import init_cache, init_layer_caches
-from mlra_jax.layers import MLP, single_row_axes, two_rows
+import mlra_jax.attention.latent as latent_module
+import mlra_jax.layers as layers_module
+from mlra_jax.layers import MLP, ROW_COPIES, row_copies, single_row_axes, two_rows
 from mlra_jax.model import init_model
 from mlra_jax.variants import VARIANTS
 
@@ -71,6 +73,21 @@ def test_sampled_steps_draw_what_separate_sampling_draws():
         logits = generator.serving.step(drawn[-1][:, None], session)
     assert got == np.stack(drawn, axis=1).tolist()
     assert generator.sampler(sampling) is generator.sampler(Sampling(temperature=0.9, top_k=20, top_p=0.9))
+
+
+def test_a_generator_takes_a_prepared_serving_model():
+    """A serving model passed in is the one generate runs (no second copy of the weights), with the tokens of
+    one the generator makes; one prepared from another config is refused."""
+    model = init_model(tiny_model("mla", n_layer=1, vocab_size=128, output_init="normal"), seed=0)
+    serving = ServingModel(model, prefill_chunk=4, min_bucket=16)
+    generator = Generator(model, max_len=32, serving=serving)
+    assert generator.serving is serving
+    sampling = Sampling(max_new_tokens=6, eos_id=None)
+    made = Generator(model, max_len=32, prefill_chunk=4, min_bucket=16)
+    assert generator.generate(PROMPTS, sampling) == made.generate(PROMPTS, sampling)
+    other = init_model(tiny_model("mla", n_layer=2, vocab_size=128), seed=0)
+    with pytest.raises(ValueError, match="same model config"):
+        Generator(other, max_len=32, serving=serving)
 
 
 def test_capacity_buckets():
@@ -146,6 +163,31 @@ def test_a_single_row_product_is_computed_on_two_rows_with_the_same_result(spec,
     expected_rows = x_shape if axes is None else x_shape[:axes[0]] + (2,) + x_shape[axes[0] + 1:]
     assert seen == [expected_rows]
     np.testing.assert_allclose(out, product(spec, x, w), rtol=1e-6, atol=1e-6)
+
+
+def test_one_row_on_gpus_runs_the_mlp_and_the_latent_output_on_row_copies_with_the_same_logits(monkeypatch):
+    """A batch-1 decode step as GPUs run it (row_copies and two_rows; the backend patched to "gpu" on CPU): the
+    MLP and the latent family's query and output products run on copies of the row, and the logits are those
+    of the plain step."""
+    model = init_model(tiny_model("mlra4", n_layer=1, vocab_size=128, output_init="normal"), seed=0)
+    generator = Generator(model, max_len=32, prefill_chunk=4, min_bucket=16)
+    logits, state = generator.prefill(PROMPTS[:1])
+    token = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
+    expected, _ = model.forward_cached(token, state)
+    copied = []
+
+    def counted(x):
+        out = row_copies(x)
+        copied.append(out.shape[0])
+        return out
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(layers_module, "row_copies", counted)
+    monkeypatch.setattr(latent_module, "row_copies", counted)
+    got, _ = model.forward_cached(token, state)
+    assert copied == [ROW_COPIES] * 3  # the attention's queries and W_UV, the MLP
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_padded_mlp_gives_the_same_output():

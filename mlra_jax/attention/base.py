@@ -128,11 +128,12 @@ class Attention(nnx.Module):
         return self.attend(x, positions, cache, mask), cache
 
     def output(self, x: jax.Array, heads_out: jax.Array) -> jax.Array:
-        """Optional sigmoid gate computed from x (the attention's input), then the output projection."""
+        """Optional sigmoid gate computed from x (the attention's input), then the output projection; heads_out
+        may hold copies of x's single row (layers.row_copies), and the result has x's rows."""
         heads_out = heads_out.astype(self.dtype)
         if self.gate_proj is not None:
             heads_out = heads_out * jax.nn.sigmoid(project(x, self.gate_proj, "btd,dhk->bthk", self.dtype))
-        return project(heads_out, self.o_proj, "bthk,hkd->btd", self.dtype)
+        return project(heads_out, self.o_proj, "bthk,hkd->btd", self.dtype)[:x.shape[0]]
 
 
 def store_entry(cache: KVCache, entry: KVCache, index: jax.Array, plans: dict) -> KVCache:

@@ -33,7 +33,7 @@ from mlra_jax.attention.core import attention, latent_attention
 from mlra_jax.attention.latent_kernels import automatic_axes, split_batch_axes
 from mlra_jax.attention.rope import apply_rope
 from mlra_jax.config import ModelConfig
-from mlra_jax.layers import RMSNorm, dense_init, einsum, make_param, project
+from mlra_jax.layers import RMSNorm, dense_init, einsum, make_param, project, row_copies
 from mlra_jax.tensor_parallel import TENSOR, LatentPlan, tensor_size
 
 # train: fresh entries, differentiated; prefill: over the cache, keys and values up-projected;
@@ -152,6 +152,8 @@ class LatentAttention(Attention):
         training does; decode steps absorb the weights (paper Steps 1-3) and form no per-head key or value."""
         c_q, latent, k_rope = self.x_projections(x)
         cache = store_entry(cache, self.entry_from(latent, k_rope, positions), index, plans)
+        if absorbed and tensor_size() == 1:  # one row: q_up and W_UK on its copies (absorbed_blocks)
+            c_q = row_copies(c_q)
         queries = self.queries_from(c_q, positions)
         return self.run_blocks("decode" if absorbed else "prefill", queries, cache, mask), cache
 
@@ -286,9 +288,12 @@ class LatentAttention(Attention):
                         up: tuple[jax.Array, jax.Array], mask: jax.Array | None) -> jax.Array:
         """Step 1: W_UK into the query; Step 2: MQA over [k_rope || latent]; Step 3: W_UV after."""
         w_uk, w_uv = up
+        rows = latent.shape[0]  # the queries may be copies of one row (layers.row_copies): attend with one
         q_latent = einsum("btnhk,nrhk->btnhr", q_nope, w_uk).astype(self.dtype)
-        z = latent_attention(q_rope, q_latent, k_rope[:, :, 0], latent, scale=self.softmax_scale, mask=mask,
-                             impl=self.impl)
+        z = latent_attention(q_rope[:rows], q_latent[:rows], k_rope[:, :, 0], latent, scale=self.softmax_scale,
+                             mask=mask, impl=self.impl)
+        if tensor_size() == 1:  # one row: W_UV, the branch sum and the output projection on its copies
+            z = row_copies(z)
         return einsum("btnhr,nrhk->btnhk", z, w_uv)
 
 

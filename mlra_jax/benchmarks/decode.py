@@ -266,7 +266,7 @@ def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
                                   floor_tokens_per_s=batch / floor_s, time_over_floor=seconds / floor_s,
                                   copy_bandwidth_bytes_per_s=bandwidth)
                     if args.generate_tokens:
-                        result.update(_time_generate(cfg, params, batch, context, args.generate_tokens))
+                        result.update(_time_generate(serving, params, batch, context, args.generate_tokens))
                     results.append(result)
                     save(args.out, "decode_model", results, **extra)
                     generated = (f"; generate {result['generate_s_per_token'] * 1e3:.3f} ms/token"
@@ -279,7 +279,7 @@ def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
     return results, extra
 
 
-def _time_generate(cfg, params, batch: int, context: int, new_tokens: int) -> dict:
+def _time_generate(serving, params, batch: int, context: int, new_tokens: int) -> dict:
     """Wall time per new token of Generator.generate (greedy, every row running to new_tokens) from random
     prompts that end the decoding at `context` tokens: the median gap between consecutive tokens reaching the
     host (a stop callback stamps them), over the last of three calls, the first 8 tokens left out."""
@@ -288,7 +288,8 @@ def _time_generate(cfg, params, batch: int, context: int, new_tokens: int) -> di
     from mlra_jax.decode.generator import Generator, Sampling
     from mlra_jax.model import abstract_model
 
-    generator = Generator(nnx.merge(nnx.split(abstract_model(cfg))[0], params), max_len=context)
+    cfg = serving.cfg
+    generator = Generator(nnx.merge(nnx.split(abstract_model(cfg))[0], params), max_len=context, serving=serving)
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, context - new_tokens)).tolist()
     stamps: list[float] = []
 

@@ -86,11 +86,16 @@ class Generator:
     """Jitted prefill and decode steps over one model; `mesh` shards the cache and the weights' use."""
 
     def __init__(self, model: Transformer, max_len: int, mesh: jax.sharding.Mesh | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, min_bucket: int = MIN_BUCKET):
+                 prefill_chunk: int = PREFILL_CHUNK, min_bucket: int = MIN_BUCKET,
+                 serving: ServingModel | None = None):
+        """serving: the model already prepared for serving (its weights are a copy of the model's: pass it
+        rather than have a second one made); else made on first use with mesh, prefill_chunk and min_bucket."""
+        if serving is not None and (serving.cfg != model.config or serving.mesh is not mesh):
+            raise ValueError("the serving model must be prepared from the same model config and on the same mesh")
         self.cfg, self.max_len, self.mesh = model.config, max_len, mesh
         self.graphdef, self.params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
         self._serving_options = dict(mesh=mesh, prefill_chunk=prefill_chunk, min_bucket=min_bucket)
-        self._serving: ServingModel | None = None
+        self._serving = serving
 
         def forward(params, tokens, state, absorbed):
             return nnx.merge(self.graphdef, params).forward_cached(tokens, state, absorbed)
