@@ -5,7 +5,9 @@
   one pytree per layer, so a step reads each weight once, as stored. The MLP's hidden width is padded
   to a multiple of 128 (padded_mlp). On one device the attention and the MLP store their weights in
   their serving layouts (use_serving_layout: the products of the same input merged into one, the
-  latent family's W_UK and W_UV head-major). A one-row product runs on two rows (layers.two_rows).
+  latent family's W_UK and W_UV head-major). A one-row product runs on two rows (layers.two_rows), and a
+  chain of products (the MLP; the latent queries; W_UV and the output projection) on copies of the row,
+  sliced once at its end (layers.row_copies).
 * The cache is `LayerCaches`: one buffer per layer and cached tensor, donated to every jitted step
   and updated in place (the layers are unrolled; a layer scan over a stacked cache re-emits and
   copies the whole cache every step).
