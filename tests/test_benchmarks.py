@@ -6,6 +6,7 @@ import jax
 import pytest
 
 from mlra_jax.benchmarks import decode, decode_throughput, train
+from mlra_jax.benchmarks.common import call_times, split_calls
 from mlra_jax.experiments import benchmarks
 from mlra_jax.experiments.tiny import tiny_model
 
@@ -75,7 +76,7 @@ def test_decode_attention_and_model_modes(tmp_path):
     assert sum(r["variant"] == "gqa" for r in merged["results"]) == 1 and len(merged["runs"]) == 2
     out = tmp_path / "model.json"
     decode.main(["model", "--experiments=mlra4_tiny", "--batch=2", "--context=64", "--impls=xla", "--repeats=1",
-                 "--copy_gb=0.01", "--generate_tokens=24", f"--out={out}"])
+                 "--copy_gb=0.01", "--generate_tokens=24", "--timeline", f"--out={out}"])
     result = json.loads(out.read_text())["results"][0]
     assert result["tokens_per_s"] > 0 and result["weight_bytes"] > 0 and result["time_over_floor"] > 0
     assert result["generate_tokens"] == 24 and result["generate_s_per_token"] > 0
@@ -83,6 +84,23 @@ def test_decode_attention_and_model_modes(tmp_path):
         decode.main(["model", "--experiments=mlra4_tiny", "--context=64", "--generate_tokens=64", f"--out={out}"])
     assert exit_info.value.code == 2
     assert result["cache_bytes"] == 2 * 64 * (64 + 16) * 2 * 4  # batch, context, latent + RoPE key, bf16, layers
+
+
+def test_profiled_calls_are_split_at_idle_gaps_and_the_median_call_gives_the_timeline():
+    """Three calls of two kernels (ns), 20 ms apart, with spans of 31, 51 and 41 us: the median span, each
+    kernel's median time, and the ordered kernels of the 41 us call relative to its start (us)."""
+    events = []
+    for call, (first, second) in enumerate([(10_000, 20_000), (20_000, 30_000), (15_000, 25_000)]):
+        base = call * 20_000_000
+        events += [(base + first + 1_000, base + first + 1_000 + second, "gemm"), (base, base + first, "norm")]
+    calls = split_calls(events, repeats=3)
+    assert [len(c) for c in calls] == [2, 2, 2] and calls[0][0][2] == "norm"
+    result = call_times(calls)
+    assert result["time_s"] == pytest.approx(41e-6)
+    assert result["kernels_s"] == pytest.approx({"norm": 15e-6, "gemm": 25e-6})
+    assert result["timeline"] == [("norm", 0.0, 15.0), ("gemm", 16.0, 25.0)]
+    with pytest.raises(RuntimeError, match="found 3 calls in the GPU trace, expected 2"):
+        split_calls(events, repeats=2)
 
 
 def test_train_benchmark_settings(tmp_path):

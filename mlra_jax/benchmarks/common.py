@@ -123,7 +123,8 @@ def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
 
 def profiled_time(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> dict[str, Any]:
     """Device time of fn() from the profiler's GPU trace: the median over `repeats` calls of the span from
-    the call's first kernel (or copy) start to its last end, and the median time of each kernel by name.
+    the call's first kernel (or copy) start to its last end, the median time of each kernel by name, and the
+    ordered kernels of the call at the median span (`timeline`: name, start and duration in us).
     Host dispatch stays out of the number, and so does the host round trip that XLA's GPU while loops
     make every iteration (about 25 us on the lent H100s: timing a jitted fori_loop of calls includes it)."""
     for _ in range(warmup):
@@ -137,23 +138,36 @@ def profiled_time(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> dict[
         if not paths:
             raise RuntimeError(f"the profiler wrote no trace under {trace_dir}")
         planes = jax.profiler.ProfileData.from_file(paths[0]).planes
-    events = sorted((event.start_ns, event.end_ns, event.name)
-                    for plane in planes if plane.name.startswith("/device:GPU:0")
-                    for line in plane.lines if line.name.startswith("Stream")
-                    for event in line.events)
+    events = [(event.start_ns, event.end_ns, event.name)
+              for plane in planes if plane.name.startswith("/device:GPU:0")
+              for line in plane.lines if line.name.startswith("Stream")
+              for event in line.events]
     if not events:
         raise RuntimeError("the profiler recorded no GPU activity (profiled_time needs a GPU)")
+    return call_times(split_calls(events, repeats))
+
+
+def split_calls(events: list[tuple[float, float, str]], repeats: int,
+                gap_ns: float = 1e7) -> list[list[tuple[float, float, str]]]:
+    """GPU events (start ns, end ns, name) grouped into the calls they belong to, in order: a call ends where
+    `gap_ns` pass without activity (profiled_time sleeps 20 ms between calls). A RuntimeError when the trace
+    does not hold `repeats` calls."""
     calls: list[list[tuple[float, float, str]]] = []
-    ends: list[float] = []  # the last end of each call's activity
-    for event in events:
-        if not calls or event[0] - ends[-1] > 1e7:  # 10 ms without activity: the next call
+    end = 0.0  # the last end of the current call's activity
+    for event in sorted(events):
+        if not calls or event[0] - end > gap_ns:
             calls.append([])
-            ends.append(event[1])
+            end = event[1]
         calls[-1].append(event)
-        ends[-1] = max(ends[-1], event[1])
+        end = max(end, event[1])
     if len(calls) != repeats:
         raise RuntimeError(f"found {len(calls)} calls in the GPU trace, expected {repeats}")
-    spans = [(end - call[0][0]) * 1e-9 for call, end in zip(calls, ends)]
+    return calls
+
+
+def call_times(calls: list[list[tuple[float, float, str]]]) -> dict[str, Any]:
+    """profiled_time's result from the calls' events (split_calls): time_s, kernels_s and timeline."""
+    spans = [(max(e for _, e, _ in call) - call[0][0]) * 1e-9 for call in calls]
     per_kernel: dict[str, list[float]] = {}
     for call in calls:
         totals: dict[str, float] = {}
@@ -161,5 +175,9 @@ def profiled_time(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> dict[
             totals[name] = totals.get(name, 0.0) + (end - start) * 1e-9
         for name, seconds in totals.items():
             per_kernel.setdefault(name, []).append(seconds)
+    median = sorted(range(len(calls)), key=spans.__getitem__)[len(calls) // 2]
+    first = calls[median][0][0]
     return {"time_s": statistics.median(spans),
-            "kernels_s": {name: statistics.median(times) for name, times in per_kernel.items()}}
+            "kernels_s": {name: statistics.median(times) for name, times in per_kernel.items()},
+            "timeline": [(name, round((start - first) * 1e-3, 3), round((end - start) * 1e-3, 3))
+                         for start, end, name in calls[median]]}

@@ -333,6 +333,8 @@ def _time_serving_step(serving, batch: int, context: int, args: argparse.Namespa
         top = sorted(profiled["kernels_s"].items(), key=lambda kv: -kv[1])[:12]
         timing = {"step_time_s": profiled["time_s"], "timing": "profiler span per step (median)",
                   "wall_time_per_step_s": wall, "kernels_s": dict(top)}
+        if args.timeline:
+            timing["step_timeline"] = profiled["timeline"]
     return timing
 
 
@@ -361,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--impls", default="xla,pallas", help="comma-separated attention_impl values (xla, pallas, auto)")
     model.add_argument("--repeats", type=int, default=20)
     model.add_argument("--copy_gb", type=float, default=4.0, help="size of the bandwidth-reference copy")
+    model.add_argument("--timeline", action="store_true",
+                       help="also save each setting's step as its ordered kernels (name, start and duration in us; "
+                            "GPUs): the profile that says where a step's time goes")
     model.add_argument("--generate_tokens", type=int, default=0,
                        help="also time Generator.generate per new token, decoding this many tokens up to the context")
     model.add_argument("--out", type=Path, default=Path("experiments/results/decode_model.json"))
