@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import mlra_jax.attention.latent as latent_module
+import mlra_jax.layers as layers_module
 from mlra_jax.decode.generator import Generator, Sampling, left_pad, sample
 from mlra_jax.decode.serving import ServingModel, capacity_bucket, padded_mlp
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.kv_cache import init_cache, init_layer_caches
-import mlra_jax.attention.latent as latent_module
-import mlra_jax.layers as layers_module
 from mlra_jax.layers import MLP, ROW_COPIES, row_copies, single_row_axes, two_rows
 from mlra_jax.model import init_model
 from mlra_jax.variants import VARIANTS
@@ -165,7 +165,7 @@ def test_a_single_row_product_is_computed_on_two_rows_with_the_same_result(spec,
     np.testing.assert_allclose(out, product(spec, x, w), rtol=1e-6, atol=1e-6)
 
 
-def test_one_row_on_gpus_runs_the_mlp_and_the_latent_output_on_row_copies_with_the_same_logits(monkeypatch):
+def test_one_row_on_gpus_runs_the_mlp_and_the_latent_products_on_row_copies_with_the_same_logits(monkeypatch):
     """A batch-1 decode step as GPUs run it (row_copies and two_rows; the backend patched to "gpu" on CPU): the
     MLP and the latent family's query and output products run on copies of the row, and the logits are those
     of the plain step."""
