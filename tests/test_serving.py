@@ -2,7 +2,9 @@
 tokens for every variant across chunked prefill and cache buckets, one compile per bucket, caches
 updated in place (no whole-cache copy in the compiled step), weights read in the compute dtype."""
 
+import gc
 import re
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,7 @@ from flax import nnx
 
 import mlra_jax.attention.latent as latent_module
 import mlra_jax.layers as layers_module
-from mlra_jax.decode.generator import Generator, Sampling, left_pad, sample
+from mlra_jax.decode.generator import GenerationError, Generator, Sampling, left_pad, sample
 from mlra_jax.decode.serving import ServingModel, capacity_bucket, padded_mlp
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.kv_cache import init_cache, init_layer_caches
@@ -88,6 +90,26 @@ def test_a_generator_takes_a_prepared_serving_model():
     other = init_model(tiny_model("mla", n_layer=2, vocab_size=128), seed=0)
     with pytest.raises(ValueError, match="same model config"):
         Generator(other, max_len=32, serving=serving)
+
+
+def test_a_generator_that_keeps_no_model_frees_its_float32_weights_and_generates_the_same_tokens():
+    """keep_model=False (the generate CLI): the serving copy is made at once and the model's float32 block
+    weights are freed with the model; generate gives the tokens of a generator that keeps it, and the
+    stacked-cache path refuses with the fix."""
+    cfg = tiny_model("mlra4", n_layer=1, vocab_size=128, output_init="normal", compute_dtype="bfloat16")
+    sampling = Sampling(max_new_tokens=6, eos_id=None)
+    expected = Generator(init_model(cfg, seed=0), max_len=32, prefill_chunk=4, min_bucket=16).generate(PROMPTS,
+                                                                                                       sampling)
+    model = init_model(cfg, seed=0)
+    generator = Generator(model, max_len=32, prefill_chunk=4, min_bucket=16, keep_model=False)
+    block_weight = weakref.ref(model.blocks.mlp.down_proj[...])
+    assert block_weight().dtype == jnp.float32
+    del model
+    gc.collect()
+    assert block_weight() is None
+    assert generator.generate(PROMPTS, sampling) == expected
+    with pytest.raises(GenerationError, match="keep_model=True for the stacked-cache prefill"):
+        generator.prefill(PROMPTS)
 
 
 def test_capacity_buckets():
