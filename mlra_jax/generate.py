@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
         generator = Generator(model, args.max_len or model.config.max_seq_len, keep_model=False)
-        del model  # generate reads the bf16 serving copy: the float32 weights are freed
+        del model  # generate reads the serving copy (cast to the compute dtype): the float32 weights are freed
         outputs = generator.generate(prompts, sampling)
     except (ConfigError, GenerationError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
