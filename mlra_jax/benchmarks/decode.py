@@ -246,7 +246,8 @@ def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
         params = benchmark_params(base)
         for impl in args.impls.split(","):
             cfg = dataclasses.replace(base, attention_impl=impl)
-            serving = ServingModel(nnx.merge(nnx.split(abstract_model(cfg))[0], params))
+            model = nnx.merge(nnx.split(abstract_model(cfg))[0], params)
+            serving = ServingModel(model)
             for batch in map(int, args.batch.split(",")):
                 for context in map(int, args.context.split(",")):
                     result = {"experiment": name, "variant": cfg.variant, "impl": impl, "batch": batch,
@@ -266,7 +267,7 @@ def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
                                   floor_tokens_per_s=batch / floor_s, time_over_floor=seconds / floor_s,
                                   copy_bandwidth_bytes_per_s=bandwidth)
                     if args.generate_tokens:
-                        result.update(_time_generate(serving, params, batch, context, args.generate_tokens))
+                        result.update(_time_generate(model, serving, batch, context, args.generate_tokens))
                     results.append(result)
                     save(args.out, "decode_model", results, **extra)
                     generated = (f"; generate {result['generate_s_per_token'] * 1e3:.3f} ms/token"
@@ -279,18 +280,14 @@ def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
     return results, extra
 
 
-def _time_generate(serving, params, batch: int, context: int, new_tokens: int) -> dict:
+def _time_generate(model, serving, batch: int, context: int, new_tokens: int) -> dict:
     """Wall time per new token of Generator.generate (greedy, every row running to new_tokens) from random
     prompts that end the decoding at `context` tokens: the median gap between consecutive tokens reaching the
     host (a stop callback stamps them), over the last of three calls, the first 8 tokens left out."""
-    from flax import nnx
-
     from mlra_jax.decode.generator import Generator, Sampling
-    from mlra_jax.model import abstract_model
 
-    cfg = serving.cfg
-    generator = Generator(nnx.merge(nnx.split(abstract_model(cfg))[0], params), max_len=context, serving=serving)
-    prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, context - new_tokens)).tolist()
+    generator = Generator(model, max_len=context, serving=serving)
+    prompts = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, context - new_tokens)).tolist()
     stamps: list[float] = []
 
     def stamp(row: int, tokens: list[int]) -> bool:

@@ -98,9 +98,7 @@ class Generator:
         self.cfg, self.max_len, self.mesh = model.config, max_len, mesh
         self.graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
         self._serving_options = dict(mesh=mesh, prefill_chunk=prefill_chunk, min_bucket=min_bucket)
-        self._serving = serving
-        if not keep_model:
-            self._serving = serving or ServingModel(model, **self._serving_options)
+        self._serving = serving if keep_model or serving else ServingModel(model, **self._serving_options)
         self.params: dict | None = params if keep_model else None
 
         def forward(params, tokens, state, absorbed):
