@@ -219,3 +219,72 @@ def test_a_padded_mlp_gives_the_same_output():
     assert padded["gate_proj"].shape == (128, 256) and padded["down_proj"].shape == (256, 128)
     x = jax.random.normal(jax.random.key(3), (2, 3, 128), jnp.float32)
     np.testing.assert_allclose(nnx.merge(graphdef, padded)(x), mlp(x), rtol=1e-6, atol=1e-6)
+
+
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_row_kernels_decode_the_same_tokens_as_the_stacked_cache(variant):
+    """Batch-1 decode steps on the row kernels (Pallas interpret mode): the stacked path's greedy tokens, from
+    weights stored out-major, which the prefill's XLA path reads too."""
+    model = init_model(tiny_model(variant, n_layer=1, vocab_size=128, output_init="normal"), seed=0)
+    serving = ServingModel(model, prefill_chunk=4, min_bucket=16, row_kernels="interpret")
+    layer = serving.weights["layers"][0]
+    d, f = model.config.n_embd, layer["mlp"]["down_proj"].shape[-1]
+    assert serving.rows and layer["mlp"]["gate_up"].shape == (2, f, d) and layer["mlp"]["down_proj"].shape == (d, f)
+    assert layer["attn"]["o_proj"].shape[0] == d
+    if "x_proj" in layer["attn"]:
+        assert layer["attn"]["x_proj"].shape[-1] == d and layer["attn"]["q_up"].shape[-1] == model.config.q_lora_rank
+    generator = Generator(model, max_len=32, serving=serving)
+    prompt = PROMPTS[1][:5]
+    assert generator.generate([prompt], Sampling(max_new_tokens=6, eos_id=None)) == \
+        stacked_greedy(generator, [prompt], 6)
+    assert ("step", 1, 16) in serving.traces
+
+
+@pytest.mark.parametrize("variant", ["mlra4", "gqa"])
+def test_row_kernels_serve_gated_models_and_larger_batches_read_their_layout(variant):
+    """A gated model's batch-1 steps (the gate in XLA, between the row kernels), and a batch of three on XLA
+    over the out-major weights, decode the stacked path's tokens."""
+    model = init_model(tiny_model(variant, n_layer=1, vocab_size=128, output_init="normal", gated=True), seed=0)
+    generator = Generator(model, max_len=32,
+                          serving=ServingModel(model, prefill_chunk=4, min_bucket=16, row_kernels="interpret"))
+    for prompts in (PROMPTS[:1], PROMPTS):
+        assert generator.generate(prompts, Sampling(max_new_tokens=4, eos_id=None)) == \
+            stacked_greedy(generator, prompts, 4)
+
+
+def test_row_kernels_refuse_what_they_cannot_serve():
+    model = init_model(tiny_model("mlra4", n_layer=1, vocab_size=128), seed=0)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="run on NVIDIA GPUs.*row_kernels='auto' or 'off'"):
+            ServingModel(model, row_kernels="on")
+        assert not ServingModel(model).rows  # auto: XLA here
+    with pytest.raises(ValueError, match="row_kernels='fast': use one of auto, on, off, interpret"):
+        ServingModel(model, row_kernels="fast")
+    odd = init_model(tiny_model("mlra4", n_layer=1, vocab_size=128, kv_lora_rank=96), seed=0)  # rank 24 per block
+    with pytest.raises(ValueError, match="power-of-two latent rank per block; got 24"):
+        ServingModel(odd, row_kernels="interpret")
+
+
+@on_gpu
+@pytest.mark.parametrize("variant", ["mlra4", "mla", "gla2", "mlra2", "gqa"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_row_kernels_on_gpu_give_the_xla_steps_logits(variant, dtype):
+    """Compiled on a GPU (Triton, and the Mosaic GPU attention kernel): the row path's logits are the XLA path's
+    up to the summation order, step after step, and greedy decoding gives the same tokens."""
+    cfg = tiny_model(variant, n_layer=2, n_embd=256, n_head=4, vocab_size=512, output_init="normal",
+                     compute_dtype=dtype, **({} if variant == "gqa" else dict(
+                         q_lora_rank=128, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64)))
+    model = init_model(cfg, seed=0)
+    servings = [ServingModel(model, min_bucket=64, row_kernels=mode) for mode in ("on", "off")]
+    prompt = np.random.default_rng(0).integers(0, 512, (1, 40))
+    sessions = [serving.prefill(prompt, np.zeros(1, np.int32), 16, 64) for serving in servings]
+    token = jnp.argmax(sessions[0][0], axis=-1).astype(jnp.int32)[:, None]
+    for _ in range(16):
+        logits = [serving.step(token, session) for serving, (_, session) in zip(servings, sessions)]
+        scale = float(jnp.abs(logits[1]).max())
+        np.testing.assert_allclose(logits[0], logits[1], atol=(1e-5 if dtype == "float32" else 2e-2) * scale)
+        token = jnp.argmax(logits[1], axis=-1).astype(jnp.int32)[:, None]
+    assert servings[0].rows and not servings[1].rows

@@ -15,6 +15,7 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from mlra_jax.config import ModelConfig
@@ -80,11 +81,16 @@ class Attention(nnx.Module):
                                  output_init(cfg), cfg)
         self.gate_proj = (make_param(rngs, (cfg.n_embd, cfg.n_head, dv), ("embed", "q_heads", "head_dim"),
                                      dense_init(cfg), cfg) if cfg.gated else None)
+        self.out_major = False  # o_proj stored [d, h, d_v] (use_serving_layout(out_major=True))
 
-    def use_serving_layout(self, params: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    def use_serving_layout(self, params: dict[str, jax.Array], out_major: bool = False) -> dict[str, jax.Array]:
         """This module's parameters (stacked over layers or not) in the layout a single device's decode steps
-        read best, and the module set to read them so. The base class keeps its layout."""
-        return params
+        read best, and the module set to read them so. The base class keeps its layout, or with out_major
+        stores o_proj [d, h, d_v], as the batch-1 row kernels read it (decode.row_step)."""
+        if not out_major:
+            return params
+        self.out_major = True
+        return {**params, "o_proj": jnp.moveaxis(params["o_proj"], -1, -3)}
 
     # -- what subclasses implement -------------------------------------------
     @staticmethod
@@ -130,10 +136,17 @@ class Attention(nnx.Module):
     def output(self, x: jax.Array, heads_out: jax.Array) -> jax.Array:
         """Optional sigmoid gate computed from x (the attention's input), then the output projection; heads_out
         may hold copies of x's single row (layers.row_copies), and the result has x's rows."""
+        heads_out = self.gated(x, heads_out)
+        return project(heads_out, self.o_proj, "bthk,dhk->btd" if self.out_major else "bthk,hkd->btd",
+                       self.dtype)[:x.shape[0]]
+
+    def gated(self, x: jax.Array, heads_out: jax.Array) -> jax.Array:
+        """heads_out in the compute dtype, times the sigmoid gate of x (the attention's input) when the model is
+        gated."""
         heads_out = heads_out.astype(self.dtype)
-        if self.gate_proj is not None:
-            heads_out = heads_out * jax.nn.sigmoid(project(x, self.gate_proj, "btd,dhk->bthk", self.dtype))
-        return project(heads_out, self.o_proj, "bthk,hkd->btd", self.dtype)[:x.shape[0]]
+        if self.gate_proj is None:
+            return heads_out
+        return heads_out * jax.nn.sigmoid(project(x, self.gate_proj, "btd,dhk->bthk", self.dtype))
 
 
 def store_entry(cache: KVCache, entry: KVCache, index: jax.Array, plans: dict) -> KVCache:

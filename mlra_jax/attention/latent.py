@@ -115,7 +115,8 @@ class LatentAttention(Attention):
     def queries_from(self, c_q: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The queries from x's query down-projection c_q [B, T, d_c']."""
         c_q = self.q_norm(c_q) * self.q_scale
-        q = project(c_q.astype(self.dtype), self.q_up, "btq,qhk->bthk", self.dtype)
+        q = project(c_q.astype(self.dtype), self.q_up, "btq,hkq->bthk" if self.out_major else "btq,qhk->bthk",
+                    self.dtype)
         return q[..., : self.nope_dim], apply_rope(q[..., self.nope_dim:], positions, self.theta)
 
     def x_projections(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -124,7 +125,7 @@ class LatentAttention(Attention):
         if self.x_proj is None:
             return self.q_projection(x), *self.kv_projections(x)
         latent_width = self.blocks * self.block_rank
-        y = project(x, self.x_proj, "btd,dk->btk", self.dtype)
+        y = project(x, self.x_proj, "btd,kd->btk" if self.out_major else "btd,dk->btk", self.dtype)
         c_q, latent, k_rope = jnp.split(y, (self.q_rank, self.q_rank + latent_width), axis=-1)
         return c_q, latent.reshape(latent.shape[:-1] + (self.blocks, self.block_rank)), k_rope
 
@@ -181,24 +182,31 @@ class LatentAttention(Attention):
             return jnp.swapaxes(w[0], 1, 2), jnp.swapaxes(w[1], 1, 2)
         return split_up(w, self.nope_dim)
 
-    def use_serving_layout(self, params: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    def use_serving_layout(self, params: dict[str, jax.Array], out_major: bool = False) -> dict[str, jax.Array]:
         """Two layouts for a single device's decode steps:
         * kv_up stored as W_UK and W_UV, each head-major, [2, n, H, R, d_h]: the absorbed products batch over
           block and head, which the parameter's [n, R, H, 2 d_h] interleaves with the rank, so XLA copies a
           transposed W_UK and W_UV out of it on every decode step (H100, 2.9B MLRA-4 at batch 1: 6.4 us of a
           layer's 132); each of them must be contiguous too, or XLA copies it out.
         * q_down, kv_down and k_rope_proj concatenated into x_proj [d, d_c' + n R + d_h^R]: one product of x
-          instead of three (x_projections), each of which at batch 1 takes about twice its bytes' time."""
+          instead of three (x_projections), each of which at batch 1 takes about twice its bytes' time.
+        out_major: x_proj [d_c' + n R + d_h^R, d], q_up [h, d_h + d_h^R, d_c'] and o_proj [d, h, d_h], the layout
+        of the batch-1 row kernels (decode.row_step)."""
+        params = super().use_serving_layout(params, out_major)
         up = params["kv_up"]
         split = up.reshape(up.shape[:-1] + (2, self.nope_dim))  # [..., n, R, H, 2, d_h]
         self.kv_up_layout = "2nhrk"
         kv_down = params["kv_down"]
         x_proj = jnp.concatenate([params["q_down"], kv_down.reshape(kv_down.shape[:-2] + (-1,)),
                                   params["k_rope_proj"]], axis=-1)
+        q_up = params["q_up"]
+        if out_major:
+            x_proj, q_up = jnp.swapaxes(x_proj, -1, -2), jnp.moveaxis(q_up, -3, -1)
         self.q_down = self.kv_down = self.k_rope_proj = None
         self.x_proj = nnx.data(nnx.Param(x_proj))
         rest = {name: a for name, a in params.items() if name not in ("q_down", "kv_down", "k_rope_proj")}
-        return {**rest, "kv_up": jnp.moveaxis(split, (-2, -5, -3, -4), (-5, -4, -3, -2)), "x_proj": x_proj}
+        return {**rest, "kv_up": jnp.moveaxis(split, (-2, -5, -3, -4), (-5, -4, -3, -2)), "x_proj": x_proj,
+                "q_up": q_up}
 
     def blocks_fn(self, mode: Mode) -> Callable[..., jax.Array]:
         return self.absorbed_blocks if mode == "decode" else self.attend_blocks

@@ -19,6 +19,10 @@
 * Only the last position's logits are computed, in prefill too.
 * With attention_impl="auto", decode steps of the latent family take the Pallas kernel where it
   runs (attention.latent_kernels.use_kernel: Hopper GPUs, TPUs) and XLA elsewhere.
+* Decode steps of one sequence run on the row-product kernels where they run (row_kernels="auto": NVIDIA GPUs,
+  one device; decode.row_step): each product with its norm, residual add or SwiGLU inside, the latent
+  family's cache write, queries and output as one kernel each. The weights are then stored out-major
+  ([out, in]), which the XLA path (prefill, larger batches) reads as well.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mlra_jax.attention.fused import log_once
+from mlra_jax.config import ModelConfig
+from mlra_jax.decode import row_step
 from mlra_jax.kv_cache import SLOT_MULTIPLE, LayerCaches, init_layer_caches, layer_cache_shardings, slot_mask
 from mlra_jax.layers import einsum
 from mlra_jax.model import Transformer
@@ -93,16 +100,20 @@ class ServingModel:
     steps over LayerCaches; `traces` counts the compilations by (kind, tokens per call, capacity)."""
 
     def __init__(self, model: Transformer, mesh: jax.sharding.Mesh | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, min_bucket: int = MIN_BUCKET):
+                 prefill_chunk: int = PREFILL_CHUNK, min_bucket: int = MIN_BUCKET, row_kernels: str = "auto"):
+        """row_kernels: decode steps of one sequence on the row-product kernels (decode.row_step): "auto" where
+        they run (NVIDIA GPUs, one device), "on" (a ValueError where they cannot), "off", or "interpret" (Pallas
+        interpret mode, for tests on CPU)."""
         self.cfg, self.mesh = model.config, mesh
         self.prefill_chunk, self.min_bucket = prefill_chunk, min_bucket
+        self.rows, self.rows_interpret = use_row_kernels(row_kernels, self.cfg, mesh), row_kernels == "interpret"
         graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
         shell = nnx.merge(graphdef, params)
         blocks = compute_params(params["blocks"], self.cfg.dtype)
         blocks = {**blocks, "mlp": padded_mlp(blocks["mlp"])}
         if mesh is None:  # the layouts a single device's decode steps read best (use_serving_layout)
-            blocks = {**blocks, "attn": shell.blocks.attn.use_serving_layout(blocks["attn"]),
-                      "mlp": shell.blocks.mlp.use_serving_layout(blocks["mlp"])}
+            blocks = {**blocks, "attn": shell.blocks.attn.use_serving_layout(blocks["attn"], out_major=self.rows),
+                      "mlp": shell.blocks.mlp.use_serving_layout(blocks["mlp"], out_major=self.rows)}
         self.embed_def = nnx.split(shell.embed)[0]
         self.norm_def = nnx.split(shell.final_norm)[0]
         self.block_def = nnx.split(shell.blocks)[0]
@@ -131,13 +142,24 @@ class ServingModel:
         positions, mask = slot_mask(caches, tokens.shape[1])
         plans = dict(caches.plans)
         x = nnx.merge(self.embed_def, weights["embed"])(tokens)
+        final_norm = nnx.merge(self.norm_def, weights["final_norm"])
+        rows = absorbed and self.rows and tokens.shape == (1, 1)
+        if rows:  # one token of one sequence: its residual row through the row kernels
+            x, rope = x[0, 0], row_step.rope_of(self.cfg, positions)
         layers = []
         for layer_weights, cache in zip(weights["layers"], caches.layers):
             block = nnx.merge(self.block_def, layer_weights)
-            x, cache = block.cached(x, positions, cache, mask, caches.index, plans, absorbed)
+            if rows:
+                x, cache = row_step.block_step(block, x, cache, positions, mask, caches.index, plans, rope,
+                                               self.rows_interpret)
+            else:
+                x, cache = block.cached(x, positions, cache, mask, caches.index, plans, absorbed)
             layers.append(cache)
-        last = nnx.merge(self.norm_def, weights["final_norm"])(x[:, -1])
-        logits = einsum("bd,vd->bv", last.astype(self.cfg.dtype), weights["head"], preferred_element_type=jnp.float32)
+        if rows:
+            logits = row_step.head_logits(final_norm, weights["head"], x, self.rows_interpret)
+        else:
+            logits = einsum("bd,vd->bv", final_norm(x[:, -1]).astype(self.cfg.dtype), weights["head"],
+                            preferred_element_type=jnp.float32)
         return logits, dataclasses.replace(caches, layers=tuple(layers), index=caches.index + tokens.shape[1])
 
     def _sampled_step(self, weights: dict[str, Any], tokens: jax.Array, caches: LayerCaches, key: jax.Array,
@@ -210,6 +232,21 @@ class ServingModel:
                                                  tokens, session.caches, key)
         session.written += 1
         return tokens, key
+
+
+def use_row_kernels(mode: str, cfg: ModelConfig, mesh: jax.sharding.Mesh | None) -> bool:
+    """Whether batch-1 decode steps take the row kernels (ServingModel's row_kernels)."""
+    if mode not in row_step.ROW_KERNEL_MODES:
+        raise ValueError(f"row_kernels={mode!r}: use one of {', '.join(row_step.ROW_KERNEL_MODES)}")
+    if mode == "off":
+        return False
+    problem = row_step.row_kernels_problem(cfg, mesh, interpret=mode == "interpret")
+    if problem is not None and mode != "auto":
+        raise ValueError(f"row_kernels={mode!r}: the row kernels cannot serve this model: {problem}; use "
+                         f"row_kernels='auto' or 'off'")
+    if problem is not None and jax.default_backend() == "gpu":
+        log_once(f"row_kernels='auto': batch-1 decode steps run on XLA ({problem})")
+    return problem is None
 
 
 def serving_weights(params: dict[str, Any], blocks: dict[str, Any], dtype: jnp.dtype,
