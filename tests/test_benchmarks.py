@@ -1,11 +1,12 @@
 """The benchmark scripts run end to end on CPU devices and record device, command and date."""
 
 import json
+from pathlib import Path
 
 import jax
 import pytest
 
-from mlra_jax.benchmarks import decode, decode_throughput, train
+from mlra_jax.benchmarks import decode, decode_throughput, row_products, train
 from mlra_jax.benchmarks.common import call_times, split_calls
 from mlra_jax.experiments import benchmarks
 from mlra_jax.experiments.tiny import tiny_model
@@ -116,3 +117,16 @@ def test_train_benchmark_settings(tmp_path):
     fsdp, bad = json.loads(out.read_text())["results"]
     assert fsdp["mesh"]["fsdp"] == 8 and fsdp["accumulation_steps"] == 2 and fsdp["micro_batch"] == 16
     assert "not a multiple" in bad["error"]
+
+
+def test_row_products_benchmark_reads_its_tilings_and_refuses_a_cpu(tmp_path, capsys):
+    """The tune result in experiments/results names each product's fastest tiling (the chain's --tuned); the
+    kernels themselves run on GPUs only, so the benchmark exits 2 here with the reason."""
+    tuned = row_products.best_tilings(Path(__file__).parents[1] / "experiments/results/row_products_h100.json")
+    assert tuned["gate_up"] == row_products.SWIGLU_TILING and tuned["down"].engine == "fma"
+    assert row_products.parse_tiling("dot,32,128,4,3") == row_products.SWIGLU_TILING
+    assert {p.name.split(" ")[0] for p in row_products.PRODUCTS} == {"x_proj", "q_up", "o_proj", "gate_up", "down"}
+    with pytest.raises(SystemExit) as exit_info:
+        row_products.main(["tune", f"--out={tmp_path / 'tune.json'}"])
+    assert exit_info.value.code == 2 and "run on GPUs" in capsys.readouterr().err
+    assert not (tmp_path / "tune.json").exists()
