@@ -12,8 +12,11 @@ from mlra_jax.pallas_kernels.row_products_gpu import Tiling
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 BF16 = jnp.bfloat16
-TILINGS = [Tiling("fma", 8, 128), Tiling("fma", 4, 64, prefetch=2), Tiling("fma", 2, 64, unroll=True),
-           Tiling("dot", 16, 128), Tiling("dot", 32, 256)]
+# (N, K, tiling): each engine and option over whole K tiles and over a K tail (1408 = 5 x 256 + 128; 208 = 128 +
+# 64 + 16 below a 256-wide tile)
+CASES = [(96, 384, Tiling("fma", 8, 128)), (64, 1408, Tiling("fma", 4, 256, prefetch=2)),
+         (32, 208, Tiling("fma", 2, 256, unroll=True)), (96, 384, Tiling("dot", 16, 128)),
+         (64, 1408, Tiling("dot", 32, 256)), (32, 208, Tiling("dot", 16, 256))]
 
 
 def assert_close(got, expected, dtype):
@@ -38,10 +41,9 @@ def inputs(n, k, seed, dtype=BF16):
             jax.random.normal(keys[4], (n,), jnp.float32))
 
 
-@pytest.mark.parametrize("tiling", TILINGS,
-                         ids=lambda t: f"{t.engine}{t.block_rows}x{t.block_k}p{t.prefetch}u{int(t.unroll)}")
-@pytest.mark.parametrize("n, k", [(96, 384), (64, 1408), (32, 208)])  # 1408 and 208: whole tiles and a K tail
-def test_row_products_in_interpret_mode(tiling, n, k):
+@pytest.mark.parametrize("n, k, tiling", CASES, ids=lambda c: f"{c.engine}{c.block_rows}x{c.block_k}p{c.prefetch}"
+                         f"u{int(c.unroll)}" if isinstance(c, Tiling) else str(c))
+def test_row_products_in_interpret_mode(n, k, tiling):
     x, scale, w, w2, residual = inputs(n, k, n + k)
     assert_close(rows.norm_matvec(x, w, scale, extra=1.3, tiling=tiling, interpret=True),
                  rows.norm_matvec_reference(x, w, scale, extra=1.3), BF16)
