@@ -58,10 +58,12 @@ class Tiling:
         return pltriton.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-# Measured on an H100 (python -m mlra_jax.benchmarks.row_products tune, experiments/results/row_products_h100.json):
-# the SwiGLU's two products ([2, 9984, 3072]) run best on the tensor cores with Triton's pipelined loads; every
-# other product of a 2.9B layer on 4-row multiply-add tiles, 1024 wide for K <= 1536, else 512.
-SWIGLU_TILING = Tiling("dot", block_rows=32, block_k=128, num_warps=4, num_stages=3)
+# Measured on an H100 (python -m mlra_jax.benchmarks.row_products tune, experiments/results/row_products_h100.json,
+# then in the 2.9B models' decode step): every product of a layer but the SwiGLU's on 4-row multiply-add tiles,
+# 1024 wide for K <= 1536, else 512. The SwiGLU's two products ([2, 9984, 3072]) ran fastest alone as tensor-core
+# dots (32 x 128 tiles, 43.8 us) but took 46.7 us in the step, where one-row multiply-add programs, which load
+# their first tiles before the norm's statistics, make the MLRA-4 step 2.72 -> 2.67 ms.
+SWIGLU_TILING = Tiling("fma", block_rows=1, block_k=512, num_warps=4)
 
 
 def default_tiling(k: int) -> Tiling:
@@ -285,13 +287,11 @@ def _swiglu(gate: jax.Array, up: jax.Array, dtype: jnp.dtype) -> jax.Array:
 def swiglu_norm_matvec(x: jax.Array, w: jax.Array, scale: jax.Array, *, eps: float = 1e-5,
                        tiling: Tiling | None = None, interpret: bool = False) -> jax.Array:
     """The SwiGLU's first half for one row x [K] float32: silu(W_gate a) * (W_up a) with a = bf16(rms_norm(x,
-    scale)) and w = [2, F, K] (gate, up). Returns [F] in W's dtype. The default tiling takes the tensor cores for
-    16-bit weights (SWIGLU_TILING; a float32 dot would round its operands to TF32) and multiply-adds otherwise."""
+    scale)) and w = [2, F, K] (gate, up). Returns [F] in W's dtype."""
     (k,), (two, f, k_w) = x.shape, w.shape
     if two != 2 or k != k_w:
         raise ValueError(f"swiglu_norm_matvec: W must be [2, F, {k}] (gate, up); got {w.shape}")
-    if tiling is None:
-        tiling = SWIGLU_TILING if jnp.dtype(w.dtype).itemsize == 2 else default_tiling(k)
+    tiling = tiling or SWIGLU_TILING
     start, row_tile = _norm_ends(x, 0, k, scale, eps, 1.0, tiling, w.dtype)
     return _row_product((x, scale, w), [_whole((k,)), _whole((k,)), _weight_rows(2, k)], 2, start, row_tile,
                         lambda ins, sums: _swiglu(*sums, w.dtype), jax.ShapeDtypeStruct((f,), w.dtype), tiling,

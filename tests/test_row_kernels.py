@@ -66,7 +66,7 @@ def test_norm_matvec_reads_its_row_at_an_offset_without_a_norm_and_returns_float
     assert_close(logits, rows.norm_matvec_reference(x, w, scale, out_dtype=jnp.float32), jnp.float32)
 
 
-def test_float32_weights_take_multiply_adds_and_the_dot_engine_refuses_them():
+def test_float32_weights_and_the_dot_engine_that_refuses_them():
     x, scale, _, w2, _ = inputs(32, 128, 1, jnp.float32)
     assert_close(rows.swiglu_norm_matvec(x, w2, scale, interpret=True), rows.swiglu_norm_matvec_reference(x, w2, scale),
                  jnp.float32)
