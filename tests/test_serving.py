@@ -25,6 +25,7 @@ from mlra_jax.variants import VARIANTS
 PROMPTS = [[5, 17, 3], [9, 2, 44, 7, 1, 60, 8, 31, 12, 90, 4], [70, 6, 21, 15, 99, 3]]  # 3, 11 and 6 tokens
 NEW_TOKENS = 12  # 12 prompt slots (3 chunks of 4) + 12 new: capacities 16 then 24
 TWO_LAYERS = ("gqa", "mlra4")  # the others decode one layer (the per-layer plumbing is the same; the suite's time)
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 
 
 def stacked_greedy(generator, prompts, steps):
@@ -221,9 +222,6 @@ def test_a_padded_mlp_gives_the_same_output():
     np.testing.assert_allclose(nnx.merge(graphdef, padded)(x), mlp(x), rtol=1e-6, atol=1e-6)
 
 
-on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_row_kernels_decode_the_same_tokens_as_the_stacked_cache(variant):
     """Batch-1 decode steps on the row kernels (Pallas interpret mode): the stacked path's greedy tokens, from
@@ -273,7 +271,7 @@ def test_row_kernels_refuse_what_they_cannot_serve():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_row_kernels_on_gpu_give_the_xla_steps_logits(variant, dtype):
     """Compiled on a GPU (Triton, and the Mosaic GPU attention kernel): the row path's logits are the XLA path's
-    up to the summation order, step after step, and greedy decoding gives the same tokens."""
+    up to the summation order, step after step, both fed the XLA path's greedy tokens."""
     cfg = tiny_model(variant, n_layer=2, n_embd=256, n_head=4, vocab_size=512, output_init="normal",
                      compute_dtype=dtype, **({} if variant == "gqa" else dict(
                          q_lora_rank=128, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64)))
