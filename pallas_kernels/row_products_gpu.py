@@ -49,6 +49,10 @@ class Tiling:
     prefetch: int = 1  # fma: K tiles loaded ahead of the one being reduced
     unroll: bool = False  # fma: no loop; every tile of the program's rows loaded at once (small K x block_rows)
 
+    def __post_init__(self) -> None:
+        if self.engine not in ("fma", "dot") or min(self.block_rows, self.block_k, self.num_warps, self.prefetch) < 1:
+            raise ValueError(f"a tiling takes engine 'fma' or 'dot' and positive sizes; got {self}")
+
     def fitted(self, n: int, k: int) -> Tiling:
         """This tiling with block_rows shrunk to a power of two that divides N, and block_k to at most K."""
         return dataclasses.replace(self, block_rows=_largest_dividing_power(n, self.block_rows),

@@ -1,4 +1,4 @@
-"""Small experiments and subprocess runs for the training tests."""
+"""Small experiments and subprocess runs for the training tests; the mark of the tests that need a GPU."""
 
 from __future__ import annotations
 
@@ -9,11 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import pytest
+
 from mlra_jax.cli import apply_overrides
 from xla_test_flags import SUBPROCESS
 from mlra_jax.experiments import get_experiment
 
 ROOT = Path(__file__).parent.parent
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 
 # A model and run small enough that a step takes milliseconds on a CPU (the vocabulary stays GPT-2's).
 MICRO = ["--model.n_layer=1", "--model.n_embd=64", "--model.intermediate_size=64", "--train.seq_len=32",

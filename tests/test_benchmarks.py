@@ -130,3 +130,11 @@ def test_row_products_benchmark_reads_its_tilings_and_refuses_a_cpu(tmp_path, ca
         row_products.main(["tune", f"--out={tmp_path / 'tune.json'}"])
     assert exit_info.value.code == 2 and "run on GPUs" in capsys.readouterr().err
     assert not (tmp_path / "tune.json").exists()
+    (tmp_path / "other.json").write_text('{"results": [{"product": "down"}]}')
+    for argv, message in ((["--tuned", str(tmp_path / "missing.json")], "missing.json is not a result of"),
+                          (["--tuned", str(tmp_path / "other.json")], "other.json is not a result of"),
+                          (["--gate_up_tiling=wide,4,512"], "invalid parse_tiling value: 'wide,4,512'")):
+        with pytest.raises(SystemExit) as exit_info:
+            row_products.main(["chain", *argv, f"--out={tmp_path / 'chain.json'}"])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "chain.json").exists()

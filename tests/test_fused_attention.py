@@ -18,8 +18,7 @@ from mlra_jax.params import logical_axes
 from mlra_jax.sharding import batch_sharding, make_mesh, tree_shardings
 from mlra_jax.training.step import loss_fn
 from mlra_jax.variants import VARIANTS
-
-on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+from helpers import on_gpu
 
 
 def qkv(hq, hkv, dk, dv, length=256, batch=2, dtype=jnp.float32, seed=0):

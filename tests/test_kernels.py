@@ -17,8 +17,8 @@ from mlra_jax.model import init_model
 from mlra_jax.pallas_kernels.latent_decode_common import combine
 from mlra_jax.pallas_kernels.latent_decode_reference import gather_pages, reference
 from mlra_jax.pallas_kernels.latent_decode_tpu import latent_decode_tpu
+from helpers import on_gpu
 
-on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 # Widths of the paper's per-device decode: MLRA-4 (64 heads, 128 latent), GLA-2 (32, 256), MLA (64, 512).
 SHAPES = [(64, 64, 128, 1), (32, 64, 256, 1), (64, 64, 512, 1), (64, 64, 128, 2)]
 

@@ -9,8 +9,8 @@ import pytest
 from mlra_jax.pallas_kernels import latent_rows_gpu as latent_rows
 from mlra_jax.pallas_kernels import row_products_gpu as rows
 from mlra_jax.pallas_kernels.row_products_gpu import Tiling
+from helpers import on_gpu
 
-on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 BF16 = jnp.bfloat16
 # (N, K, tiling): each engine and option over whole K tiles and over a K tail (1408 = 5 x 256 + 128; 208 = 128 +
 # 64 + 16 below a 256-wide tile)

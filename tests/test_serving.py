@@ -21,11 +21,11 @@ from mlra_jax.kv_cache import init_cache, init_layer_caches
 from mlra_jax.layers import MLP, ROW_COPIES, row_copies, single_row_axes, two_rows
 from mlra_jax.model import init_model
 from mlra_jax.variants import VARIANTS
+from helpers import on_gpu
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 7, 1, 60, 8, 31, 12, 90, 4], [70, 6, 21, 15, 99, 3]]  # 3, 11 and 6 tokens
 NEW_TOKENS = 12  # 12 prompt slots (3 chunks of 4) + 12 new: capacities 16 then 24
 TWO_LAYERS = ("gqa", "mlra4")  # the others decode one layer (the per-layer plumbing is the same; the suite's time)
-on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 
 
 def stacked_greedy(generator, prompts, steps):

@@ -27,7 +27,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from mlra_jax.benchmarks.common import profiled_time, save
+from mlra_jax.benchmarks.common import filled_like, profiled_time, save
 from mlra_jax.benchmarks.decode import copy_bandwidth
 from mlra_jax.decode.serving import serving_compiler_options
 from mlra_jax.layers import rms_norm
@@ -108,19 +108,14 @@ def xla_mlp_layer(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, scale: 
 
 def inputs(product: Product, copies: int, transposed: bool) -> tuple:
     """The row, `copies` weights (stored [N, K], or as XLA's GEMM reads them) and the scale or residual."""
-    keys = jax.random.split(jax.random.key(0), 3)
+    keys = jax.random.split(jax.random.key(0), 2)
     x = jax.random.normal(keys[0], (product.k,), jnp.float32).astype(product.row_dtype)
     shape = product.weight_shape()
     if transposed:
         shape = (product.k, 2, product.n) if product.kind == "swiglu" else (product.k, product.n)
-
-    @jax.jit
-    def weights():
-        one = (0.02 * jax.random.normal(keys[1], shape[-1:], jnp.float32)).astype(jnp.bfloat16)
-        return [jnp.broadcast_to(one, shape) + jnp.bfloat16(i * 1e-3) for i in range(copies)]
-
-    extra = jax.random.normal(keys[2], (product.n if product.kind == "add" else product.k,), jnp.float32)
-    return x, weights(), extra
+    weights = filled_like([jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * copies, scale=0.02)
+    extra = jax.random.normal(keys[1], (product.n if product.kind == "add" else product.k,), jnp.float32)
+    return x, weights, extra
 
 
 def time_copies(call: Callable, x: jax.Array, weights: list[jax.Array], extra: jax.Array, repeats: int) -> dict:
@@ -214,9 +209,16 @@ def parse_tiling(text: str) -> Tiling:
 
 
 def best_tilings(path: Path) -> dict[str, Tiling]:
-    """product name -> the fastest tiling in a tune result."""
-    record = json.loads(path.read_text())
-    return {row["product"]: Tiling(**row["best"]["tiling"]) for row in record["results"] if "best" in row}
+    """product name -> the fastest tiling in a tune result; a ValueError that names the file when it is not one."""
+    try:
+        record = json.loads(path.read_text())
+        best = {row["product"]: Tiling(**row["best"]["tiling"]) for row in record["results"] if "best" in row}
+        if not best:
+            raise ValueError("no product has a best tiling")
+        return best
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path} is not a result of `row_products tune` ({type(err).__name__}: {err}); pass the "
+                         f"--out of a tune run") from err
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,14 +237,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("experiments/results/row_products.json"))
     args = parser.parse_args(argv)
+    if args.tuned:  # read before any work, so that a wrong file costs nothing
+        try:
+            best = best_tilings(args.tuned)
+        except ValueError as err:
+            parser.error(str(err))
+        args.gate_up_tiling = best.get("gate_up", args.gate_up_tiling)
+        args.down_tiling = best.get("down", args.down_tiling)
     if jax.default_backend() != "gpu":
         parser.error("the row-product kernels run on GPUs (the tests run them in interpret mode on CPU)")
     args.copy_bandwidth = copy_bandwidth(2.0)
     print(f"device-to-device copy: {args.copy_bandwidth / 1e12:.2f} TB/s", flush=True)
-    if args.tuned:
-        best = best_tilings(args.tuned)
-        args.gate_up_tiling = best.get("gate_up", args.gate_up_tiling)
-        args.down_tiling = best.get("down", args.down_tiling)
     (tune if args.mode == "tune" else chain)(args)
     print(f"saved {args.out}")
     return 0
