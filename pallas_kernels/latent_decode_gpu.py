@@ -11,6 +11,12 @@ against the same latent tile (the value is the latent: it is read once).
     softmax state, so one's softmax overlaps the other's tensor-core work.
   * latent 512 ("columns", MLA): both take every tile and split the value columns, as
     FlashMLA does, so that each accumulator fits in registers.
+  * latent 512 where those CTAs would fill at most half the SMs ("halves", MLA at batch 1 and up to
+    8K tokens): two CTAs per KV split take half the value columns each, and their warpgroups
+    alternate tiles as in "tiles". There the kernel is bound by the tensor cores (24 heads fill 24
+    of wgmma's 64 rows, and in "columns" both warpgroups compute each tile's scores): on an H100 a
+    64-key tile takes 1.36 us of one SM instead of 2.14, and the 2.9B MLA's 8K-token call 7.3 us
+    instead of 9.3 (`python -m mlra_jax.benchmarks.latent_kernel bound`).
 
 Each CTA writes one split-KV partial (normalized output and log2-sum-exp; in "tiles" mode
 warpgroup 1 hands its softmax state to warpgroup 0 through SMEM, which merges the two);
@@ -148,13 +154,19 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
                          f"block_kv=64 or use pages of a multiple of {block_kv}")
     tile_pages, page_rows = (block_kv // page, page) if 0 < page <= block_kv else (1, block_kv)
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
-    wg_chunks = lat_chunks // COMPUTE_WGS if by_columns else lat_chunks  # value chunks each warpgroup owns
     splits = splits or choose_splits(b * n * groups, s, block_kv * COMPUTE_WGS, NUM_SMS)
+    # "halves": where the "columns" CTAs fill at most half the GPU (MLA at batch 1 and a short context), two
+    # CTAs per KV split take half the value columns each, their warpgroups alternating tiles as in "tiles"
+    # mode: every tile's scores are computed once per CTA, not once per warpgroup, on twice the SMs.
+    halves = 2 if by_columns and not paged and 2 * splits * b * n * groups <= NUM_SMS else 1
+    by_columns = by_columns and halves == 1
+    wg_chunks = lat_chunks // COMPUTE_WGS if by_columns else lat_chunks // halves  # value chunks per warpgroup
     tile_transforms = (plgpu.TilingTransform((8, CHUNK)), plgpu.SwizzleTransform(128))
 
     def kernel(starts_ref, ends_ref, pages_ref, qr_ref, ql_ref, kr_ref, lat_ref, o_ref, lse_ref, scoped):
         (qr_smem, ql_smem, kr_smem, lat_smem, lse_smem), (q_barrier, kv_barriers, consumed, done, stored) = scoped
         split, block_head, bi = lax.axis_index("split"), lax.axis_index("block_head"), lax.axis_index("batch")
+        half, block_head = lax.rem(block_head, halves), block_head // halves
         ni, heads = block_head // groups, pl.ds((block_head % groups) * rows, rows)
         loaded = pl.ds(0, rows)  # the SMEM rows that hold (and return) this CTA's heads
         wg = lax.axis_index("wg")
@@ -197,7 +209,7 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
                 accs = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs)
                 p16 = p.astype(dtype)
 
-                first_chunk = wg * wg_chunks if by_columns else 0
+                first_chunk = wg * wg_chunks if by_columns else half * wg_chunks
 
                 def values(acc_refs):
                     for j, acc_ref in enumerate(acc_refs):
@@ -216,7 +228,10 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
             lse = m_i + jnp.log2(l_safe)
             outs = [acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]) for acc in accs]
 
-            def write_out(outs, lse, first_chunk, store_lse):
+            def write_out(outs, lse, first_chunk, store_lse, first_column=None):
+                """outs through ql_smem's chunks first_chunk.. to the value chunks first_column.. (the same by
+                default) of the output; the lse too where store_lse (the first half's CTA stores it)."""
+                first_column = first_chunk if first_column is None else first_column
                 for j, o in enumerate(outs):
                     ql_smem.at[first_chunk + j][...] = o.astype(dtype)
                 if store_lse:
@@ -224,9 +239,10 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
                 plgpu.commit_smem()
                 for j in range(len(outs)):
                     plgpu.copy_smem_to_gmem(ql_smem.at[first_chunk + j, loaded],
-                                            o_ref.at[bi, ni, split, heads, pl.ds((first_chunk + j) * CHUNK, CHUNK)])
+                                            o_ref.at[bi, ni, split, heads, pl.ds((first_column + j) * CHUNK, CHUNK)])
                 if store_lse:
-                    plgpu.copy_smem_to_gmem(lse_smem.at[wg, loaded], lse_ref.at[bi, ni, split, heads])
+                    pl.when(half == 0)(lambda: plgpu.copy_smem_to_gmem(lse_smem.at[wg, loaded],
+                                                                       lse_ref.at[bi, ni, split, heads]))
                 plgpu.wait_smem_to_gmem(0)
 
             if by_columns:  # disjoint value columns: both write at once, warpgroup 0 the shared lse
@@ -253,7 +269,7 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
                     merged = [o * lax.broadcast_in_dim(mine, o.shape, [0])
                               + plgpu.load(ql_smem.at[j], (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
                               * lax.broadcast_in_dim(other, o.shape, [0]) for j, o in enumerate(outs)]
-                    write_out(merged, top + jnp.log2(total), 0, store_lse=True)
+                    write_out(merged, top + jnp.log2(total), 0, store_lse=True, first_column=half * wg_chunks)
 
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
@@ -317,7 +333,7 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
         entry,
         out_type=[jax.ShapeDtypeStruct((b, n, splits, groups * rows, r), dtype),
                   jax.ShapeDtypeStruct((b, n, splits, groups * rows), jnp.float32)],
-        grid=(splits, n * groups, b),
+        grid=(splits, n * groups * halves, b),
         grid_names=("split", "block_head", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",

@@ -6,7 +6,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from mlra_jax.benchmarks import decode, decode_throughput, row_products, train
+from mlra_jax.benchmarks import decode, decode_throughput, latent_kernel, row_products, train
 from mlra_jax.benchmarks.common import call_times, split_calls
 from mlra_jax.experiments import benchmarks
 from mlra_jax.experiments.tiny import tiny_model
@@ -138,3 +138,10 @@ def test_row_products_benchmark_reads_its_tilings_and_refuses_a_cpu(tmp_path, ca
             row_products.main(["chain", *argv, f"--out={tmp_path / 'chain.json'}"])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "chain.json").exists()
+
+
+def test_latent_kernel_benchmark_refuses_a_cpu(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        latent_kernel.main(["bound", f"--out={tmp_path / 'bound.json'}"])
+    assert exit_info.value.code == 2 and "Hopper GPUs" in capsys.readouterr().err
+    assert not (tmp_path / "bound.json").exists()

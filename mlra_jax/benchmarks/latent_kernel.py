@@ -1,19 +1,26 @@
-"""The Mosaic GPU latent decode kernel on a GPU: a self-check against the reference, and its tuning.
+"""The Mosaic GPU latent decode kernel on a GPU: a self-check against the reference, its tuning, its bound.
 
     python -m mlra_jax.benchmarks.latent_kernel          # max |error| against the jnp reference
     python -m mlra_jax.benchmarks.latent_kernel tune     # device time per call and each kernel's share
+    python -m mlra_jax.benchmarks.latent_kernel bound --out=experiments/results/latent_kernel_bound_h100.json
+
+`bound`: what limits a 2.9B model's batch-1 decode attention (24 heads, 8K tokens; MLA one 512-wide latent,
+MLRA-4 four 128-wide blocks): the kernel and its merge over split-KV counts, and one program (splits=1) over
+1 to 64 KV tiles, whose slope is the time per tile of one SM (device time: the profiler's span of 8 chained
+calls over 8, median of 10).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import math
-import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from mlra_jax.benchmarks.common import device_time
+from mlra_jax.benchmarks.common import device_time, save
 from mlra_jax.pallas_kernels.latent_decode_common import combine
 from mlra_jax.pallas_kernels.latent_decode_gpu import latent_decode_gpu, latent_partials_gpu
 from mlra_jax.pallas_kernels.latent_decode_reference import reference
@@ -71,5 +78,45 @@ def check() -> None:
               f"max |ref| {float(jnp.abs(want).max()):.3f}", flush=True)
 
 
+BOUND_SHAPES = {"mla": (1, 512), "mlra4": (4, 128)}  # latent blocks, rank per block; 24 heads, RoPE 64
+
+
+def bound(out: Path) -> None:
+    """The batch-1 attention of the 2.9B models over split-KV counts and, in one program, over KV tiles."""
+    results = []
+    for name, (blocks, rank) in BOUND_SHAPES.items():
+        keys = jax.random.split(jax.random.key(0), 4)
+        slots = 8192 + 64
+        base = (jax.random.normal(keys[0], (1, blocks, 24, 64), jnp.bfloat16),
+                jax.random.normal(keys[1], (1, blocks, 24, rank), jnp.bfloat16),
+                jax.random.normal(keys[2], (1, slots, 64), jnp.bfloat16),
+                jax.random.normal(keys[3], (1, slots, blocks, rank), jnp.bfloat16), jnp.zeros((1,), jnp.int32))
+        settings = [(8192, splits) for splits in (None, 16, 32, 64, 128)]
+        settings += [(tokens, 1) for tokens in (0, 64, 128, 1024, 4096)]
+        for tokens, splits in settings:
+            args = (*base, jnp.full((1,), tokens, jnp.int32))
+            timing = device_time(functools.partial(latent_decode_gpu, scale=0.07, splits=splits), args, 10, feed=1)
+            row = {"model": name, "tokens": tokens, "splits": splits, "time_s": timing["time_s"],
+                   "kernels_s": timing["kernels_s"], "method": timing["method"]}
+            results.append(row)
+            kernels = ", ".join(f"{k[:24]} {t * 1e6:.2f}" for k, t in timing["kernels_s"].items())
+            print(f"{name:6} tokens={tokens:<5} splits={splits!s:<5} {timing['time_s'] * 1e6:7.2f} us ({kernels})",
+                  flush=True)
+            save(out, "latent_kernel_bound", results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlra_jax.benchmarks.latent_kernel", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", nargs="?", choices=("check", "tune", "bound"), default="check")
+    parser.add_argument("--out", type=Path, default=Path("experiments/results/latent_kernel_bound.json"),
+                        help="the JSON record of `bound`")
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        parser.error("the Mosaic GPU kernel runs on Hopper GPUs (the tests check its merge in interpret mode)")
+    {"check": check, "tune": tune, "bound": lambda: bound(args.out)}[args.mode]()
+    return 0
+
+
 if __name__ == "__main__":
-    tune() if sys.argv[1:] == ["tune"] else check()
+    raise SystemExit(main())
