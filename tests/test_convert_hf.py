@@ -88,8 +88,9 @@ def test_greedy_generate_with_a_cache_equals_our_generator(exported):
     with torch.no_grad():
         out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
                           pad_token_id=0, return_dict_in_generate=True)
-    assert isinstance(out.past_key_values, transformers.DynamicCache)
-    assert out.past_key_values.get_seq_length() == width + NEW_TOKENS - 1
+    cache = out["cache"] if "cache" in out else out["past_key_values"]  # the name from transformers 5.24, before
+    assert isinstance(cache, transformers.DynamicCache)
+    assert cache.get_seq_length() == width + NEW_TOKENS - 1
     assert [row[width:].tolist() for row in out.sequences] == ours
 
 
@@ -100,9 +101,11 @@ def test_cached_steps_give_the_full_forward_logits(exported):
     with torch.no_grad():
         full = hf(tokens, use_cache=False).logits
         cache = transformers.DynamicCache(config=hf.config)
-        steps = [hf(tokens[:, :5], past_key_values=cache, use_cache=True).logits]
-        steps += [hf(tokens[:, i:i + 1], past_key_values=cache, use_cache=True).logits for i in range(5, 9)]
+        steps = [hf(tokens[:, :5], past_key_values=cache, use_cache=True).logits]  # the name before 5.24
+        steps += [hf(tokens[:, i:i + 1], cache=cache, use_cache=True).logits for i in range(5, 9)]
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="not both"):
+        hf(tokens[:, :1], cache=cache, past_key_values=cache)
 
 
 @pytest.fixture(scope="module")

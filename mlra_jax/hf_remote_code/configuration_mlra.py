@@ -33,7 +33,7 @@ class MLRAConfig(PretrainedConfig):
     (False: the no-scale ablation); output_init changes only the initialization of new weights."""
 
     model_type = "mlra"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
     attribute_map = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
                      "max_position_embeddings": "max_seq_len", "rms_norm_eps": "norm_eps"}
 

@@ -31,6 +31,8 @@ from .configuration_mlra import MLRAConfig
 # (latent blocks, branches) of the latent family (mlra_jax/variants.py)
 LATENT_LAYOUTS = {"mla": (1, 1), "gla2": (2, 1), "gla4": (4, 1), "mlra2": (4, 2), "mlra4": (4, 4)}
 KV_HEADS = {"mha": lambda c: c.n_head, "mqa": lambda c: 1, "gqa": lambda c: c.n_head // c.group_size}
+# The output's cache field: `cache` from transformers 5.24 (which warns at the old name), `past_key_values` before
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -338,7 +340,7 @@ class MLRAPreTrainedModel(PreTrainedModel):
     config_class = MLRAConfig
     base_model_prefix = "mlra"  # no base-model attribute: the causal LM is the one model
     _no_split_modules = ["MLRABlock"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
 
     def _init_weights(self, module: nn.Module) -> None:
         """The reference's initialization: N(0, init_std), RMSNorm ones, the two output projections zero
@@ -393,12 +395,16 @@ class MLRAForCausalLM(MLRAPreTrainedModel, GenerationMixin):
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
-                use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
+                use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0, cache: Cache | None = None,
                 **kwargs) -> CausalLMOutputWithPast:
         """attention_mask: [B, past + T] with 0 at (left) padding; position_ids [B, T] (default: each row counts
-        from the cache's length). Padded keys are never attended to."""
+        from the cache's length). Padded keys are never attended to. The KV cache comes as `cache` (transformers
+        5.24 and later, which pass that name) or `past_key_values` (earlier ones)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if cache is not None and past_key_values is not None:
+            raise ValueError("pass the KV cache as cache or as past_key_values, not both")
+        past_key_values = cache if cache is not None else past_key_values
         x = self.transformer["wte"](input_ids) if inputs_embeds is None else inputs_embeds
         batch, length = x.shape[:2]
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -409,16 +415,17 @@ class MLRAForCausalLM(MLRAPreTrainedModel, GenerationMixin):
             position_ids = torch.arange(past, past + length, device=x.device)[None]
         positions = position_ids.expand(batch, length)
         mask = self._mask(attention_mask, batch, past, length, x.device)
-        cache = past_key_values if use_cache else None
+        layer_cache = past_key_values if use_cache else None
         for layer, block in enumerate(self.transformer["h"]):
-            x = block(x, positions, mask, cache, layer)
+            x = block(x, positions, mask, layer_cache, layer)
         hidden = self.layernorm(x)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, keep, :])
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits,
+                                      **{_CACHE_FIELD: past_key_values if use_cache else None})
 
     @staticmethod
     def _mask(attention_mask: torch.Tensor | None, batch: int, past: int, length: int,
