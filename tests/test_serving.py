@@ -47,13 +47,18 @@ def test_serving_decodes_the_same_tokens_as_the_stacked_cache(variant):
                                   intermediate_size=200), seed=0)
     generator = Generator(model, max_len=32, prefill_chunk=4, min_bucket=16)
     layer = generator.serving.weights["layers"][0]
-    assert layer["mlp"]["down_proj"].shape[0] == 256 and layer["mlp"]["gate_up"].shape[-2:] == (2, 256)
+    out_major = generator.serving.rows  # the batch-1 row kernels' layout ([out, in]), taken on GPUs
+    down, gate_up = layer["mlp"]["down_proj"], layer["mlp"]["gate_up"]
+    assert (down.shape[-1] if out_major else down.shape[0]) == 256
+    assert (gate_up.shape[:2] if out_major else gate_up.shape[-2:]) == (2, 256)
     if "kv_up" in layer["attn"]:  # the latent family: head-major W_UK and W_UV, x's projections merged
         attn = model.blocks.attn
         blocks, rank, heads, width = attn.kv_up.shape[1:]
         assert layer["attn"]["kv_up"].shape == (2, blocks, heads, rank, width // 2)
         merged = attn.q_down.shape[-1] + blocks * rank + attn.k_rope_proj.shape[-1]
-        assert layer["attn"]["x_proj"].shape == (attn.q_down.shape[1], merged) and "q_down" not in layer["attn"]
+        d = attn.q_down.shape[1]
+        assert layer["attn"]["x_proj"].shape == ((merged, d) if out_major else (d, merged))
+        assert "q_down" not in layer["attn"]
     got = generator.generate(PROMPTS, Sampling(max_new_tokens=NEW_TOKENS, eos_id=None))
     assert got == stacked_greedy(generator, PROMPTS, NEW_TOKENS)
     # prefill: 3 chunks of 4 tokens, one compile; decode steps: one compile per bucket (16, then 24)
