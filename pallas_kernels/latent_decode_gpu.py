@@ -1,7 +1,7 @@
 """Latent decode attention as a Pallas Mosaic GPU kernel for Hopper (H100/H200).
 
 Same contract as latent_decode_reference.reference. Each CTA takes one (sequence, latent block,
-64-head group, KV split). A memory warpgroup streams the query once and then the RoPE
+64-head group, KV split; in "halves" mode, value half). A memory warpgroup streams the query once and then the RoPE
 key and latent tiles of its KV range by TMA through `stages` shared-memory slots; two
 compute warpgroups run, per tile, QK^T as wgmma over [q_rope || q_latent] x
 [k_rope || latent]^T, an online softmax in the log2 domain, and PV as wgmma of P
