@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from mlra_jax.benchmarks.common import device_time, save
+from mlra_jax.experiments import get_experiment
 from mlra_jax.pallas_kernels.latent_decode_common import combine
 from mlra_jax.pallas_kernels.latent_decode_gpu import latent_decode_gpu, latent_partials_gpu
 from mlra_jax.pallas_kernels.latent_decode_reference import reference
@@ -78,18 +79,21 @@ def check() -> None:
               f"max |ref| {float(jnp.abs(want).max()):.3f}", flush=True)
 
 
-BOUND_SHAPES = {"mla": (1, 512), "mlra4": (4, 128)}  # latent blocks, rank per block; 24 heads, RoPE 64
+BOUND_MODELS = {"mla": "mla_2p9b", "mlra4": "mlra4_2p9b"}
 
 
 def bound(out: Path) -> None:
     """The batch-1 attention of the 2.9B models over split-KV counts and, in one program, over KV tiles."""
     results = []
-    for name, (blocks, rank) in BOUND_SHAPES.items():
+    for name, experiment in BOUND_MODELS.items():
+        cfg = get_experiment(experiment).model
+        blocks, branches = cfg.latent_layout
+        heads, rank, rope = cfg.n_head * branches // blocks, cfg.kv_lora_rank // blocks, cfg.qk_rope_head_dim
         keys = jax.random.split(jax.random.key(0), 4)
         slots = 8192 + 64
-        base = (jax.random.normal(keys[0], (1, blocks, 24, 64), jnp.bfloat16),
-                jax.random.normal(keys[1], (1, blocks, 24, rank), jnp.bfloat16),
-                jax.random.normal(keys[2], (1, slots, 64), jnp.bfloat16),
+        base = (jax.random.normal(keys[0], (1, blocks, heads, rope), jnp.bfloat16),
+                jax.random.normal(keys[1], (1, blocks, heads, rank), jnp.bfloat16),
+                jax.random.normal(keys[2], (1, slots, rope), jnp.bfloat16),
                 jax.random.normal(keys[3], (1, slots, blocks, rank), jnp.bfloat16), jnp.zeros((1,), jnp.int32))
         settings = [(8192, splits) for splits in (None, 16, 32, 64, 128)]
         settings += [(tokens, 1) for tokens in (0, 64, 128, 1024, 4096)]
