@@ -36,7 +36,7 @@ class Tiling:
 
     engine "fma": elementwise multiply-adds over [block_rows, block_k] tiles, the loads of the next `prefetch`
     tiles issued before this one is reduced (Triton pipelines no loads that feed no dot), or with `unroll` all
-    of a program's tiles loaded at once.
+    of a program's tiles loaded at once, and the row's tiles (and its norm's statistics) from one load each.
     engine "dot": tensor-core products of 16 rows (the row, then zeros) with [block_rows, block_k] tiles, whose
     loads Triton pipelines `num_stages` deep; block_rows is the product's N (at least 16).
     Each program takes block_rows rows of W; every program computes the row's prologue (its norm) itself."""
@@ -62,17 +62,30 @@ class Tiling:
         return pltriton.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-# Measured on an H100 (python -m mlra_jax.benchmarks.row_products tune, experiments/results/row_products_h100.json,
-# then in the 2.9B models' decode step): every product of a layer but the SwiGLU's on 4-row multiply-add tiles,
-# 1024 wide for K <= 1536, else 512. The SwiGLU's two products ([2, 9984, 3072]) ran fastest alone as tensor-core
-# dots (32 x 128 tiles, 43.8 us) but took 46.7 us in the step, where one-row multiply-add programs, which load
-# their first tiles before the norm's statistics, make the MLRA-4 step 2.72 -> 2.67 ms.
-SWIGLU_TILING = Tiling("fma", block_rows=1, block_k=512, num_warps=4)
+# Measured in the 2.9B models' decode step on an H100 (python -m mlra_jax.benchmarks.decode model, batch 1,
+# context 8K; MLA's us per layer, 2026-11-25): every product unrolled, each program issuing all its loads at once
+# and reading the row (and its norm's statistics) once, where a loop took the statistics in a pass of loads of its
+# own and loaded each step's row and scale tiles again: the SwiGLU on one-row programs (43.0 -> 41.7 us; alone
+# 2 rows were faster, in the step slower), the down projection on one-row programs of 8 warps (22.6 -> 22.3),
+# the attention's products and the head on 4-row programs (o_proj 9.55 -> 8.6, q_up 7.9 -> 7.5, x_proj 7.4 ->
+# 7.1, head 106 -> 103 per token).
+# Rows longer than these fall back to loops, which keep no whole row in registers.
+UNROLLED_K = 4096  # the longest row an unrolled program of 4 warps reads whole
+SWIGLU_TILING = Tiling("fma", block_rows=1, block_k=2048, num_warps=4, unroll=True)
 
 
 def default_tiling(k: int) -> Tiling:
     """The tiling of norm_matvec and matvec_add for a product over K inputs."""
-    return Tiling("fma", block_rows=4, block_k=1024 if k <= 1536 else 512, num_warps=4)
+    if k <= UNROLLED_K:
+        return Tiling("fma", block_rows=4, block_k=2048, num_warps=4, unroll=True)
+    if k <= 4 * UNROLLED_K:
+        return Tiling("fma", block_rows=1, block_k=8192, num_warps=8, unroll=True)
+    return Tiling("fma", block_rows=4, block_k=512, num_warps=4)
+
+
+def swiglu_tiling(k: int) -> Tiling:
+    """The tiling of swiglu_norm_matvec over K inputs."""
+    return SWIGLU_TILING if k <= UNROLLED_K else Tiling("fma", block_rows=1, block_k=512, num_warps=4)
 
 
 def _largest_dividing_power(n: int, at_most: int) -> int:
@@ -80,6 +93,12 @@ def _largest_dividing_power(n: int, at_most: int) -> int:
     while power * 2 <= at_most and n % (power * 2) == 0:
         power *= 2
     return power
+
+
+def _unrolled_tiles(k: int, block_k: int) -> list[tuple[int, int]]:
+    """The (offset, size) tiles of an unrolled program over K: the whole tiles, then the tail's."""
+    steps, tail = _k_tiles(k, block_k)
+    return [(i * block_k, block_k) for i in range(steps)] + tail
 
 
 def _k_tiles(k: int, block_k: int) -> tuple[int, list[tuple[int, int]]]:
@@ -135,7 +154,7 @@ def _row_product(operands: Sequence[jax.Array], specs: Sequence[Callable[[Tiling
 
             sums = [jnp.zeros((rows,), F32)] * g
             if t.unroll:  # every tile's load issued first, before the prologue's
-                whole = [(k0 * t.block_k, t.block_k) for k0 in range(steps)] + tail
+                whole = _unrolled_tiles(k, t.block_k)
                 tiles = [w_tiles(k0, size) for k0, size in whole]
                 started = start(ins)
                 for (k0, size), tile in zip(whole, tiles):
@@ -239,15 +258,28 @@ def _norm_reference(x: jax.Array, scale: jax.Array | None, eps: float, extra: fl
 def _norm_ends(x: jax.Array, offset: int, k: int, scale: jax.Array | None, eps: float, extra: float,
                tiling: Tiling, compute_dtype: jnp.dtype) -> tuple[Start, RowTile]:
     """start and row_tile of a product whose row is x[offset: offset + k] (operand 0), normalized with scale
-    (operand 1) or not."""
+    (operand 1) or not. Unrolled, start loads each of the row's tiles once and returns them normalized."""
     block_k = tiling.fitted(1, k).block_k
+
+    def load(ins, k0, size):
+        return ins[0][pl.ds(offset + k0, size)], None if scale is None else ins[1][pl.ds(k0, size)]
+
+    if tiling.unroll:
+        def start(ins):
+            loaded = {k0: load(ins, k0, size) for k0, size in _unrolled_tiles(k, block_k)}
+            inverse = None
+            if scale is not None:
+                inverse = lax.rsqrt(sum(jnp.sum(jnp.square(v.astype(F32))) for v, _ in loaded.values()) / k + eps)
+            return {k0: _normed(v, inverse, s, extra, x.dtype, compute_dtype) for k0, (v, s) in loaded.items()}
+
+        return start, lambda ins, normed, k0, size: normed[k0]
 
     def start(ins):
         return _rms_inverse(ins[0], offset, k, block_k, eps) if scale is not None else None
 
     def row_tile(ins, inverse, k0, size):
-        scales = None if scale is None else ins[1][pl.ds(k0, size)]
-        return _normed(ins[0][pl.ds(offset + k0, size)], inverse, scales, extra, x.dtype, compute_dtype)
+        row, scales = load(ins, k0, size)
+        return _normed(row, inverse, scales, extra, x.dtype, compute_dtype)
 
     return start, row_tile
 
@@ -295,7 +327,7 @@ def swiglu_norm_matvec(x: jax.Array, w: jax.Array, scale: jax.Array, *, eps: flo
     (k,), (two, f, k_w) = x.shape, w.shape
     if two != 2 or k != k_w:
         raise ValueError(f"swiglu_norm_matvec: W must be [2, F, {k}] (gate, up); got {w.shape}")
-    tiling = tiling or SWIGLU_TILING
+    tiling = tiling or swiglu_tiling(k)
     start, row_tile = _norm_ends(x, 0, k, scale, eps, 1.0, tiling, w.dtype)
     return _row_product((x, scale, w), [_whole((k,)), _whole((k,)), _weight_rows(2, k)], 2, start, row_tile,
                         lambda ins, sums: _swiglu(*sums, w.dtype), jax.ShapeDtypeStruct((f,), w.dtype), tiling,

@@ -125,6 +125,7 @@ def test_row_products_benchmark_reads_its_tilings_and_refuses_a_cpu(tmp_path, ca
     tuned = row_products.best_tilings(Path(__file__).parents[1] / "experiments/results/row_products_h100.json")
     assert tuned["gate_up"].engine == "dot" and tuned["down"].engine == "fma"  # alone; the model takes fma
     assert row_products.parse_tiling("dot,32,128,4,3") == row_products.Tiling("dot", 32, 128, 4, 3)
+    assert row_products.parse_tiling("fma,1,2048,4,3,1,1") == row_products.Tiling("fma", 1, 2048, 4, unroll=True)
     assert {p.name.split(" ")[0] for p in row_products.PRODUCTS} == {"x_proj", "q_up", "o_proj", "gate_up", "down"}
     with pytest.raises(SystemExit) as exit_info:
         row_products.main(["tune", f"--out={tmp_path / 'tune.json'}"])

@@ -203,9 +203,10 @@ def chain(args: argparse.Namespace) -> list[dict]:
 
 
 def parse_tiling(text: str) -> Tiling:
-    """engine,block_rows,block_k,num_warps,num_stages,prefetch (a prefix of them)."""
+    """engine,block_rows,block_k,num_warps,num_stages,prefetch,unroll (a prefix of them; unroll 0 or 1)."""
     engine, *numbers = text.split(",")
-    return Tiling(engine, *map(int, numbers))
+    values = list(map(int, numbers))
+    return Tiling(engine, *values[:6], *map(bool, values[6:7]))
 
 
 def best_tilings(path: Path) -> dict[str, Tiling]:
@@ -230,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tilings", choices=sorted(TILING_SETS), default="loops", help="the tilings tune tries")
     parser.add_argument("--layers", type=int, default=24, help="layers of the chain")
     parser.add_argument("--gate_up_tiling", type=parse_tiling, default=SWIGLU_TILING,
-                        help="engine,block_rows,block_k,num_warps,num_stages,prefetch of the chain's SwiGLU kernel")
+                        help="engine,block_rows,block_k,num_warps,num_stages,prefetch,unroll of the chain's "
+                             "SwiGLU kernel")
     parser.add_argument("--down_tiling", type=parse_tiling, default=default_tiling(9984),
                         help="the same for the chain's down projection")
     parser.add_argument("--tuned", type=Path, help="a tune result: the chain takes its best tilings")
