@@ -14,10 +14,10 @@ from mlra_jax.config import Experiment, MeshConfig, ModelConfig, TrainConfig
 from mlra_jax.experiments.registry import register
 from mlra_jax.variants import SPECS
 
-# Layers unrolled (scanning them costs a stacked-activation copy per layer on GPUs) and remat keeping the
-# projections and the fused attention: the fastest measured on an H100 (experiments/results/README.md).
+# Layers unrolled (scanning them costs a stacked-activation copy per layer on GPUs) and the least remat that
+# fits the device's memory (training.remat_choice): the fastest measured on an H100 (experiments/results/README.md).
 _COMMON = dict(n_layer=24, n_head=24, n_embd=3072, vocab_size=50304, max_seq_len=2048, compute_dtype="bfloat16",
-               remat="dots_attn", scan_layers=False)
+               remat="auto", scan_layers=False)
 # 480 sequences per step, accumulated in micro-batches of at most 8 sequences per data-parallel device (the
 # fastest that fits, measured); weights and optimizer state sharded over all devices (FSDP).
 _TRAIN = TrainConfig(max_micro_batch_per_device=8)

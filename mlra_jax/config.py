@@ -18,9 +18,11 @@ _OPTIONAL_FIELDS = ("head_dim", "group_size", "tpa_rank", "tpa_q_rank", *LATENT_
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash", "pallas")
-REMAT_POLICIES = ("none", "full", "dots", "dots_attn")
+# auto: the least recomputation that fits the device's memory (training.remat_choice)
+REMAT_POLICIES = ("none", "full", "dots", "dots_attn", "auto")
+LATENT_FORMS = ("expanded", "absorbed")
 # Fields that choose how a model runs, not what it computes: a run may resume with other values.
-RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers", "compute_dtype")
+RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers", "compute_dtype", "latent_form")
 
 
 class ConfigError(ValueError):
@@ -82,6 +84,11 @@ class ModelConfig:
     attention_impl: str = dataclasses.field(default="auto", metadata={"choices": ATTENTION_IMPLS})
     scan_layers: bool = True
     remat: str = dataclasses.field(default="none", metadata={"choices": REMAT_POLICIES})
+    # Training attention of the latent family (same math, same FLOPs): "expanded" up-projects per-head keys and
+    # values; "absorbed" folds W_UK into the query and applies W_UV after the attention, so that each latent block
+    # is one KV head ([block || RoPE key], value the block) shared by its query heads. Expanded is the default: it
+    # measured faster on an H100 (experiments/results/README.md).
+    latent_form: str = dataclasses.field(default="expanded", metadata={"choices": LATENT_FORMS})
 
     def __post_init__(self) -> None:
         _check_choice("variant", self.variant, VARIANTS)
@@ -92,6 +99,10 @@ class ModelConfig:
         _check_choice("compute_dtype", self.compute_dtype, tuple(DTYPES))
         _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _check_choice("remat", self.remat, REMAT_POLICIES)
+        _check_choice("latent_form", self.latent_form, LATENT_FORMS)
+        _require(self.latent_form == "expanded" or self.spec.latent_layout is not None,
+                 f"latent_form={self.latent_form!r} applies to the latent family (MLA, GLA, MLRA), not variant "
+                 f"{self.variant!r}; leave it unset")
         _require(math.isfinite(self.init_std) and self.init_std > 0, f"init_std={self.init_std} must be positive")
         _require(math.isfinite(self.norm_eps) and self.norm_eps > 0, f"norm_eps={self.norm_eps} must be positive")
         _require(math.isfinite(self.rope_theta) and self.rope_theta > 0,
@@ -159,6 +170,11 @@ class ModelConfig:
         if self.spec.latent_layout is None:
             raise AttributeError(f"variant {self.variant!r} has no latent layout")
         return self.spec.latent_layout
+
+    @property
+    def trains_absorbed(self) -> bool:
+        """Whether the latent family's training attention runs absorbed (see latent_form)."""
+        return self.spec.latent_layout is not None and self.latent_form == "absorbed"
 
     @property
     def value_head_dim(self) -> int:

@@ -1,9 +1,11 @@
-"""Next-token cross-entropy over the tied head, whole or in sequence chunks.
+"""Next-token cross-entropy over the tied head, computed with its gradients in one pass.
 
-The chunked form never holds the [B, T, V] float32 logits at once: it scans over chunks
-of positions, and each chunk's logits are recomputed in the backward pass
-(`jax.checkpoint`), so memory holds one chunk's. Value and gradients are those of the
-whole form up to float32 summation order.
+`next_token_loss_and_head` is what training differentiates: a custom VJP whose forward pass runs
+the head, the loss and the loss's gradients with respect to the hidden states and the embedding
+over chunks of positions, and whose backward pass only scales them by the incoming cotangent. So
+the [B, T, V] float32 logits never exist at once (one chunk's at a time), and the head's matmul is
+never recomputed: three matmuls per chunk (logits, d_hidden, d_embedding), as many as autodiff of
+the whole logits would run. Called without differentiation (evaluation) it computes the loss only.
 """
 
 from __future__ import annotations
@@ -47,26 +49,75 @@ def _head_backward(dtype: jnp.dtype, residuals: tuple[jax.Array, jax.Array], cot
 head_logits.defvjp(_head_forward, _head_backward)
 
 
-def chunked_next_token_loss(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, dtype: jnp.dtype,
-                            chunk: int) -> jax.Array:
-    """next_token_loss(head_logits(hidden, embedding), targets) over chunks of `chunk` positions.
-
-    The embedding enters each chunk in its own dtype (float32 parameters), so its gradient
-    sums over the chunks in float32. A sequence that `chunk` does not divide, or a chunk of
-    0 or at least the sequence, takes the whole form."""
+def _chunks(hidden: jax.Array, targets: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """hidden [B, T, d] and targets [B, T] as [C, B, T / C, ...] chunks of `chunk` positions; one chunk
+    when `chunk` is 0, at least T, or does not divide T."""
     batch, length, width = hidden.shape
-    if chunk <= 0 or chunk >= length or length % chunk:
-        return next_token_loss(head_logits(hidden, embedding, dtype), targets)
-    chunks = length // chunk
-    hidden = hidden.reshape(batch, chunks, chunk, width).swapaxes(0, 1)
-    targets = targets.reshape(batch, chunks, chunk).swapaxes(0, 1)
+    count = 1 if chunk <= 0 or chunk >= length or length % chunk else length // chunk
+    return (hidden.reshape(batch, count, length // count, width).swapaxes(0, 1),
+            targets.reshape(batch, count, length // count).swapaxes(0, 1))
 
-    @jax.checkpoint
-    def chunk_loss(h: jax.Array, t: jax.Array) -> jax.Array:
-        return optax.softmax_cross_entropy_with_integer_labels(head_logits(h, embedding, dtype), t).sum()
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def next_token_loss_and_head(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, dtype: jnp.dtype,
+                             chunk: int) -> jax.Array:
+    """next_token_loss(head_logits(hidden, embedding, dtype), targets): hidden [B, T, d] (float32), the tied
+    embedding [V, d], targets [B, T]; the head multiplied in `dtype` with float32 accumulation, over chunks
+    of `chunk` positions (0: whole)."""
+    hidden_chunks, target_chunks = _chunks(hidden, targets, chunk)
 
     def body(total: jax.Array, inputs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
-        return total + chunk_loss(*inputs), None
+        h, t = inputs
+        logits = einsum("btd,vd->btv", h.astype(dtype), embedding.astype(dtype), preferred_element_type=jnp.float32)
+        return total + optax.softmax_cross_entropy_with_integer_labels(logits, t).sum(), None
 
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hidden, targets))
-    return total / (batch * length)
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hidden_chunks, target_chunks))
+    return total / targets.size
+
+
+def _loss_forward(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, dtype: jnp.dtype, chunk: int):
+    """The loss and, per chunk, its gradients: the logits' cotangent (softmax - one-hot) / (B T) rounded to
+    `dtype` as under torch autocast, then d_hidden and d_embedding multiplied in `dtype` with float32
+    accumulation; d_embedding summed over the chunks in float32."""
+    hidden_chunks, target_chunks = _chunks(hidden, targets, chunk)
+    scale = 1.0 / targets.size
+    compute_embedding = embedding.astype(dtype)
+
+    def body(carry: tuple[jax.Array, jax.Array], inputs: tuple[jax.Array, jax.Array]):
+        total, d_embedding = carry
+        h, t = inputs
+        h = h.astype(dtype)
+        logits = einsum("btd,vd->btv", h, compute_embedding, preferred_element_type=jnp.float32)
+        log_norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        picked = jnp.take_along_axis(logits, t[..., None], axis=-1)
+        total = total + jnp.sum(log_norm - picked)
+        probs = jnp.exp(logits - log_norm)
+        d_logits = ((probs - jax.nn.one_hot(t, logits.shape[-1], dtype=probs.dtype)) * scale).astype(dtype)
+        d_hidden = einsum("btv,vd->btd", d_logits, compute_embedding, preferred_element_type=jnp.float32)
+        d_embedding = d_embedding + einsum("btv,btd->vd", d_logits, h, preferred_element_type=jnp.float32)
+        return (total, d_embedding), d_hidden
+
+    start = (jnp.zeros((), jnp.float32), jnp.zeros(embedding.shape, jnp.float32))
+    (total, d_embedding), d_hidden = jax.lax.scan(body, start, (hidden_chunks, target_chunks))
+    d_hidden = d_hidden.swapaxes(0, 1).reshape(hidden.shape)
+    residuals = (d_hidden.astype(hidden.dtype), d_embedding.astype(embedding.dtype), targets)
+    return total * scale, residuals
+
+
+def _loss_backward(dtype: jnp.dtype, chunk: int, residuals: tuple[jax.Array, jax.Array, jax.Array],
+                   cotangent: jax.Array):
+    del dtype, chunk
+    d_hidden, d_embedding, targets = residuals
+    zero_targets = jnp.zeros(targets.shape, jax.dtypes.float0)
+    return ((cotangent * d_hidden).astype(d_hidden.dtype), (cotangent * d_embedding).astype(d_embedding.dtype),
+            zero_targets)
+
+
+next_token_loss_and_head.defvjp(_loss_forward, _loss_backward)
+
+
+def chunked_next_token_loss(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, dtype: jnp.dtype,
+                            chunk: int) -> jax.Array:
+    """The training loss (next_token_loss_and_head): value and gradients are those of the whole form
+    next_token_loss(head_logits(hidden, embedding, dtype), targets) up to float32 summation order."""
+    return next_token_loss_and_head(hidden, embedding, targets, dtype, chunk)

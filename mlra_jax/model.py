@@ -27,7 +27,7 @@ def _dots_and_attention(prim: Any, *args: Any, **params: Any) -> bool:
             or prim.name in KERNEL_PRIMITIVES)
 
 
-_REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
+REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
     "full": None,  # save nothing, recompute the whole block
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projections, recompute attention
     "dots_attn": _dots_and_attention,  # keep projections and fused attention outputs; recompute elementwise work
@@ -110,8 +110,8 @@ class Transformer(nnx.Module):
             layer_state, layer_xs = inputs
             return apply(nnx.merge(graphdef, layer_state), h, layer_xs)
 
-        if self.config.remat != "none":
-            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.config.remat])
+        if self.config.remat in REMAT_POLICIES:  # "auto" is resolved by the trainer (training.remat_choice)
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.config.remat])
         if self.config.scan_layers:
             return jax.lax.scan(layer, x, (state, xs))
         ys = []

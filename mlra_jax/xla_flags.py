@@ -2,8 +2,8 @@
 
 From the JAX GPU performance guide and MaxText / JAX-Toolbox recipes, the ones that helped here:
 the latency-hiding scheduler, collectives on their own high-priority stream, and combined FSDP
-all-gathers and reduce-scatters. A flag the user already sets in XLA_FLAGS keeps the user's
-value; MLRA_JAX_XLA_DEFAULTS=0 adds none.
+all-gathers and reduce-scatters; and JAX's allocator takes 92% of the GPU's memory, not 75%. A
+setting the user already made keeps the user's value; MLRA_JAX_XLA_DEFAULTS=0 adds none.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ GPU_FLAGS: dict[str, str] = {
 # all-gather / reduce-scatter / all-reduce made the 2.9B FSDP step with gradient accumulation use 88.6 GiB
 # instead of 65.4 and run at 29.9% MFU instead of 39.7% (MLA, 2 x H200, jax 0.11.2).
 DISABLE_VARIABLE = "MLRA_JAX_XLA_DEFAULTS"
+# The share of GPU memory JAX's allocator takes (JAX's own default is 0.75: 20 GB of an 80 GB H100 unused).
+MEMORY_FRACTION_VARIABLE, GPU_MEMORY_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"
 
 
 def merged_flags(existing: str, defaults: dict[str, str]) -> str:
@@ -44,8 +46,10 @@ def cuda_plugin_installed() -> bool:
 
 
 def apply_gpu_defaults() -> bool:
-    """Add GPU_FLAGS to XLA_FLAGS when a CUDA backend can start; call before JAX initializes a backend."""
+    """Add GPU_FLAGS to XLA_FLAGS and let JAX take GPU_MEMORY_FRACTION of the GPU's memory (unless the user set
+    XLA_PYTHON_CLIENT_MEM_FRACTION) when a CUDA backend can start; call before JAX initializes a backend."""
     if os.environ.get(DISABLE_VARIABLE, "1") == "0" or not cuda_plugin_installed():
         return False
     os.environ["XLA_FLAGS"] = merged_flags(os.environ.get("XLA_FLAGS", ""), GPU_FLAGS)
+    os.environ.setdefault(MEMORY_FRACTION_VARIABLE, GPU_MEMORY_FRACTION)
     return True

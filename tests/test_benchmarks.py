@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end on CPU devices and record device, command and date."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -146,3 +147,57 @@ def test_latent_kernel_benchmark_refuses_a_cpu(tmp_path, capsys):
         latent_kernel.main(["bound", f"--out={tmp_path / 'bound.json'}"])
     assert exit_info.value.code == 2 and "Hopper GPUs" in capsys.readouterr().err
     assert not (tmp_path / "bound.json").exists()
+
+
+def test_train_benchmark_puts_the_official_codes_best_batch_beside_ours(tmp_path, monkeypatch, capsys):
+    """--reference: the anchor script's JSON lines (other output skipped); REF's best batch of the same variant and
+    layer count, every batch it tried, and our tokens/s over its best. A file without such lines exits 2."""
+    from mlra_jax.experiments import registry
+
+    experiment = registry.get_experiment("mlra4_tiny")
+    monkeypatch.setitem(registry._EXPERIMENTS, "mlra4_tiny", dataclasses.replace(experiment, reference_key="mlra_4"))
+    device = jax.devices()[0].device_kind
+    ref = tmp_path / "ref.jsonl"
+    ref.write_text("compiling...\n" + "\n".join(json.dumps(line) for line in [
+        dict(variant="mlra_4", n_layer=1, batch=4, tokens_per_s=100.0, device=device),
+        dict(variant="mlra_4", n_layer=1, batch=8, tokens_per_s=150.0, device=device),
+        dict(variant="mlra_4", n_layer=1, batch=12, error="OOM"),
+        dict(variant="mlra_4", n_layer=8, batch=8, tokens_per_s=9e9, device=device),
+        dict(variant="mla", n_layer=1, batch=8, tokens_per_s=9e9, device=device)]) + "\n")
+    out = tmp_path / "train.json"
+    train.main(["--experiments=mlra4_tiny", "--n_layer=1", "--seq_len=16", "--steps=1", "--batch_per_device=1",
+                f"--reference={ref}", f"--out={out}"])
+    record = json.loads(out.read_text())
+    (result,) = record["results"]
+    assert record["reference_file"] == str(ref)
+    assert result["reference"] == {"variant": "mlra_4", "best_batch": 8, "tokens_per_s": 150.0,
+                                   "batches": {"4": 100.0, "8": 150.0, "12": "OOM"}, "device": device,
+                                   "same_device": True, "ratio": pytest.approx(result["tokens_per_s"] / 150.0)}
+    assert "REF 150 (batch 8):" in capsys.readouterr().out
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("no figures here\n")
+    for bad, message in ((empty, "holds no line of the anchor script"), (tmp_path / "missing", "no such file")):
+        with pytest.raises(SystemExit) as exit_info:
+            train.main([f"--reference={bad}", f"--out={out}"])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_reference_annotates_a_saved_record(tmp_path, capsys):
+    """REF timed in another process on the same machine: its figures are added to a saved record."""
+    from mlra_jax.benchmarks import reference
+
+    record = {"benchmark": "train", "device": "GPU X", "results": [
+        {"experiment": "mlra4_2p9b", "n_layer": 8, "batch_per_device": 12, "tokens_per_s": 60.0},
+        {"experiment": "gqa_2p9b", "n_layer": 8, "batch_per_device": 8, "tokens_per_s": 90.0},
+        {"experiment": "mla_2p9b", "error": "OOM"}]}
+    results, ref = tmp_path / "train.json", tmp_path / "ref.jsonl"
+    results.write_text(json.dumps(record))
+    ref.write_text(json.dumps(dict(variant="mlra_4", n_layer=8, batch=8, tokens_per_s=50.0, device="GPU X")) + "\n")
+    assert reference.main([str(results), str(ref)]) == 0
+    mlra4, gqa, failed = json.loads(results.read_text())["results"]
+    assert mlra4["reference"]["ratio"] == pytest.approx(1.2) and mlra4["reference"]["same_device"]
+    assert gqa["reference"] is None and "reference" not in failed
+    assert "mlra4_2p9b" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        reference.main([str(tmp_path / "none.json"), str(ref)])
+    assert exit_info.value.code == 2 and "no such file" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mlra_jax.layers import einsum
-from mlra_jax.loss import chunked_next_token_loss, next_token_loss
+from mlra_jax.loss import chunked_next_token_loss, head_logits, next_token_loss
 
 B, T, D, V = 2, 96, 16, 300
 
@@ -67,3 +67,36 @@ def test_no_array_holds_the_whole_logits():
 
     sizes = [int(np.prod(s)) for s in shapes(jaxpr.jaxpr)]
     assert max(sizes) == B * 32 * V  # one chunk's logits, never B * T * V
+
+
+def test_gradients_come_from_the_forward_pass_and_scale_with_the_cotangent():
+    """The head's matmul runs three times per chunk in all (logits, d_hidden, d_embedding), never again in the
+    backward; the gradients equal autodiff through head_logits (bf16 cotangent) and follow the cotangent."""
+    hidden, embedding, targets = inputs(2)
+    fused = lambda h, w: chunked_next_token_loss(h, w, targets, jnp.bfloat16, 32)
+    jaxpr = jax.make_jaxpr(jax.grad(fused, argnums=(0, 1)))(hidden, embedding)
+    assert count_dots(jaxpr.jaxpr) == 3
+
+    def autodiff(h, w):
+        return next_token_loss(head_logits(h, w, jnp.bfloat16), targets)
+
+    (loss, grads), (want, want_grads) = (jax.value_and_grad(f, argnums=(0, 1))(hidden, embedding)
+                                         for f in (fused, autodiff))
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+    for got, expected in zip(grads, want_grads):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-3, atol=1e-6)
+    tripled = jax.grad(lambda h, w: 3.0 * fused(h, w), argnums=(0, 1))(hidden, embedding)
+    for got, single in zip(tripled, grads):
+        np.testing.assert_allclose(np.asarray(got), 3.0 * np.asarray(single), rtol=1e-6)
+    assert float(jax.jit(fused)(hidden, embedding)) == pytest.approx(float(loss), rel=1e-6)  # undifferentiated
+
+
+def count_dots(jaxpr):
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += eqn.primitive.name == "dot_general"
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                total += count_dots(inner)
+    return total

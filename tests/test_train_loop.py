@@ -106,7 +106,7 @@ def test_help_lists_experiments_and_fields(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "mlra4_2p9b" in out and "gqa_tiny" in out and "--train.peak_lr=float" in out
-    for allowed in ("--model.remat={none,full,dots,dots_attn}", "--model.compute_dtype={float32,bfloat16,float16}",
+    for allowed in ("--model.remat={none,full,dots,dots_attn,auto}", "--model.compute_dtype={float32,bfloat16,float16}",
                     "--model.attention_impl={auto,xla,cudnn,splash,pallas}", "--model.output_init={zero,normal}",
                     "--model.scan_layers={true,false}", "--model.variant={mha,mqa,gqa,mla,mfa,tpa,gla2,gla4,gta,",
                     "--train.micro_batch_size=int|none", "--metrics.wandb_project=str|none", "--profile.steps=int"):

@@ -1,6 +1,8 @@
 """The fast-path settings: remat that keeps the fused attention, bf16 weights before FSDP gathers, the
 micro-batch resolved per mesh, the GPU XLA flags, and runs that resume under other runtime settings."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -14,7 +16,8 @@ from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.model import init_model
 from mlra_jax.training.step import compute_params, loss_fn
 from mlra_jax.training.loop import train
-from mlra_jax.training.state import build_setup
+from mlra_jax.training import remat_choice
+from mlra_jax.training.state import build_setup, state_bytes
 
 
 def count_primitive(jaxpr, name):
@@ -61,10 +64,42 @@ def test_micro_batch_is_the_largest_within_the_per_device_cap(replicas, micro):
 
 def test_the_paper_runs_take_the_fast_path_without_flags():
     experiment = get_experiment("mlra4_2p9b")
-    assert experiment.model.attention_impl == "auto" and experiment.model.remat == "dots_attn"
+    assert experiment.model.attention_impl == "auto" and experiment.model.remat == "auto"
     assert experiment.model.scan_layers is False and experiment.train.loss_chunk == 512
     setup = build_setup(experiment)  # 8 CPU devices: 480 / 8 = 60 per device, 6 at a time
     assert setup.experiment.train.micro_batch_size == 48 and setup.experiment.train.accumulation_steps == 10
+    assert setup.experiment.model.remat == "none"  # CPU devices report no memory limit
+
+
+def remat_inputs(**train_changes):
+    experiment = micro_experiment("mlra4_tiny", "--model.remat=auto", "--train.seq_len=128",
+                                  "--model.compute_dtype=bfloat16", "--model.attention_impl=splash",
+                                  *(f"--train.{k}={v}" for k, v in train_changes.items()))
+    return experiment, 10 * 2**20  # 10 MiB of weights and optimizer state
+
+
+def test_auto_remat_takes_the_least_recomputation_that_fits():
+    experiment, fixed = remat_inputs()
+    needs = {remat: remat_choice.step_bytes(experiment, fixed, 4, remat) for remat in remat_choice.REMAT_ORDER}
+    assert needs["none"] >= needs["dots_attn"] > needs["dots"] > needs["full"] > fixed
+    for need in needs.values():
+        chosen, reason = remat_choice.choose_remat(experiment, fixed, 4, int(need / remat_choice.MEMORY_FRACTION) + 1)
+        assert chosen == next(r for r in remat_choice.REMAT_ORDER if needs[r] <= need), reason
+    chosen, reason = remat_choice.choose_remat(experiment, fixed, 4, fixed)
+    assert chosen == "full" and "nothing fits" in reason and "micro_batch_size" in reason
+    assert remat_choice.choose_remat(experiment, fixed, 4, None) == ("none", "the device reports no memory limit")
+    # twice the sequences per device: more memory for the same choice
+    assert remat_choice.step_bytes(experiment, fixed, 8, "none") > needs["none"]
+
+
+def test_auto_remat_counts_the_products_and_kernel_outputs_not_fused_elementwise_values():
+    assert remat_choice.materialized("output of dot_general from x.py:1", jnp.bfloat16, jnp.bfloat16)
+    assert remat_choice.materialized("output of jitted function '_splash_attention' from y", jnp.bfloat16,
+                                     jnp.bfloat16)
+    assert remat_choice.materialized("output of convert_element_type from p", jnp.bfloat16, jnp.bfloat16)
+    assert not remat_choice.materialized("output of convert_element_type from p", jnp.float32, jnp.bfloat16)
+    assert not remat_choice.materialized("output of mul from layers.py:70", jnp.float32, jnp.bfloat16)
+    assert not remat_choice.materialized("from the argument h", jnp.float32, jnp.bfloat16)
 
 
 def test_xla_flags_keep_the_users_values(monkeypatch):
@@ -76,7 +111,11 @@ def test_xla_flags_keep_the_users_values(monkeypatch):
     monkeypatch.setenv(xla_flags.DISABLE_VARIABLE, "0")
     assert not xla_flags.apply_gpu_defaults() and xla_flags.os.environ["XLA_FLAGS"] == "--foo=1"
     monkeypatch.delenv(xla_flags.DISABLE_VARIABLE)
+    monkeypatch.delenv(xla_flags.MEMORY_FRACTION_VARIABLE, raising=False)
     assert xla_flags.apply_gpu_defaults() and "latency_hiding_scheduler=true" in xla_flags.os.environ["XLA_FLAGS"]
+    assert xla_flags.os.environ[xla_flags.MEMORY_FRACTION_VARIABLE] == xla_flags.GPU_MEMORY_FRACTION
+    monkeypatch.setenv(xla_flags.MEMORY_FRACTION_VARIABLE, "0.5")
+    assert xla_flags.apply_gpu_defaults() and xla_flags.os.environ[xla_flags.MEMORY_FRACTION_VARIABLE] == "0.5"
     monkeypatch.undo()
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert not xla_flags.cuda_plugin_installed()  # JAX_PLATFORMS=cpu (the tests): no flags added
@@ -92,3 +131,20 @@ def test_a_run_resumes_under_other_runtime_settings_but_not_another_model(tmp_pa
     assert result.step == 8
     with pytest.raises(ConfigError, match="model.n_embd was 64, now 32"):
         train(micro_experiment("mlra4_tiny", "--model.n_embd=32"), tmp_path, devices=devices)
+
+
+def test_auto_remat_takes_a_smaller_micro_batch_before_recomputing_everything(monkeypatch):
+    """With the micro-batch from the per-device cap, a memory where only `full` fits 8 sequences per device but
+    a lighter policy fits 4 takes 4 (twice the accumulation steps); an explicit micro_batch_size is kept."""
+    experiment, fixed = remat_inputs(global_batch_size=16, max_micro_batch_per_device=8, micro_batch_size="none")
+    setup = build_setup(dataclasses.replace(experiment, model=dataclasses.replace(experiment.model, remat="none")),
+                        jax.devices()[:1])
+    fixed = state_bytes(setup)
+    memory = int(remat_choice.step_bytes(experiment, fixed, 4, "dots_attn") / remat_choice.MEMORY_FRACTION) + 1
+    assert remat_choice.choose_remat(experiment, fixed, 8, memory)[0] == "full"
+    monkeypatch.setattr(remat_choice, "device_memory", lambda device: memory)
+    resolved = build_setup(experiment, jax.devices()[:1]).experiment
+    assert (resolved.train.micro_batch_size, resolved.train.accumulation_steps) == (4, 4)
+    assert resolved.model.remat == remat_choice.choose_remat(experiment, fixed, 4, memory)[0] != "full"
+    explicit = dataclasses.replace(experiment, train=dataclasses.replace(experiment.train, micro_batch_size=8))
+    assert build_setup(explicit, jax.devices()[:1]).experiment.model.remat == "full"

@@ -68,6 +68,7 @@ class LatentAttention(Attention):
         # The reference mlra_2_no_scale.py drops the 1/sqrt(branches) output scale together with
         # the latent scales (its logits show it; REFERENCE.md's note that it stays is wrong).
         self.branch_scale = self.branches ** -0.5 if cfg.latent_scale else 1.0
+        self.absorbed_training = cfg.trains_absorbed  # training attention absorbed (ModelConfig.latent_form)
 
     @staticmethod
     def cache_layout(cfg: ModelConfig) -> list[CacheComponent]:
@@ -164,6 +165,8 @@ class LatentAttention(Attention):
         TP; [B, T, h, d_h]."""
         q_nope, q_rope = queries
         tp = tensor_size()
+        if tp == 1 and mode == "train" and self.absorbed_training:
+            return self.absorbed_attention(q_nope, q_rope, kv["latent"], kv["k_rope"], mask)
         if tp == 1:
             out = self.blocks_fn(mode)(self.per_block(q_nope), self.per_block(q_rope), kv["latent"], kv["k_rope"],
                                        self.up_weights(), mask)
@@ -209,7 +212,9 @@ class LatentAttention(Attention):
                 "q_up": q_up}
 
     def blocks_fn(self, mode: Mode) -> Callable[..., jax.Array]:
-        return self.absorbed_blocks if mode == "decode" else self.attend_blocks
+        if mode == "decode":
+            return self.absorbed_blocks
+        return self.absorbed_train_blocks if mode == "train" and self.absorbed_training else self.attend_blocks
 
     def tensor_parallel_blocks(self, mode: Mode, plan: LatentPlan, queries: tuple[jax.Array, jax.Array],
                                kv: KVCache, kv_up: jax.Array, mask: jax.Array | None) -> jax.Array:
@@ -291,6 +296,45 @@ class LatentAttention(Attention):
         flat = lambda a: a.reshape(a.shape[:2] + (-1, a.shape[-1]))
         out = attention(flat(q), flat(k), flat(v), scale=self.softmax_scale, impl=self.impl, mask=mask)
         return out.reshape(q.shape[:-1] + (self.nope_dim,))
+
+    def absorbed_attention(self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
+                           mask: jax.Array | None) -> jax.Array:
+        """Training attention with absorbed weights on one device: q_nope [B, T, h, d_h] and q_rope [B, T, h,
+        d_h^R] over latent [B, S, n, R] and k_rope [B, S, 1, d_h^R] -> [B, T, h, d_h], the branches summed.
+        Each head's query meets W_UK of every block that serves it in one product (no copy of q per branch),
+        and W_UV with the branch sum is one product over (block, rank), accumulated in float32."""
+        branches, groups, heads = self.branches, self.blocks // self.branches, self.block_heads
+        b, t = q_nope.shape[:2]
+        rank, nope, rope = self.block_rank, self.nope_dim, self.rope_dim
+        w_uk, w_uv = (w.reshape(branches, groups, rank, heads, nope) for w in self.up_weights())
+        q_latent = einsum("btgik,cgrik->btcgir", q_nope.reshape(b, t, groups, heads, nope), w_uk)
+        q_rope = jnp.broadcast_to(q_rope.reshape(b, t, 1, groups, heads, rope), (b, t, branches, groups, heads, rope))
+        per_block = lambda x: x.reshape(b, t, self.blocks, heads, x.shape[-1])
+        z = self.latent_heads_attention(per_block(q_latent), per_block(q_rope), latent, k_rope, mask)
+        out = einsum("btcgir,cgrik->btgik", z.reshape(b, t, branches, groups, heads, rank), w_uv,
+                     preferred_element_type=jnp.float32)
+        return (out * self.branch_scale).reshape(b, t, self.n_head, nope).astype(self.dtype)
+
+    def absorbed_train_blocks(self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
+                              up: tuple[jax.Array, jax.Array], mask: jax.Array | None) -> jax.Array:
+        """attend_blocks with absorbed weights (a device's blocks under TP): q [B, T, n, H, .] over latent
+        [B, S, n, R] with up = (W_UK, W_UV) [n, R, H, d_h] -> [B, T, n, H, d_h]."""
+        w_uk, w_uv = up
+        q_latent = einsum("btnhk,nrhk->btnhr", q_nope, w_uk)
+        z = self.latent_heads_attention(q_latent, q_rope, latent, k_rope, mask)
+        return einsum("btnhr,nrhk->btnhk", z, w_uv)
+
+    def latent_heads_attention(self, q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
+                               k_rope: jax.Array, mask: jax.Array | None) -> jax.Array:
+        """Attention of the absorbed queries [q_latent || q_rope] [B, T, n, H, R + d_h^R] over n KV heads, block
+        j's key [latent_j || k_rope] and value latent_j (latent [B, S, n, R], k_rope [B, S, 1, d_h^R]): GQA for
+        the fused kernels, H query heads per KV head -> [B, T, n, H, R]."""
+        b, t, n, heads, rank = q_latent.shape
+        q = jnp.concatenate([q_latent.astype(self.dtype), q_rope.astype(self.dtype)], axis=-1)
+        k = jnp.concatenate([latent, jnp.broadcast_to(k_rope, latent.shape[:2] + (n, self.rope_dim))], axis=-1)
+        out = attention(q.reshape(b, t, n * heads, q.shape[-1]), k.astype(self.dtype), latent.astype(self.dtype),
+                        scale=self.softmax_scale, impl=self.impl, mask=mask)
+        return out.reshape(b, t, n, heads, rank)
 
     def absorbed_blocks(self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
                         up: tuple[jax.Array, jax.Array], mask: jax.Array | None) -> jax.Array:

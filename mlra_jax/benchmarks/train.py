@@ -7,6 +7,9 @@
         --global_batch=480 --batch_per_device=8
     # (c) tensor parallelism: TP degrees over all devices, the rest data parallel
     python -m mlra_jax.benchmarks.train --experiments=mlra4_2p9b --tp=1,2,4
+    # (d) beside the official PyTorch code timed on the same GPU (the JSON lines of its anchor script)
+    python -m mlra_jax.benchmarks.train --experiments=mlra4_2p9b,mla_2p9b --batch_per_device=8,12 \\
+        --reference=ref.jsonl
 
 Each setting runs the real jitted train step (AdamW, bf16 compute, the trainer's shardings)
 on random tokens; the time is the median wall time of --steps steps after --warmup steps.
@@ -15,7 +18,9 @@ training_flops_per_token = 3 x (2 x matmul parameters + layers x attention), the
 core counting 2 (d_qk + d_v) FLOPs per head per visible key, (seq_len + 1) / 2 keys on
 average under the causal mask (`mlra_jax.metrics`). Memory: XLA's compiled-step accounting
 (arguments + temporaries) and, on GPUs, the allocator's peak so far in this process;
---profile adds the GPU time of one step by kernel family and the longest kernels.
+--profile adds the GPU time of one step by kernel family and the longest kernels. With
+--reference, each result records the official code's best batch for the same variant and
+layer count and our tokens/s over it (`reference`; benchmarks.reference).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlra_jax.benchmarks.reference import ReferenceError, compare, read_reference
 from mlra_jax.variants import VARIANTS
 from mlra_jax.xla_flags import apply_gpu_defaults
 
@@ -75,7 +81,8 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
     from mlra_jax.metrics import peak_flops, training_flops_per_token
     from mlra_jax.training.state import build_setup, global_batch, init_state, jit_train_step
 
-    setup = build_setup(apply_overrides(get_experiment(name), overrides))
+    requested = apply_overrides(get_experiment(name), overrides)
+    setup = build_setup(requested)
     train, cfg = setup.experiment.train, setup.experiment.model
     fused.CHOSEN.clear()
     with jax.set_mesh(setup.mesh):
@@ -106,6 +113,8 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
             "batch_per_device": micro // (devices // setup.mesh.shape["tensor"]),
             "accumulation_steps": train.accumulation_steps, "seq_len": train.seq_len,
             "attention_impl": cfg.attention_impl, "kernels": dict(fused.CHOSEN), "remat": cfg.remat,
+            "remat_setting": requested.model.remat, "latent_form": cfg.latent_form,
+            "trains_absorbed": cfg.trains_absorbed,
             "loss_chunk": train.loss_chunk, "scan_layers": cfg.scan_layers, "compile_s": compile_s,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "step_time_s": seconds, "tokens_per_s": tokens_per_s,
@@ -122,8 +131,13 @@ def describe(result: dict[str, Any]) -> str:
         return f"{head} error: {result['error'][:160]}"
     mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "n/a"
     memory = result["compiled_bytes"] or 0
-    return (f"{head} {result['tokens_per_s']:10,.0f} tok/s  step {result['step_time_s'] * 1e3:8.1f} ms  MFU {mfu}"
+    line = (f"{head} {result['tokens_per_s']:10,.0f} tok/s  step {result['step_time_s'] * 1e3:8.1f} ms  MFU {mfu}"
             f"  mem {memory / 2**30:.1f} GiB  kernels {result['kernels']}")
+    ref = result.get("reference")
+    if ref:
+        other = "" if ref["same_device"] else f" on {ref['device']}"
+        line += f"  REF {ref['tokens_per_s']:,.0f} (batch {ref['best_batch']}{other}): {ref['ratio']:.2f}x"
+    return line
 
 
 def mark_best(results: list[dict[str, Any]]) -> None:
@@ -149,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fsdp", action="store_true", help="shard parameters and optimizer state over the replicas")
     parser.add_argument("--tp", default="1", help="TP degrees (the other devices are data parallel)")
     parser.add_argument("--attention_impl", default="auto", choices=("auto", "xla", "cudnn", "splash"))
-    parser.add_argument("--remat", default="", help="remat policies to try (none, full, dots, dots_attn; default: "
-                        "the experiment's own)")
+    parser.add_argument("--remat", default="", help="remat policies to try (none, full, dots, dots_attn, auto; "
+                        "default: the experiment's own)")
     parser.add_argument("--loss_chunk", type=int, default=512, help="cross-entropy chunk in positions (0: whole)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the step is compiled before)")
@@ -159,9 +173,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="any experiment override, e.g. --override=--model.scan_layers=false (repeatable)")
     parser.add_argument("--no_xla_defaults", action="store_true", help="leave out mlra_jax.xla_flags' GPU flags")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/train.json"))
+    parser.add_argument("--reference", type=Path, help="the official code's figures: the JSON lines its anchor "
+                        "script printed on the same GPU (each result records REF's best batch and the ratio)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the results already in --out for the experiments this run does not measure")
     args = parser.parse_args(argv)
+    try:
+        reference = read_reference(args.reference) if args.reference else None
+    except ReferenceError as err:
+        parser.error(str(err))
     xla_defaults = False if args.no_xla_defaults else apply_gpu_defaults()  # before JAX starts a backend
     logging.basicConfig(level=logging.WARNING)
 
@@ -175,9 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     planned = {(name, per_device, remat or get_experiment(name).model.remat, tp)
                for name in names for per_device in map(int, args.batch_per_device.split(","))
                for remat in args.remat.split(",") for tp in map(int, args.tp.split(","))}
-    remeasured = lambda r: (r["experiment"], r["batch_per_device"], r["remat"], r["mesh"]["tensor"]) in planned
+    remeasured = lambda r: (r["experiment"], r["batch_per_device"], r.get("remat_setting", r["remat"]),
+                            r["mesh"]["tensor"]) in planned
     results, runs, _ = earlier_results(args.out, remeasured) if args.merge else ([], [], {})
-    extra = {"xla_gpu_defaults": xla_defaults, "runs": [*runs, environment()]}
+    extra = {"xla_gpu_defaults": xla_defaults, "runs": [*runs, environment()],
+             **({"reference_file": str(args.reference)} if args.reference else {})}
     for name in names:
         for tp in map(int, args.tp.split(",")):
             for remat in args.remat.split(","):
@@ -188,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                     except Exception as err:  # noqa: BLE001 - out of memory and the like: record it and go on
                         result = {"experiment": name, "mesh": {"tensor": tp}, "batch_per_device": per_device,
                                   "remat": remat or "default", "error": f"{type(err).__name__}: {err}"}
+                    if reference and "error" not in result:
+                        result["reference"] = compare(result, get_experiment(name).reference_key,
+                                                      jax.devices()[0].device_kind, reference)
                     gc.collect()
                     print(describe(result), flush=True)
                     results.append(result)

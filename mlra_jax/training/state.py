@@ -18,6 +18,7 @@ from mlra_jax.optim import make_optimizer
 from mlra_jax.params import logical_axes
 from mlra_jax.sharding import (batch_sharding, bytes_per_device, data_parallel_size, make_mesh, replicated,
                                tree_shardings)
+from mlra_jax.training.remat_choice import resolve_remat
 from mlra_jax.training.step import make_train_step, micro_batch_sharding
 
 
@@ -38,6 +39,7 @@ class Setup:
 def build_setup(experiment: Experiment, devices: list[jax.Device] | None = None) -> Setup:
     mesh = make_mesh(experiment.mesh, devices)
     data_parallel = data_parallel_size(mesh)
+    capped = experiment.train.micro_batch_size is None and experiment.train.max_micro_batch_per_device is not None
     experiment = dataclasses.replace(experiment, train=experiment.train.for_replicas(data_parallel))
     cfg, train = experiment.model, experiment.train
     micro = train.global_batch_size // train.accumulation_steps
@@ -60,8 +62,29 @@ def build_setup(experiment: Experiment, devices: list[jax.Device] | None = None)
     shardings = {"params": param_shardings, "opt_state": opt_shardings, "rng": replicated(mesh)}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             {"params": params, "opt_state": opt_state, "rng": rng}, shardings)
-    return Setup(experiment, mesh, graphdef, optimizer, abstract, shardings, count_params(model),
-                 train.global_batch_size // jax.process_count())
+    setup = Setup(experiment, mesh, graphdef, optimizer, abstract, shardings, count_params(model),
+                  train.global_batch_size // jax.process_count())
+    if cfg.remat == "auto":
+        per_device, per_replica = micro // data_parallel, train.global_batch_size // data_parallel
+        smaller = tuple(d for d in range(1, per_device) if per_replica % d == 0) if capped else ()
+        resolved = resolve_remat(experiment, state_bytes(setup), per_device, mesh.devices.flat[0], smaller)
+        return build_setup(resolved, devices)
+    return setup
+
+
+def state_bytes(setup: Setup) -> int:
+    """Bytes per device of what a train step holds besides activations: weights, optimizer state and gradients
+    in their shardings; with accumulation, the gradients' running sum (in and out of the loop); under FSDP, a
+    micro-batch's float32 gradients before their reduce-scatter and the gathered compute-dtype weights (whole
+    along fsdp); without FSDP, the weights cast to the compute dtype. The FSDP terms match XLA's peak for the
+    full 2.9B MLRA-4 on 2 x H100 (experiments/results/LOG.md)."""
+    memory = memory_estimate(setup)
+    fsdp = setup.mesh.shape.get("fsdp", 1)
+    gathered = memory["params"] * fsdp  # float32 weights, whole along the fsdp axis
+    accumulated = 2 * memory["gradients"] if setup.experiment.train.accumulation_steps > 1 else 0
+    unsharded_gradients = gathered if fsdp > 1 else 0
+    compute_copy = gathered * jnp.dtype(setup.experiment.model.dtype).itemsize // 4
+    return sum(memory.values()) + accumulated + unsharded_gradients + compute_copy
 
 
 def init_state(setup: Setup) -> dict[str, Any]:

@@ -1,0 +1,142 @@
+"""`remat="auto"`: the least recomputation whose training step fits the device's memory.
+
+Rematerialization trades compute for memory: `none` keeps every activation the backward needs, `dots_attn`
+recomputes the elementwise work, `dots` the attention too, `full` the whole layer. Auto takes the first of
+these (in that order) whose estimated per-device peak fits `MEMORY_FRACTION` of the device's memory:
+
+    state (weights, AdamW moments, gradients, their running sum, the compute-dtype weights; training.state)
+    + layers x (the activations one layer saves for its backward + its input)
+    + the cross-entropy's working set (one chunk's logits, its cotangent, the embedding's gradient)
+
+A layer's saved activations are traced, not guessed: JAX lists the residuals of one block under each policy
+at the per-device micro-batch (`saved_residuals`), with the attention kernel that this backend runs. A
+device that reports no memory limit (the CPU) takes `none`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mlra_jax.config import Experiment, ModelConfig
+from mlra_jax.model import REMAT_POLICIES, Block, default_positions
+from mlra_jax.params import compute_params
+
+log = logging.getLogger(__name__)
+
+REMAT_ORDER = ("none", "dots_attn", "dots", "full")  # least recomputation first
+# Of the device's memory, the rest left for workspaces and fragmentation. The estimate itself runs above XLA's own
+# accounting of the compiled step: by 3-5 GiB (8-14%) for the 8-layer proxies of the 2.9B models on an H100.
+MEMORY_FRACTION = 0.9
+
+
+def saved_activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, remat: str) -> int:
+    """Bytes one block saves for its backward at `batch` sequences of `seq_len` under a remat policy, besides
+    its weights and its input; never less than a policy that recomputes more saves."""
+    lighter = REMAT_ORDER[REMAT_ORDER.index(remat) + 1:]
+    return max([_residual_bytes(cfg, batch, seq_len, remat)] +
+               [_residual_bytes(cfg, batch, seq_len, other) for other in lighter])
+
+
+@functools.cache
+def _residual_bytes(cfg: ModelConfig, batch: int, seq_len: int, remat: str) -> int:
+    from jax._src.ad_checkpoint import saved_residuals  # what jax.ad_checkpoint.print_saved_residuals prints
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
+    params = nnx.to_pure_dict(state)
+    if cfg.dtype != jnp.float32:
+        params = jax.eval_shape(lambda p: compute_params(p, cfg.dtype), params)
+    x = jax.ShapeDtypeStruct((batch, seq_len, cfg.n_embd), jnp.float32)
+    positions = default_positions(jnp.zeros((batch, seq_len), jnp.int32))
+
+    def layer(p: dict[str, Any], h: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, p)(h, positions)
+
+    if remat != "none":
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+    return sum(math.prod(aval.shape) * aval.dtype.itemsize for aval, source in saved_residuals(layer, params, x)
+               if materialized(source, aval.dtype, cfg.dtype))
+
+
+# Elementwise results that XLA fuses into the backward's consumers (recomputed from what they were made of)
+# rather than keeping: JAX lists them as residuals, but they take no memory of their own.
+_FUSED_ELEMENTWISE = frozenset({"mul", "add", "sub", "div", "neg", "exp", "log", "rsqrt", "sqrt", "tanh", "logistic",
+                                "max", "min", "select_n", "integer_pow", "square", "broadcast_in_dim", "cos", "sin",
+                                "jitted function 'silu'"})
+
+
+def materialized(source: str, dtype: jnp.dtype, compute_dtype: jnp.dtype) -> bool:
+    """Whether a residual (saved_residuals' description of its source) holds memory of its own through the
+    backward: products, kernel outputs, layout changes and the compute-dtype copies that feed products; not the
+    layer's arguments, constants, or fused elementwise values."""
+    if not source.startswith("output of "):
+        return False  # an argument (the weights, the layer's input), a literal or a constant
+    producer = source[len("output of "):].split(" from ")[0]
+    if producer == "convert_element_type":
+        return dtype == compute_dtype != jnp.float32  # the low-precision operands of the products
+    return producer not in _FUSED_ELEMENTWISE
+
+
+def step_bytes(experiment: Experiment, fixed_bytes: int, batch: int, remat: str) -> int:
+    """The estimated per-device peak of a train step: `fixed_bytes` of state, the layers' saved activations and
+    inputs at `batch` sequences per device, and the cross-entropy's working set."""
+    cfg, train = experiment.model, experiment.train
+    layer_input = batch * train.seq_len * cfg.n_embd * 4
+    chunk = train.loss_chunk if 0 < train.loss_chunk < train.seq_len else train.seq_len
+    loss = 3 * batch * chunk * cfg.vocab_size * 4 + 2 * cfg.vocab_size * cfg.n_embd * 4 + layer_input
+    per_layer = saved_activation_bytes(cfg, batch, train.seq_len, remat) + layer_input
+    return fixed_bytes + cfg.n_layer * per_layer + loss
+
+
+def device_memory(device: jax.Device) -> int | None:
+    """The bytes the device's allocator may use, or None where it reports no limit (CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return (stats or {}).get("bytes_limit")
+
+
+def choose_remat(experiment: Experiment, fixed_bytes: int, batch: int, memory: int | None) -> tuple[str, str]:
+    """(policy, reason): the first of REMAT_ORDER whose step_bytes fits MEMORY_FRACTION of `memory`."""
+    if memory is None:
+        return "none", "the device reports no memory limit"
+    budget = MEMORY_FRACTION * memory
+    estimates = []
+    for remat in REMAT_ORDER:
+        need = step_bytes(experiment, fixed_bytes, batch, remat)
+        estimates.append(f"{remat} {need / 2**30:.1f} GiB")
+        if need <= budget:
+            return remat, f"estimated {', '.join(estimates)} of {budget / 2**30:.1f} GiB usable"
+    return "full", (f"nothing fits: estimated {', '.join(estimates)} of {budget / 2**30:.1f} GiB usable; lower "
+                    f"train.micro_batch_size or train.max_micro_batch_per_device, or shard over more devices")
+
+
+def resolve_remat(experiment: Experiment, fixed_bytes: int, batch: int, device: jax.Device,
+                  smaller_batches: tuple[int, ...] = ()) -> Experiment:
+    """The experiment with remat="auto" replaced by choose_remat's policy (logged); others as they are.
+
+    When only `full` fits `batch` sequences per device and the micro-batch came from the per-device cap, the
+    largest of `smaller_batches` (per device) that fits with less recomputation is taken instead: recomputing
+    the whole forward costs more than a smaller micro-batch (2 x H100, full 2.9B MLRA-4 with FSDP: 4 sequences
+    per device under dots_attn ran; 8 under dots ran out of memory)."""
+    if experiment.model.remat != "auto":
+        return experiment
+    memory = device_memory(device)
+    remat, reason = choose_remat(experiment, fixed_bytes, batch, memory)
+    chosen = batch
+    if remat == "full":
+        for smaller in sorted(smaller_batches, reverse=True):
+            lighter, why = choose_remat(experiment, fixed_bytes, smaller, memory)
+            if lighter != "full":
+                remat, reason, chosen = lighter, why, smaller
+                break
+    log.info("remat=auto chose %s for %d sequences per device (%s)", remat, chosen, reason)
+    train = experiment.train
+    if chosen != batch:
+        train = dataclasses.replace(train, micro_batch_size=train.micro_batch_size // batch * chosen)
+    return dataclasses.replace(experiment, model=dataclasses.replace(experiment.model, remat=remat), train=train)

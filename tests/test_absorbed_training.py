@@ -1,0 +1,75 @@
+"""The latent family's absorbed training attention equals the expanded one (float32 loss and gradients), alone
+and under tensor parallelism, and runs as grouped-query attention over the latent blocks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mlra_jax.attention import latent
+from mlra_jax.config import ConfigError, MeshConfig
+from mlra_jax.experiments import get_experiment
+from mlra_jax.experiments.tiny import tiny_model
+from mlra_jax.model import init_model
+from mlra_jax.sharding import make_mesh
+from mlra_jax.training.step import loss_fn
+from mlra_jax.variants import LATENT_VARIANTS
+from test_fused_attention import model_loss_and_grads
+
+
+def small(variant, form, **changes):
+    return tiny_model(variant, **{"n_layer": 1, "n_head": 8, "vocab_size": 128, "output_init": "normal",
+                                  "latent_form": form, **changes})
+
+
+def loss_and_grads(cfg, tokens, mesh=None):
+    return model_loss_and_grads(cfg, "auto", tokens, mesh)
+
+
+def assert_equal(got, want):
+    (loss, grads), (want_loss, want_grads) = got, want
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=2e-6)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
+        scale = float(jnp.abs(b).max())
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5 * scale + 1e-9,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("variant", LATENT_VARIANTS)
+def test_absorbed_equals_expanded_in_float32(variant):
+    tokens = jax.random.randint(jax.random.key(0), (2, 33), 0, 128)
+    assert_equal(loss_and_grads(small(variant, "absorbed"), tokens), loss_and_grads(small(variant, "expanded"), tokens))
+
+
+@pytest.mark.parametrize("variant,tp", [("mlra4", 4), ("mlra2", 2), ("gla4", 8), ("mla", 2)])
+def test_absorbed_under_tensor_parallelism_equals_expanded_alone(variant, tp):
+    tokens = jax.random.randint(jax.random.key(1), (8, 17), 0, 128)
+    mesh = make_mesh(MeshConfig(data=-1, tensor=tp), jax.devices()[:8])
+    assert_equal(loss_and_grads(small(variant, "absorbed"), tokens, mesh),
+                 loss_and_grads(small(variant, "expanded"), tokens))
+
+
+def test_absorbed_attention_is_grouped_query_attention_over_the_blocks(monkeypatch):
+    """MLRA-4: 4 blocks x 8 heads of queries [latent rank || RoPE] over 4 KV heads, values the blocks; the query
+    is never copied per branch (no [B, T, 4, 8, d_h] array in the step)."""
+    shapes = []
+    original = latent.attention
+    monkeypatch.setattr(latent, "attention", lambda q, k, v, **kw: shapes.append((q.shape, k.shape, v.shape))
+                        or original(q, k, v, **kw))
+    cfg = small("mlra4", "absorbed")
+    model = init_model(cfg)
+    graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tokens = jnp.zeros((2, 17), jnp.int32)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss_fn(graphdef, p, tokens)))(params)
+    rank, rope = cfg.kv_lora_rank // 4, cfg.qk_rope_head_dim
+    assert shapes == [((2, 16, 32, rank + rope), (2, 16, 4, rank + rope), (2, 16, 4, rank))]
+    copied_query = (2, 16, 4, 8, cfg.qk_nope_head_dim)
+    assert copied_query not in {tuple(v.aval.shape) for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars}
+
+
+def test_the_expanded_form_is_the_default_and_absorbed_applies_to_the_latent_family():
+    assert not any(get_experiment(f"{name}_2p9b").model.trains_absorbed for name in LATENT_VARIANTS)
+    assert small("mla", "absorbed").trains_absorbed and not small("mlra4", "expanded").trains_absorbed
+    with pytest.raises(ConfigError, match="latent_form='absorbed' applies to the latent family"):
+        tiny_model("gqa", latent_form="absorbed")
