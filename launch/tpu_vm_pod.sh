@@ -18,8 +18,11 @@ usage: TPU=NAME ZONE=ZONE [PROJECT=ID] bash launch/tpu_vm_pod.sh COMMAND [ARGS]
   setup                on every worker: clone REPO (default: this checkout's origin), check out COMMIT
                        (default: this checkout's HEAD, which must be pushed), make .venv with Python
                        $PYTHON_VERSION (default 3.12, fetched by uv: TPU images ship 3.10) and install .[tpu,gcs]
-  run TRAIN_ARGS...    on every worker: python -m mlra_jax.train --distributed TRAIN_ARGS, detached
-                       (survives the ssh session); log in ~/mlra_jax_train.log on each worker
+  run TRAIN_ARGS...    first, on worker 0: python -m mlra_jax.train --compile_for=SLICE TRAIN_ARGS, the train
+                       step compiled for the slice (ACCELERATOR, else the TPU's type): a run that does not fit
+                       a chip's HBM is refused before it starts (PREFLIGHT=0 skips this); then on every
+                       worker: python -m mlra_jax.train --distributed TRAIN_ARGS, detached (survives the ssh
+                       session); log in ~/mlra_jax_train.log on each worker
   logs [WORKER]        follow one worker's log (default worker 0; LOG_LINES=100 lines of history)
   status               the queued resource's state and whether each worker is training
   stop                 SIGTERM on every worker: training saves a checkpoint and exits
@@ -91,6 +94,22 @@ case $command in
   run)
     [[ $# -ge 1 ]] || { echo "error: run needs the training arguments, e.g. run --experiment=mlra4_2p9b" \
       "--workdir=/mnt/shared/runs/mlra4" >&2; exit 2; }
+    if [[ ${PREFLIGHT:-1} != 0 ]]; then
+      accelerator=${ACCELERATOR:-$(gcloud compute tpus tpu-vm describe "$TPU" "${where[@]}" \
+        --format='value(acceleratorType)' 2>/dev/null || true)}
+      if [[ -z $accelerator ]]; then
+        echo "error: the pre-flight compile needs the slice's type: set ACCELERATOR (e.g. v5p-64), or" \
+          "PREFLIGHT=0 to start without it" >&2
+        exit 2
+      fi
+      echo "pre-flight: compiling the train step for $accelerator on worker 0 (PREFLIGHT=0 skips it)"
+      if ! ssh_workers 0 "cd ~/mlra_jax && .venv/bin/python -m mlra_jax.train \
+          --compile_for=$(printf %q "$accelerator")$(printf ' %q' "$@")"; then
+        echo "error: the pre-flight compile for $accelerator refused this run (its message is above);" \
+          "nothing was started" >&2
+        exit 2
+      fi
+    fi
     ssh_workers all "set -euo pipefail
       cd ~/mlra_jax
       if [ -f $pidfile ] && kill -0 \"\$(cat $pidfile)\" 2>/dev/null; then

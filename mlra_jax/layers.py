@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlra_jax.config import ModelConfig
+from mlra_jax.platform import target_platform
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
@@ -88,7 +89,7 @@ def einsum(spec: str, *operands: jax.Array, **kwargs) -> jax.Array:
     product of one row is computed as two (`two_rows`)."""
     full = any(x.dtype == jnp.float32 for x in operands)
     product = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST if full else None, **kwargs)
-    if len(operands) == 2 and jax.default_backend() == "gpu":
+    if len(operands) == 2 and target_platform() == "gpu":
         return two_rows(product, spec, *operands)
     return product(spec, *operands)
 
@@ -127,7 +128,7 @@ def row_copies(x: jax.Array) -> jax.Array:
     """On GPUs a single row x [1, 1, ...] as ROW_COPIES copies [ROW_COPIES, 1, ...], for a chain of products that
     runs on the copies as they are and is sliced once at its end; else x. Each product of a single row otherwise
     slices its result back to one row (two_rows), and the next copies it again in front of its GEMM."""
-    if jax.default_backend() != "gpu" or x.shape[0] * x.shape[1] != 1:
+    if target_platform() != "gpu" or x.shape[0] * x.shape[1] != 1:
         return x
     return jnp.broadcast_to(x, (ROW_COPIES,) + x.shape[1:])
 

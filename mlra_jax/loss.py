@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from mlra_jax.layers import einsum
+from mlra_jax.sharding import constrain_batch
 
 
 def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -68,7 +69,8 @@ def next_token_loss_and_head(hidden: jax.Array, embedding: jax.Array, targets: j
 
     def body(total: jax.Array, inputs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
         h, t = inputs
-        logits = einsum("btd,vd->btv", h.astype(dtype), embedding.astype(dtype), preferred_element_type=jnp.float32)
+        logits = constrain_batch(einsum("btd,vd->btv", h.astype(dtype), embedding.astype(dtype),
+                                        preferred_element_type=jnp.float32))
         return total + optax.softmax_cross_entropy_with_integer_labels(logits, t).sum(), None
 
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hidden_chunks, target_chunks))
@@ -87,7 +89,7 @@ def _loss_forward(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, d
         total, d_embedding = carry
         h, t = inputs
         h = h.astype(dtype)
-        logits = einsum("btd,vd->btv", h, compute_embedding, preferred_element_type=jnp.float32)
+        logits = constrain_batch(einsum("btd,vd->btv", h, compute_embedding, preferred_element_type=jnp.float32))
         log_norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
         picked = jnp.take_along_axis(logits, t[..., None], axis=-1)
         total = total + jnp.sum(log_norm - picked)

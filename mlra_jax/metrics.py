@@ -53,10 +53,14 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """
     params = flat_params(abstract_model(cfg))
     matmul_params = sum(math.prod(p.shape) for name, p in params.items() if not name.endswith("norm.scale"))
-    attn = attention_class(cfg.variant)
-    heads, qk_dim, v_dim = attn.core_shape(cfg)
-    per_layer = 2 * heads * (qk_dim + v_dim) * (seq_len + 1) / 2 + attn.extra_flops_per_token(cfg)
-    return 3 * (2 * matmul_params + cfg.n_layer * per_layer)
+    extra = attention_class(cfg.variant).extra_flops_per_token(cfg)
+    return 3 * (2 * matmul_params + cfg.n_layer * extra) + attention_flops_per_token(cfg, seq_len)
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """The attention core's share of training_flops_per_token (forward and backward, every layer)."""
+    heads, qk_dim, v_dim = attention_class(cfg.variant).core_shape(cfg)
+    return 3 * cfg.n_layer * 2 * heads * (qk_dim + v_dim) * (seq_len + 1) / 2
 
 
 def json_safe(values: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from mlra_jax.attention.fused import KERNEL_PRIMITIVES
 from mlra_jax.config import ModelConfig
 from mlra_jax.kv_cache import DecodeState, slot_mask
 from mlra_jax.layers import MLP, Embed, RMSNorm
+from mlra_jax.sharding import constrain_batch
 
 
 def _dots_and_attention(prim: Any, *args: Any, **params: Any) -> bool:
@@ -82,7 +83,7 @@ class Transformer(nnx.Module):
         """The final-normed hidden states [B, T, d] that the tied head turns into logits."""
         if positions is None:
             positions = default_positions(tokens)
-        x = self.embed(tokens)
+        x = constrain_batch(self.embed(tokens))
         x, _ = self.run_layers(x, lambda block, h, _: (block(h, positions, mask), None))
         return self.final_norm(x)
 
@@ -108,7 +109,8 @@ class Transformer(nnx.Module):
 
         def layer(h: jax.Array, inputs: Any) -> tuple[jax.Array, Any]:
             layer_state, layer_xs = inputs
-            return apply(nnx.merge(graphdef, layer_state), h, layer_xs)
+            h, ys = apply(nnx.merge(graphdef, layer_state), h, layer_xs)
+            return constrain_batch(h), ys
 
         if self.config.remat in REMAT_POLICIES:  # "auto" is resolved by the trainer (training.remat_choice)
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.config.remat])

@@ -97,6 +97,22 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
 
 
+def constrain_batch(x: jax.Array) -> jax.Array:
+    """x with its leading (batch) axis split over the data-parallel axes of the mesh in context and its other axes
+    whole on each device, where the batch divides; else x as it is. Activations need saying so: GSPMD would
+    otherwise follow the FSDP-sharded weights (the embedding's d over fsdp) and split d instead, leaving every
+    device with a slice of every sequence (on a v5p-64 FSDP mesh: 17 times the activation memory per chip)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    auto = {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+            if kind != AxisType.Manual}
+    axes = tuple(a for a in ("data", "fsdp") if auto.get(a, 1) > 1)
+    if not axes or x.shape[0] % math.prod(auto[a] for a in axes):
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(axes, *([None] * (x.ndim - 1))))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

@@ -3,6 +3,7 @@
     python -m mlra_jax.train --experiment=mlra4_tiny
     python -m mlra_jax.train --experiment=mlra4_2p9b --data.dataset=data/fineweb_edu --workdir=runs/mlra4
     python -m mlra_jax.train --experiment=mlra4_2p9b --dry_run      # config, parameters, mesh, memory; no training
+    python -m mlra_jax.train --experiment=mlra4_2p9b --compile_for=v5p-128   # fits a TPU slice? (needs libtpu)
 
 A run lives in --workdir (default runs/NAME; a local folder or gs://bucket/path):
 checkpoints/ (Orbax), metrics.jsonl, tensorboard/ and experiment.json. Running the same
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -41,6 +43,13 @@ def _parser() -> argparse.ArgumentParser:
                              "(simulate N CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     parser.add_argument("--compile", action="store_true", help="with --dry_run: also compile the train step and "
                         "report XLA's memory analysis (activations included)")
+    parser.add_argument("--compile_for", metavar="TPU_SLICE",
+                        help="compile the train step for a TPU slice (v5p-128, v5e-256, v6e-64, v4-32, or a chip grid "
+                             "such as v5p:4x4x4) on this machine, which needs no TPU, and report per-chip memory "
+                             "against HBM, the Mosaic kernels, XLA's cost analysis and a step-time estimate; nothing "
+                             "runs or is written; exit 2 when it does not fit. Needs libtpu: pip install 'jax[tpu]'")
+    parser.add_argument("--compile_report", metavar="FILE", type=Path,
+                        help="with --compile_for: also write the report as JSON to FILE")
     parser.add_argument("--allow_changed", default="", metavar="FIELD,...",
                         help="resume although these data-order or schedule settings differ from the run's "
                              "experiment.json (e.g. train.global_batch_size,train.total_steps); the run continues at "
@@ -79,8 +88,25 @@ def dry_run(experiment: Experiment, compile_step: bool) -> None:
                                                                 for k, v in analysis.items()))
 
 
+def compile_for(experiment: Experiment, slice_name: str, report_path: Path | None) -> int:
+    """--compile_for: the train step compiled for a TPU slice; 0 when it fits, 2 when it does not."""
+    from mlra_jax.tpu_compile import compile_train, not_fitting_advice
+    from mlra_jax.tpu_topology import parse_topology
+
+    report = compile_train(experiment, parse_topology(slice_name))
+    print(report.describe())
+    if report_path is not None:
+        report_path.write_text(json.dumps(report.to_json(), indent=1) + "\n")
+    if not report.fits:
+        print(f"error: {not_fitting_advice(report)}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = _parser().parse_known_args(argv)
+    if args.compile_for:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices; no accelerator is needed here
     apply_gpu_defaults()  # before JAX starts a backend
     configure_cli_logging()  # one handler, on stdout; orbax and grain stay at WARNING
     if args.distributed:
@@ -89,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         experiment = apply_overrides(get_experiment(args.experiment), overrides)
+        if args.compile_for:
+            return compile_for(experiment, args.compile_for, args.compile_report)
         if args.dry_run:
             dry_run(experiment, args.compile)
             return 0

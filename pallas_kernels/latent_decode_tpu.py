@@ -96,7 +96,7 @@ def latent_decode_tpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array,
                         pltpu.VMEM((h, r), jnp.float32)],
     )
     out, lse = pl.pallas_call(
-        kernel, grid_spec=grid_spec,
+        kernel, grid_spec=grid_spec, name="latent_decode_tpu",
         out_shape=[jax.ShapeDtypeStruct((b, n, splits, h, r), jnp.float32),
                    jax.ShapeDtypeStruct((b, n, splits, 1, h), jnp.float32)],
         compiler_params=pltpu.CompilerParams(

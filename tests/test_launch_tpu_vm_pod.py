@@ -20,6 +20,9 @@ import json, os, signal, subprocess, sys
 args = sys.argv[1:]
 with open(os.environ["FAKE_GCLOUD_LOG"], "a") as f:
     f.write(json.dumps(args) + "\\n")
+if args[:4] == ["compute", "tpus", "tpu-vm", "describe"]:
+    print(os.environ.get("FAKE_ACCELERATOR", ""))
+    sys.exit(0)
 if args[:3] != ["compute", "tpus", "tpu-vm"]:
     sys.exit(0)
 command = args[args.index("--command") + 1]
@@ -46,6 +49,7 @@ if [[ $1 == venv ]]; then
   cat > .venv/bin/python <<'EOF'
 #!/usr/bin/env bash
 [[ $1 == --version ]] && { echo "Python 3.12.9"; exit 0; }
+if [[ " $* " == *" --compile_for="* ]]; then echo "compiled with: $*"; exit "${FAKE_PREFLIGHT_EXIT:-0}"; fi
 echo "training with: $*"
 trap 'echo "SIGTERM: saving a checkpoint"; exit 0' TERM
 while :; do sleep 0.1; done
@@ -131,9 +135,22 @@ def test_create_setup_run_logs_stop_delete(pod):
         assert git(worker / "mlra_jax", "rev-parse", "HEAD") == git(checkout, "rev-parse", "HEAD")
         assert git(worker / "mlra_jax", "status", "--porcelain", "--untracked-files=no") == ""
 
+    # the pre-flight compile for the slice's type (from gcloud) on worker 0 refuses a run that does not fit
+    result = launcher(checkout, env, "run", "--experiment=mlra4_2p9b", FAKE_ACCELERATOR="v5p-16",
+                      FAKE_PREFLIGHT_EXIT="2")
+    assert result.returncode == 2 and "refused this run" in result.stderr and "nothing was started" in result.stderr
+    assert "compiled with: -m mlra_jax.train --compile_for=v5p-16 --experiment=mlra4_2p9b" in result.stdout
+    assert [c[3] for c in calls(env)] == ["describe", "ssh"]
+    assert not any((w / "mlra_jax_train.pid").exists() for w in workers)
+    result = launcher(checkout, env, "run", "--experiment=mlra4_2p9b", FAKE_ACCELERATOR="")
+    assert result.returncode == 2 and "set ACCELERATOR" in result.stderr
+    calls(env)
+
     start = time.time()
-    result = launcher(checkout, env, "run", "--experiment=mlra4_2p9b", "--workdir=/mnt/shared/runs/a b")
+    result = launcher(checkout, env, "run", "--experiment=mlra4_2p9b", "--workdir=/mnt/shared/runs/a b",
+                      ACCELERATOR="v5p-16")
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "compiled with: -m mlra_jax.train --compile_for=v5p-16 --experiment=mlra4_2p9b" in result.stdout
     assert time.time() - start < 30  # detached: the ssh session ends at once, training goes on
     calls(env)
     pids = [int((w / "mlra_jax_train.pid").read_text()) for w in workers]
@@ -143,7 +160,7 @@ def test_create_setup_run_logs_stop_delete(pod):
         assert os.getsid(pid) != os.getsid(0)  # in its own session: a hang-up does not reach it
         assert "training with: -m mlra_jax.train --distributed --experiment=mlra4_2p9b --workdir=/mnt/shared/runs/a b" \
             in (worker / "mlra_jax_train.log").read_text()
-    again = launcher(checkout, env, "run", "--experiment=mlra4_2p9b")
+    again = launcher(checkout, env, "run", "--experiment=mlra4_2p9b", PREFLIGHT="0")
     assert again.returncode != 0 and "already training" in again.stderr
     calls(env)
 

@@ -55,3 +55,41 @@ def test_flops_per_token_and_peak():
     core = lambda c: training_flops_per_token(c, 2048) - 6 * (2873220096 if c is mlra4 else 2872052736)
     assert core(mlra4) > 3 * core(mla)
     assert peak_flops(jax.devices("cpu")[0]) is None
+
+
+def test_activations_are_split_by_batch_not_by_the_fsdp_sharded_width():
+    """Under an FSDP mesh the embedding's d is split over fsdp; the layers' inputs and the loss's logits are
+    constrained to split the batch instead (each device whole sequences), where the batch divides."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mlra_jax.model import init_model
+    from mlra_jax.sharding import constrain_batch
+    from mlra_jax.training.step import loss_fn
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=4, tensor=1))
+    with jax.set_mesh(mesh):
+        specs = lambda f, x: [eqn.params["sharding"].spec for eqn in jax.make_jaxpr(f)(x).jaxpr.eqns
+                              if eqn.primitive.name == "sharding_constraint"]
+        assert specs(constrain_batch, jnp.zeros((8, 4, 2))) == [P(("data", "fsdp"), None, None)]
+        assert specs(constrain_batch, jnp.zeros((6, 4, 2))) == []  # 6 sequences do not split over 8 devices
+        experiment = micro_experiment("mlra4_tiny")
+        model = init_model(experiment.model)
+        graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        jaxpr = jax.make_jaxpr(lambda p: loss_fn(graphdef, p, jnp.zeros((8, 33), jnp.int32), 16))(params)
+
+    def constraints(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "sharding_constraint":
+                yield eqn.params["sharding"].spec, eqn.outvars[0].aval.shape
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns"):
+                    yield from constraints(inner)
+
+    found = list(constraints(jaxpr.jaxpr))
+    width, vocab = experiment.model.n_embd, experiment.model.vocab_size
+    assert (P(("data", "fsdp"), None, None), (8, 32, width)) in found  # the embedding's output, each layer's
+    assert (P(("data", "fsdp"), None, None), (8, 16, vocab)) in found  # one chunk's logits
+    x = jnp.zeros((8, 2))
+    assert constrain_batch(x) is x  # outside a mesh: as it is

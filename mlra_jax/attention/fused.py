@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from mlra_jax.platform import target_platform
+
 log = logging.getLogger(__name__)
 
 SPLASH_BLOCK = 512  # splash attention's q / kv tile (a divisor of the sequence; smaller tiles for short ones)
@@ -60,8 +62,8 @@ def _cudnn_module():
 
 def cudnn_problem(q: jax.Array, k: jax.Array, v: jax.Array) -> str | None:
     """Why cuDNN's flash attention cannot take this call, or None when it can."""
-    if jax.default_backend() != "gpu":
-        return f"cuDNN needs an NVIDIA GPU (the JAX backend is {jax.default_backend()!r})"
+    if target_platform() != "gpu":
+        return f"cuDNN needs an NVIDIA GPU (the JAX backend is {target_platform()!r})"
     if q.dtype not in _FUSED_DTYPES:
         return f"cuDNN flash attention takes bfloat16 or float16, not {q.dtype} (set model.compute_dtype=bfloat16)"
     if q.shape[1] != k.shape[1]:
@@ -139,7 +141,7 @@ def _splash_kernel(heads: int, length: int, is_mqa: bool, interpret: bool):
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float) -> jax.Array:
     """Causal splash attention (TPU; Pallas interpret mode on other backends)."""
-    interpret = jax.default_backend() != "tpu"
+    interpret = target_platform() != "tpu"
     if interpret:
         log_once("attention_impl='splash' runs in Pallas interpret mode: the JAX backend is not a TPU")
 
@@ -194,7 +196,7 @@ def choose(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, masked: bool) ->
             log_once("attention_impl='auto': attention under an explicit mask (padded or cached sequences) runs "
                      "on XLA")
             return None
-        for name in AUTO_ORDER.get(jax.default_backend(), ()):
+        for name in AUTO_ORDER.get(target_platform(), ()):
             problem = KERNELS[name][0](q, k, v)
             if problem is None:
                 _record(name, q, v)

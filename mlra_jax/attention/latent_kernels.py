@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from mlra_jax.attention.fused import BATCH_AXES, log_once
+from mlra_jax.platform import target_platform
 
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 KERNEL_CHUNK = 64  # the GPU kernel's tile width: RoPE and latent widths are multiples of it
@@ -36,7 +37,7 @@ def ranges_from_mask(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def kernel_for_backend() -> Callable[..., jax.Array]:
     """The kernel for the default backend (GPU: Mosaic GPU, TPU: Mosaic TPU)."""
-    backend = jax.default_backend()
+    backend = target_platform()
     if backend == "gpu":
         from mlra_jax.pallas_kernels.latent_decode_gpu import latent_decode_gpu
 
@@ -54,7 +55,7 @@ def kernel_problem(q_rope: jax.Array, latent: jax.Array) -> str | None:
     q_rope [B, T, N, H, Dr], latent [B, S, N, R]."""
     if q_rope.shape[1] != 1:
         return f"it decodes one token at a time, not {q_rope.shape[1]}"
-    backend = jax.default_backend()
+    backend = target_platform()
     if backend == "tpu":
         return None
     if backend != "gpu":

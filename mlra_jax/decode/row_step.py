@@ -28,6 +28,7 @@ from mlra_jax.layers import RMSNorm
 from mlra_jax.model import Block
 from mlra_jax.pallas_kernels.latent_rows_gpu import LatentEntry, check_latent_shapes, latent_output, latent_queries
 from mlra_jax.pallas_kernels.row_products_gpu import matvec_add, norm_matvec, swiglu_norm_matvec
+from mlra_jax.platform import target_platform
 
 ROW_KERNEL_MODES = ("auto", "on", "off", "interpret")
 
@@ -36,9 +37,9 @@ def row_kernels_problem(cfg: ModelConfig, mesh: jax.sharding.Mesh | None, interp
     """Why the row kernels cannot run this model's batch-1 decode steps, or None when they can."""
     if mesh is not None:
         return "they run on a single device (a mesh splits the weights)"
-    if not interpret and (jax.default_backend() != "gpu"
+    if not interpret and (target_platform() != "gpu"
                           or "rocm" in getattr(jax.devices()[0].client, "platform_version", "").lower()):
-        return f"the Pallas Triton kernels run on NVIDIA GPUs; the backend is {jax.default_backend()!r}"
+        return f"the Pallas Triton kernels run on NVIDIA GPUs; the backend is {target_platform()!r}"
     if cfg.n_embd % 16:  # the MLP's width is padded to a multiple of 128 (serving.padded_mlp)
         return f"d={cfg.n_embd} must be a multiple of 16"
     if cfg.spec.latent_layout:

@@ -44,6 +44,7 @@ from mlra_jax.kv_cache import SLOT_MULTIPLE, LayerCaches, init_layer_caches, lay
 from mlra_jax.layers import einsum
 from mlra_jax.model import Transformer
 from mlra_jax.params import compute_params
+from mlra_jax.platform import target_platform
 
 MIN_BUCKET = 256  # the smallest cache capacity (slots)
 # XLA options of serving calls on GPUs (training keeps XLA's defaults). DotMerger turns dots that share an
@@ -64,7 +65,7 @@ PREFILL_CHUNK = 512  # prompt tokens per prefill call
 def serving_compiler_options(rows: int) -> dict[str, Any] | None:
     """The XLA options of a serving call of `rows` tokens (batch x tokens per sequence) on this backend:
     on GPUs SERVING_COMPILER_OPTIONS, with Triton GEMMs off above TRITON_GEMM_ROWS rows."""
-    if jax.default_backend() != "gpu":
+    if target_platform() != "gpu":
         return None
     return SERVING_COMPILER_OPTIONS | ({"xla_gpu_enable_triton_gemm": False} if rows > TRITON_GEMM_ROWS else {})
 
@@ -244,7 +245,7 @@ def use_row_kernels(mode: str, cfg: ModelConfig, mesh: jax.sharding.Mesh | None)
     if problem is not None and mode != "auto":
         raise ValueError(f"row_kernels={mode!r}: the row kernels cannot serve this model: {problem}; use "
                          f"row_kernels='auto' or 'off'")
-    if problem is not None and jax.default_backend() == "gpu":
+    if problem is not None and target_platform() == "gpu":
         log_once(f"row_kernels='auto': batch-1 decode steps run on XLA ({problem})")
     return problem is None
 
@@ -273,7 +274,9 @@ def padded_mlp(mlp: dict[str, jax.Array], multiple: int = MLP_MULTIPLE) -> dict[
 
     def pad(a: jax.Array, axis: int) -> jax.Array:
         padded = jnp.pad(a, [(0, extra if i == axis % a.ndim else 0) for i in range(a.ndim)])
-        return jax.device_put(padded, a.sharding) if isinstance(a.sharding, jax.sharding.NamedSharding) else padded
+        if isinstance(a, jax.core.Tracer) or not isinstance(a.sharding, jax.sharding.NamedSharding):
+            return padded  # traced (tpu_compile): GSPMD places it; unsharded: where it is
+        return jax.device_put(padded, a.sharding)
 
     return {**mlp, "gate_proj": pad(mlp["gate_proj"], -1), "up_proj": pad(mlp["up_proj"], -1),
             "down_proj": pad(mlp["down_proj"], -2)}

@@ -28,6 +28,7 @@ from flax import nnx
 from mlra_jax.config import Experiment, ModelConfig
 from mlra_jax.model import REMAT_POLICIES, Block, default_positions
 from mlra_jax.params import compute_params
+from mlra_jax.tpu_topology import chip_for_device
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +97,16 @@ def step_bytes(experiment: Experiment, fixed_bytes: int, batch: int, remat: str)
 
 
 def device_memory(device: jax.Device) -> int | None:
-    """The bytes the device's allocator may use, or None where it reports no limit (CPU)."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    return (stats or {}).get("bytes_limit")
+    """The bytes the device's allocator may use; a TPU compiled for ahead of time (no allocator here) its chip's
+    HBM; None where neither is known (CPU)."""
+    try:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    except jax.errors.JaxRuntimeError:  # a compile-only device (tpu_topology)
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return stats["bytes_limit"]
+    chip = chip_for_device(device)
+    return chip.hbm_bytes if chip is not None else None
 
 
 def choose_remat(experiment: Experiment, fixed_bytes: int, batch: int, memory: int | None) -> tuple[str, str]:
