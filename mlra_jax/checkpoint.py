@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
 from mlra_jax.config import CheckpointConfig
+from mlra_jax.guards import error_summary
 from mlra_jax.paths import as_path
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,13 @@ class Checkpointer:
                                                                       metadata=ocp.args.JsonRestore()))
         return step, restored["state"], restored["metadata"]
 
-    def restore_latest(self, abstract_state: Any, required_metadata: tuple[str, ...] = ()
-                       ) -> tuple[int, Any, dict[str, Any]] | None:
+    def restore_latest(self, abstract_state: Any, required_metadata: tuple[str, ...] = (),
+                       validate: Callable[[int, Any], None] | None = None) -> tuple[int, Any, dict[str, Any]] | None:
         """(step, state, metadata) of the newest checkpoint that restores, or None if there is none.
 
         `abstract_state` holds jax.ShapeDtypeStructs with the target shardings; metadata that lacks a key
-        of `required_metadata` fails the step like unreadable bytes. Newer steps that fail
+        of `required_metadata`, or a state that `validate(step, state)` raises on (weights that are not
+        finite), fails the step like unreadable bytes. Newer steps that fail
         are set aside (renamed `STEP.damaged`) only once an older one restores, which shows the fault is
         theirs; a read-only checkpointer only skips them. When every step fails (a changed model, an
         unreadable folder, too little memory) nothing is touched and CheckpointError says why."""
@@ -77,19 +79,21 @@ class Checkpointer:
                 missing = [k for k in required_metadata if not isinstance(restored[2], dict) or k not in restored[2]]
                 if missing:
                     raise ValueError(f"its metadata lacks {', '.join(missing)}")
+                if validate is not None:
+                    validate(step, restored[1])
             except Exception as err:  # noqa: BLE001 - judged below, once an older step restores or none does
                 failures.append((step, err))
                 continue
             for failed, err in failures:
                 what = "skipped it" if self.read_only else f"moved it to {self._set_aside(failed)}"
-                log.warning("checkpoint %s/%d is incomplete or damaged (%s: %s); %s and restored step %d",
-                            self.directory, failed, type(err).__name__, str(err).splitlines()[0][:200], what, step)
+                log.warning("checkpoint %s/%d is incomplete or damaged (%s); %s and restored step %d",
+                            self.directory, failed, error_summary(err, 200), what, step)
             return restored
         if failures:
             step, err = failures[0]
             raise CheckpointError(
                 f"none of the {len(failures)} checkpoints in {self.directory} restores; the newest, step {step}, "
-                f"fails with {type(err).__name__}: {str(err).splitlines()[0][:300]}. Nothing was changed. If the "
+                f"fails with {error_summary(err, 300)}. Nothing was changed. If the "
                 f"model or mesh changed, run with the configuration the checkpoints were saved with; to start over, "
                 f"use another --workdir")
         return None

@@ -7,7 +7,6 @@ an error names the field and the values it accepts.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import types
 import typing
@@ -119,18 +118,3 @@ def fields_help() -> str:
             default = "(required)" if f.default is dataclasses.MISSING else repr(f.default)
             lines.append(f"  --{section}.{f.name}={_allowed(hints[f.name], f)}  default {default}")
     return "\n".join(lines)
-
-
-def disk_full(err: BaseException) -> OSError | None:
-    """The out-of-space OSError behind `err` (libraries such as Orbax wrap their writer threads' errors)."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [err]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and (e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e)):
-            return e
-        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
-    return None

@@ -19,6 +19,12 @@ file it names loads. from-reference reads a `.pt`/`.bin` state dict, a `.safeten
 either (sharded with its index or not), with `torch.load(weights_only=True)` or safetensors, finds the variant
 from config.json and the tensor names, and writes a run directory (experiment.json and an Orbax checkpoint at
 step 0) that `generate` reads and `train --init_from` starts from. Errors exit with status 2 and leave no output.
+
+Every output is complete or absent: it is written into a hidden `.OUT.partial-HOST-PID-XXXXXXXX` folder beside
+--out (named after its writer), checked (an HF folder: config, code, every weight file and the tokenizer), given
+the modes that the umask gives a plain mkdir and open(), flushed to disk and renamed to --out at the end. A
+convert that was killed leaves its partial folder; the next convert into the same --out removes those whose
+writer is no longer running. --out is never an input, a run's own file, or a folder that exists.
 """
 
 from __future__ import annotations
@@ -27,36 +33,104 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
+import re
+import secrets
 import shutil
+import socket
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 
-from mlra_jax.checkpoint import CheckpointError, Checkpointer
+from mlra_jax.checkpoint import Checkpointer
+from mlra_jax.command import command
 from mlra_jax.config import CheckpointConfig, ConfigError, Experiment, ModelConfig, TrainConfig
 from mlra_jax.generate import load_model
+from mlra_jax.guards import InputError, check_output_path, error_summary, follow_umask
 from mlra_jax.interop import StateDictError, from_state_dict, model_state_dict
 from mlra_jax.interop.detect import detect_config
-from mlra_jax.interop.files import ReferenceFileError, parse_size, read_reference, write_reference
-from mlra_jax.interop.hf_folder import DTYPES, check_repo_id, push_folder, write_hf_folder
+from mlra_jax.interop.files import parse_size, read_reference, write_reference
+from mlra_jax.interop.hf_folder import DTYPES, check_hf_folder, check_repo_id, push_folder, write_hf_folder
 from mlra_jax.interop.reference_config import reference_config
 from mlra_jax.params import unflatten
 from mlra_jax.training.state import build_setup, state_from_params
 
-ERRORS = (ConfigError, CheckpointError, StateDictError, ReferenceFileError)
+# .OUT.partial-HOST-PID-XXXXXXXX after the prefix: the host and process that write it
+_PARTIAL = re.compile(r"(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}")
 
 
-def _fresh_output(out: Path, write: Callable[[Path], Any]) -> Any:
-    """Run `write` on a temporary folder beside `out`, then rename it to `out`: a failure leaves nothing."""
+def _check_new_output(out: Path, inputs: Sequence[Path | str] = (), run_dirs: Sequence[Path | str] = ()) -> None:
+    """Before any work: --out is a folder to make, neither an input nor a run's own files, whose parent takes it."""
+    check_output_path(out, inputs, run_dirs, kind="folder", make_folder=False)  # made once the output is written
     if out.exists():
         raise ConfigError(f"{out} exists; choose another --out (nothing is overwritten)")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_partials(out: Path) -> list[Path]:
+    """Remove the partial folders of `out` that a convert on this host left when it was killed (its process is
+    gone), saying so; name those whose writer cannot be told (another host's, or of a version that did not record
+    it). The folders removed."""
+    prefix, host = f".{out.name}.partial-", socket.gethostname()
+    if not out.parent.is_dir():
+        return []
+    removed, unknown = [], []
+    for folder in sorted(p for p in out.parent.iterdir() if p.name.startswith(prefix) and p.is_dir()):
+        writer = _PARTIAL.fullmatch(folder.name[len(prefix):])
+        if writer is not None and writer["host"] == host:
+            if not _running(int(writer["pid"])):
+                shutil.rmtree(folder)
+                removed.append(folder)
+                print(f"removed {folder}: the unfinished output of a convert (pid {writer['pid']}) that is no longer "
+                      f"running")
+        else:
+            unknown.append(f"{folder} (" + (f"host {writer['host']}, pid {writer['pid']})" if writer else
+                                            "no writer recorded)"))
+    if unknown:
+        print(f"note: {'; '.join(unknown)}: unfinished output{'s' if len(unknown) > 1 else ''} of a convert into {out} "
+              f"that may still be running; remove {'them' if len(unknown) > 1 else 'it'} once it is not")
+    return removed
+
+
+def _flush(folder: Path) -> None:
+    """Every file and folder under `folder` on disk (before the rename that publishes it)."""
+    for root, _, files in os.walk(folder):
+        for path in [*(os.path.join(root, name) for name in files), root]:
+            descriptor = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+
+
+def _fresh_output(out: Path, write: Callable[[Path], Any], check: Callable[[Path], None] | None = None) -> Any:
+    """Run `write` on a new folder beside `out` named after this host and process, `check` what it wrote, give it
+    the umask's modes, flush it and rename it to `out`: a failure leaves nothing, a kill a folder that the next
+    convert into `out` removes (remove_stale_partials)."""
+    remove_stale_partials(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    tmp = out.parent / f".{out.name}.partial-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()  # as mkdir makes folders (tempfile.mkdtemp's are 0700: no colleague could read the output)
     try:
         result = write(tmp)
+        if check is not None:
+            check(tmp)
+        follow_umask(tmp)
+        _flush(tmp)
+        if out.exists():
+            raise InputError(f"{out} was made by another process while this convert wrote it; nothing was "
+                             f"overwritten, choose another --out")
         tmp.rename(out)
         return result
     finally:
@@ -69,6 +143,7 @@ def to_reference(checkpoint: str, out: Path, step: int | None = None, shard_size
         limit = parse_size(shard_size)
     except ValueError as err:
         raise ConfigError(f"--shard_size: {err}") from None
+    _check_new_output(out, run_dirs=[checkpoint])
     model, step = load_model(checkpoint, step)
     fields, reference_model = reference_config(model.config)
     config = {"architectures": ["GPT"], "model_type": "gpt2", **fields, "bias": False, "dropout": 0.0,
@@ -93,21 +168,21 @@ def to_hf(checkpoint: str, out: Path, step: int | None = None, dtype: str = "flo
         raise ConfigError(f"--shard_size: {err}") from None
     if push is not None:
         check_repo_id(push)
-    if out.exists():
-        raise ConfigError(f"{out} exists; choose another --out (nothing is overwritten)")
+    _check_new_output(out, run_dirs=[checkpoint])
     model, step = load_model(checkpoint, step)
     state_dict = model_state_dict(model)
     source = {"variant": model.config.variant, "source": str(checkpoint), "step": step}
-    files = _fresh_output(out, lambda tmp: write_hf_folder(state_dict, model.config, tmp, dtype, limit, source))
+    files = _fresh_output(out, lambda tmp: write_hf_folder(state_dict, model.config, tmp, dtype, limit, source),
+                          check=lambda tmp: check_hf_folder(tmp, "the export"))
     print(f"wrote {', '.join(files)} to {out} (step {step} of {checkpoint}, {DTYPES[dtype]})")
     print(f"load it with transformers: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
     if push is not None:
         try:
             print(f"uploaded to {push_folder(out, push)}")
         except Exception as err:  # noqa: BLE001 - the Hub client raises its own and the HTTP library's errors
-            raise ConfigError(f"{out} is written, but uploading it to {push} failed ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0][:300] if str(err) else ''}); log in (hf auth login, or set "
-                              f"HF_TOKEN) and upload it with: hf upload {push} {out}") from None
+            raise ConfigError(f"{out} is written, but uploading it to {push} failed ({error_summary(err, 300)}); "
+                              f"log in (hf auth login, or set HF_TOKEN) and upload it with: hf upload {push} {out}"
+                              ) from None
     return files
 
 
@@ -132,15 +207,17 @@ def imported_experiment(cfg: ModelConfig, name: str, source: str) -> Experiment:
 
 def from_reference(src: Path, out: Path, variant: str | None = None) -> ModelConfig:
     """Write the run directory `out` from an official checkpoint file or folder; the model config found."""
-    if out.exists():
-        raise ConfigError(f"{out} exists; choose another --out (nothing is overwritten)")
+    _check_new_output(out, inputs=[src])
     tensors, config = read_reference(src)
     if config is None:
         raise ConfigError(f"{src} has no config.json beside its weights; the sizes (n_head, ranks, ...) come from "
                           f"it: put the official config.json of the checkpoint there")
     shapes = {k: tuple(t.shape) for k, t in tensors.items()}
-    cfg = detect_config(shapes, config, config.get("reference_model"), variant)
-    flat = from_state_dict(tensors, cfg)  # validated completely before anything is written
+    try:
+        cfg = detect_config(shapes, config, config.get("reference_model"), variant)
+        flat = from_state_dict(tensors, cfg)  # validated completely before anything is written
+    except (ConfigError, StateDictError) as err:  # named with the checkpoint they are about
+        raise type(err)(f"{src}: {err}") from None
     del tensors
     experiment = imported_experiment(cfg, out.name, str(src))
     _fresh_output(out, lambda tmp: write_run(tmp, experiment, flat, str(src)))
@@ -179,19 +256,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    try:
-        if args.command == "to-hf":
-            to_hf(args.checkpoint, args.out, args.step, args.dtype, args.shard_size, args.push)
-        elif args.command == "to-reference":
-            to_reference(args.checkpoint, args.out, args.step, args.shard_size)
-        else:
-            from_reference(args.src, args.out, args.variant)
-    except ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    if args.command == "to-hf":
+        to_hf(args.checkpoint, args.out, args.step, args.dtype, args.shard_size, args.push)
+    elif args.command == "to-reference":
+        to_reference(args.checkpoint, args.out, args.step, args.shard_size)
+    else:
+        from_reference(args.src, args.out, args.variant)
     return 0
 
 

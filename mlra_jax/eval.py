@@ -6,14 +6,18 @@
 
 ppl: loss and perplexity per set and their average, as the official eval_ppl.py computes them (see
 mlra_jax/perplexity.py for the windows): a table on stdout and JSON in RUN/eval/ppl_step{N}.json
-(--out to write elsewhere). Data-parallel over the local devices, and over several hosts with
---distributed (launch/local.sh rehearses it: each process reads its rows of every batch); any run
-directory works, including one made from imported weights.
+(--out to write elsewhere; a number that is not finite is written as null). Token ids are checked
+against the model's vocabulary, as training checks its shards. Data-parallel over the local devices, and
+over several hosts with --distributed (launch/local.sh rehearses it: each process reads its rows of every
+batch); any run directory works, including one made from imported weights.
 
 lm-eval: the tasks through lm-evaluation-harness (mlra_jax/lm_eval_model.py; the `eval` extra), its
 table on stdout and its results JSON in RUN/eval/lm_eval_step{N}.json (or --out). `--tasks paper`
 runs the paper's seven zero-shot tasks and prints them in the paper's table layout. Datasets come
 through lm-eval's usual download (the Hugging Face Hub and its cache).
+
+An --out never replaces an input or a run's own files (experiment.json, metrics.jsonl, checkpoints/, ...);
+a result that replaces an earlier one says so. Bad input exits 2 with one line (mlra_jax/command.py).
 """
 
 from __future__ import annotations
@@ -23,16 +27,17 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
 import jax
 
-from mlra_jax.checkpoint import CheckpointError
+from mlra_jax.command import command
 from mlra_jax.config import ConfigError, MeshConfig
-from mlra_jax.data.shards import DataError
 from mlra_jax.distributed import add_arguments as add_distributed_arguments, data_parallel_devices, initialize
 from mlra_jax.generate import load_model
+from mlra_jax.guards import atomic_write_text, check_output_path, without_non_finite
 from mlra_jax.paths import as_path
 from mlra_jax.perplexity import batch_losses, evaluate_set
 from mlra_jax.sharding import make_mesh
@@ -61,8 +66,8 @@ def _tokens(text: str) -> int:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens (for example 1e8)") from None
-    if value < 1 or value != int(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens >= 1")
+    if not math.isfinite(value) or value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens >= 1 (for example 1e8)")
     return int(value)
 
 
@@ -100,17 +105,40 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _output(args: argparse.Namespace, default: str) -> tuple[Path, bool]:
+    """(--out, else RUN/eval/`default`; whether it replaces an earlier result), checked before any evaluation: never
+    an input (the --data files) nor one of the run's own files, in a folder that takes it."""
+    out = as_path(args.out) if args.out else as_path(args.checkpoint) / "eval" / default
+    inputs = [path for _, path in getattr(args, "data", None) or []]
+    return out, check_output_path(out, inputs=inputs, run_dirs=[args.checkpoint], make_folder=False)
+
+
+def _write_results(out: Path, results: dict, replaced: bool, **dumps) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)  # (RUN/eval): made once there is a result to keep
+    atomic_write_text(out, json.dumps(without_non_finite(results), allow_nan=False, **dumps))
+    print(f"results: {out}{' (replaced the earlier result)' if replaced else ''}")
+
+
 def ppl(args: argparse.Namespace) -> int:
     if args.seq_len < 1 or args.batch_size < 1:
         raise ConfigError("--seq_len and --batch_size must be at least 1")
+    if args.tokens < args.seq_len * args.batch_size:
+        raise ConfigError(f"--tokens {args.tokens} is fewer than one batch of --batch_size {args.batch_size} windows "
+                          f"of --seq_len {args.seq_len} tokens ({args.seq_len * args.batch_size}); raise --tokens")
     try:
         devices = data_parallel_devices(args.batch_size)
     except ValueError as err:
         raise ConfigError(f"--batch_size: {err}") from None
+    if args.out:
+        _output(args, "")  # an explicit --out is checked before the model loads
     model, step = load_model(args.checkpoint, args.step, args.dtype)
+    if args.seq_len > model.config.max_seq_len:
+        raise ConfigError(f"--seq_len {args.seq_len} exceeds the model's max_seq_len {model.config.max_seq_len}; give "
+                          f"--seq_len from 1 to {model.config.max_seq_len} (training refuses the same)")
+    out, replaced = _output(args, f"ppl_step{step}.json")
     mesh = make_mesh(MeshConfig(data=len(devices)), devices)
     evaluate = batch_losses(model, mesh)
-    results = [evaluate_set(name, path, evaluate, args.seq_len, args.tokens, args.batch_size)
+    results = [evaluate_set(name, path, evaluate, args.seq_len, args.tokens, args.batch_size, model.config.vocab_size)
                for name, path in args.data]
     if jax.process_index() > 0:  # process 0 reports
         return 0
@@ -120,13 +148,9 @@ def ppl(args: argparse.Namespace) -> int:
     for r in results:
         print(f"{r.name:{width}}  {r.loss:8.4f}  {r.perplexity:10.3f}  {r.tokens:14,}")
     print(f"{'average':{width}}  {average:8.4f}")
-    out = as_path(args.out) if args.out else as_path(args.checkpoint) / "eval" / f"ppl_step{step}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"checkpoint": str(as_path(args.checkpoint)), "step": step,
-                               "seq_len": args.seq_len, "batch_size": args.batch_size,
-                               "dtype": args.dtype or model.config.compute_dtype, "average_loss": average,
-                               "sets": [dataclasses.asdict(r) for r in results]}, indent=1))
-    print(f"results: {out}")
+    _write_results(out, {"checkpoint": str(as_path(args.checkpoint)), "step": step, "seq_len": args.seq_len,
+                         "batch_size": args.batch_size, "dtype": args.dtype or model.config.compute_dtype,
+                         "average_loss": average, "sets": [dataclasses.asdict(r) for r in results]}, replaced, indent=1)
     return 0
 
 
@@ -138,7 +162,18 @@ def task_manager(include_path: str | None):
     return TaskManager(include_path=include_path)
 
 
+def _check_lm_eval_arguments(args: argparse.Namespace) -> None:
+    """The ranges of lm-eval's numbers, before anything loads (max_length's upper end, the model's max_seq_len, is
+    checked by MlraLM)."""
+    for option, value, low in (("--batch_size", args.batch_size, 1), ("--num_fewshot", args.num_fewshot, 0),
+                               ("--max_length", args.max_length, 1), ("--max_gen_toks", args.max_gen_toks, 1)):
+        if value is not None and value < low:
+            raise ConfigError(f"{option} {value} is out of range: give an integer >= {low}"
+                              f"{' (and at most the model max_seq_len)' if option == '--max_length' else ''}")
+
+
 def lm_eval_command(args: argparse.Namespace) -> int:
+    _check_lm_eval_arguments(args)
     try:
         import lm_eval
         from lm_eval.utils import handle_non_serializable, make_table
@@ -150,14 +185,15 @@ def lm_eval_command(args: argparse.Namespace) -> int:
         raise ConfigError("lm-eval runs in one process (on all its local devices); run it without --distributed")
     if args.include_path and not Path(args.include_path).is_dir():
         raise ConfigError(f"--include_path {args.include_path} is not a folder of task YAML files")
+    if args.out:
+        _output(args, "")  # an explicit --out is checked before the tasks and the model load
     names = task_names(args.tasks)
     manager = task_manager(args.include_path)
     check_known(names, manager.all_tasks, lambda name: manager.match_tasks([name]))
     model, step = load_model(args.checkpoint, args.step, args.dtype)
     lm = MlraLM(model, batch_size=args.batch_size, max_length=args.max_length, max_gen_toks=args.max_gen_toks,
                 checkpoint=str(as_path(args.checkpoint)), step=step)
-    out = (as_path(args.out) if args.out else
-           as_path(args.checkpoint) / "eval" / f"lm_eval_step{step}.json")
+    out, replaced = _output(args, f"lm_eval_step{step}.json")
     results = lm_eval.simple_evaluate(model=lm, tasks=names, num_fewshot=args.num_fewshot, limit=args.limit,
                                       batch_size=args.batch_size, task_manager=manager, log_samples=False)
     print(make_table(results))
@@ -166,22 +202,19 @@ def lm_eval_command(args: argparse.Namespace) -> int:
     table = paper_table(results, f"{lm.model.config.spec.display_name} (step {step})")
     if table:
         print(table)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
-    print(f"results: {out}")
+    # through JSON once (lm-eval's own serializer for its objects), then with NaN as null
+    _write_results(out, json.loads(json.dumps(results, default=handle_non_serializable)), replaced, indent=2,
+                   ensure_ascii=False)
     return 0
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.distributed:
         initialize(args.coordinator, args.num_processes, args.process_id)
-    try:
-        return ppl(args) if args.command == "ppl" else lm_eval_command(args)
-    except (ConfigError, DataError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return ppl(args) if args.command == "ppl" else lm_eval_command(args)
 
 
 if __name__ == "__main__":

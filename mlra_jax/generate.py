@@ -5,7 +5,8 @@
 
 --checkpoint is a run directory (experiment.json and checkpoints/); the newest
 complete checkpoint is used unless --step names one. Prompts are batched with left
-padding; decoding stops at <|endoftext|> or after --max_new_tokens.
+padding; decoding stops at <|endoftext|> or after --max_new_tokens. Bad input exits 2 with one line
+(mlra_jax/command.py).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from flax import nnx
 
 from mlra_jax.checkpoint import CheckpointError, Checkpointer
 from mlra_jax.cli import experiment_from_dict, read_run_config
+from mlra_jax.command import command
 from mlra_jax.config import CheckpointConfig, ConfigError
 from mlra_jax.data.tokenizer import EOT, gpt2_tokenizer
 from mlra_jax.decode.generator import GenerationError, Generator, Sampling
+from mlra_jax.guards import check_finite, error_summary
 from mlra_jax.model import Transformer, abstract_model
 from mlra_jax.paths import as_path
 
@@ -51,8 +54,10 @@ def load_model(run_dir: str | os.PathLike, step: int | None = None,
     abstract = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                                        nnx.to_pure_dict(nnx.state(model, nnx.Param)))}
     checkpointer = Checkpointer(run_dir / "checkpoints", CheckpointConfig(), read_only=True)
-    if step is not None and step not in checkpointer.steps():
-        raise ConfigError(f"no checkpoint at step {step} in {checkpointer.directory} (steps: {checkpointer.steps()})")
+    steps = checkpointer.steps()
+    if step is not None and step not in steps:
+        checkpointer.close()
+        raise ConfigError(f"no checkpoint at step {step} in {checkpointer.directory} (steps: {steps})")
     try:
         restored = (checkpointer.restore_latest(abstract) if step is None else
                     checkpointer.restore_step(step, abstract))
@@ -60,14 +65,19 @@ def load_model(run_dir: str | os.PathLike, step: int | None = None,
         raise
     except Exception as err:  # noqa: BLE001 - any failure of the named step, reported without a traceback
         raise CheckpointError(f"checkpoint {checkpointer.directory / str(step)} does not restore "
-                              f"({type(err).__name__}: {str(err).splitlines()[0][:300]}); nothing was changed") from err
+                              f"({error_summary(err, 300)}); nothing was changed") from err
     finally:
         checkpointer.close()
     if restored is None:
         raise ConfigError(f"{run_dir / 'checkpoints'} holds no complete checkpoint")
+    earlier = [s for s in steps if s < restored[0]]
+    check_finite(restored[1]["params"], f"checkpoint {checkpointer.directory / str(restored[0])} (step {restored[0]})",
+                 fix=(f"pass --step with an earlier checkpoint ({', '.join(map(str, earlier))})" if earlier else
+                      "the run has no earlier checkpoint; train it again from its last good weights"))
     return nnx.merge(graphdef, restored[1]["params"]), restored[0]
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlra_jax.generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,22 +89,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top_k", type=int, default=0)
     parser.add_argument("--top_p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max_len", type=int, help="cache length (default: the model's max_seq_len)")
+    parser.add_argument("--max_len", type=int,
+                        help="cache length: the prompt and the new tokens (1 to the model's max_seq_len, the default)")
     parser.add_argument("--json", action="store_true", help="print JSON records")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    try:
-        model, step = load_model(args.checkpoint, args.step)
-        tokenizer = gpt2_tokenizer()
-        prompts = [[EOT, *tokenizer.encode_ordinary(p)] for p in args.prompt]
-        sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
-        generator = Generator(model, args.max_len or model.config.max_seq_len, keep_model=False)
-        del model  # generate reads the serving copy (cast to the compute dtype): the float32 weights are freed
-        outputs = generator.generate(prompts, sampling)
-    except (ConfigError, GenerationError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, seed=args.seed)  # checked before the model loads
+    if args.max_len is not None and args.max_len < 1:
+        raise GenerationError(f"--max_len {args.max_len} is out of range: give 1 to the model's max_seq_len")
+    model, step = load_model(args.checkpoint, args.step)
+    max_len = model.config.max_seq_len if args.max_len is None else args.max_len
+    if max_len > model.config.max_seq_len:
+        raise GenerationError(f"--max_len {max_len} exceeds the model's max_seq_len {model.config.max_seq_len} (the "
+                              f"longest context it was built for); give --max_len from 1 to {model.config.max_seq_len}")
+    tokenizer = gpt2_tokenizer()
+    prompts = [[EOT, *tokenizer.encode_ordinary(p)] for p in args.prompt]
+    generator = Generator(model, max_len, keep_model=False)
+    del model  # generate reads the serving copy (cast to the compute dtype): the float32 weights are freed
+    outputs = generator.generate(prompts, sampling)
     for prompt, tokens in zip(args.prompt, outputs):
         text = tokenizer.decode([t for t in tokens if t != EOT])
         print(json.dumps({"prompt": prompt, "completion": text, "tokens": tokens, "step": step})

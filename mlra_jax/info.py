@@ -13,7 +13,8 @@ import sys
 from typing import Any
 
 from mlra_jax.cache_accounting import cache_report
-from mlra_jax.config import ConfigError, Experiment, ModelConfig
+from mlra_jax.command import command
+from mlra_jax.config import Experiment, ModelConfig
 from mlra_jax.experiments import all_experiments, get_experiment
 from mlra_jax.experiments.paper_tables import TABLE_VARIANTS, TP_DEGREES, analysis_config
 from mlra_jax.model import abstract_model, count_params
@@ -77,6 +78,7 @@ def paper_tables() -> str:
     return header + "\n" + "\n".join(rows)
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlra_jax.info", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,11 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.paper_tables:
         print(paper_tables())
         return 0
-    try:
-        experiment = get_experiment(args.experiment)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    experiment = get_experiment(args.experiment)  # an unknown name: exit 2 naming the experiments (command.py)
     info = describe(experiment)
     if args.measure:
         from mlra_jax.kv_cache import measured_kv_bytes_per_token

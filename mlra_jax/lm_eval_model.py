@@ -52,11 +52,12 @@ class MlraLM(TemplateLM):
             raise ConfigError("batch_size=auto is not supported; give a number of sequences (default 32)")
         self.checkpoint, self.step = checkpoint, step
         self.model, self.batch_size, self.seed = model, int(batch_size), int(seed)
-        self._max_length = int(max_length or model.config.max_seq_len)
+        self._max_length = int(max_length if max_length not in (None, "") else model.config.max_seq_len)
         self.max_gen_toks = int(max_gen_toks)
-        if self.batch_size < 1 or not 1 <= self._max_length <= model.config.max_seq_len:
-            raise ConfigError(f"batch_size={self.batch_size} must be >= 1 and max_length={self._max_length} in "
-                              f"[1, {model.config.max_seq_len}] (the model's max_seq_len)")
+        if self.batch_size < 1 or not 1 <= self._max_length <= model.config.max_seq_len or self.max_gen_toks < 1:
+            raise ConfigError(f"batch_size={self.batch_size} must be >= 1, max_length={self._max_length} in "
+                              f"[1, {model.config.max_seq_len}] (the model's max_seq_len) and max_gen_toks="
+                              f"{self.max_gen_toks} >= 1")
         self.tokenizer = gpt2_tokenizer()
         devices = jax.local_devices()
         data_parallel = max(d for d in range(1, len(devices) + 1)

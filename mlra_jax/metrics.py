@@ -12,6 +12,7 @@ import jax
 
 from mlra_jax.attention import attention_class
 from mlra_jax.config import ModelConfig
+from mlra_jax.guards import atomic_write_text
 from mlra_jax.model import abstract_model
 from mlra_jax.params import flat_params
 from mlra_jax.paths import as_path, is_remote
@@ -110,7 +111,8 @@ class MetricWriter:
         if not self.enabled or not self.jsonl_path.exists():
             return
         kept = []
-        for number, line in enumerate(self.jsonl_path.read_text().splitlines(), 1):
+        text = self.jsonl_path.read_bytes().decode("utf-8", errors="replace")  # bytes that are not text: dropped
+        for number, line in enumerate(text.splitlines(), 1):
             try:
                 record = json.loads(line)
                 keep = record["step"] <= step
@@ -125,7 +127,7 @@ class MetricWriter:
             self._remote_jsonl().replace_content(content.encode())
             self._remote_jsonl().flush(force=True)
         else:
-            self.jsonl_path.write_text(content)
+            atomic_write_text(self.jsonl_path, content)  # a kill here leaves the old file or the new, whole
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:

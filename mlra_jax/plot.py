@@ -6,7 +6,8 @@
 One figure: training loss (solid) and validation loss (dashed, markers) against the step, each held-out
 set's val/NAME/loss, and tokens per second, one colour per run, as the paper compares variants. In a
 notebook, `show_runs([...])` draws it inline. Needs matplotlib (`pip install -e '.[plot]'`). The runs are
-only read; the image goes to --out (default curves.png in the current folder).
+only read; the image goes to --out (default curves.png in the current folder), which may not be one of the
+runs' own files, and which is written whole (a kill leaves the earlier image or the new one).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from mlra_jax.paths import as_path
+from mlra_jax.command import command
+from mlra_jax.paths import as_path, is_remote
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +45,9 @@ def read_records(run: str | os.PathLike) -> list[dict[str, Any]]:
         raise MetricsFileError(f"{path} does not exist: give a run directory (the --workdir of "
                                f"python -m mlra_jax.train, which writes metrics.jsonl) or a metrics.jsonl file")
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
         try:
-            record = json.loads(line)
+            record = json.loads(line.decode())  # a line of other bytes than UTF-8 text is no record either
             if not isinstance(record, dict) or not isinstance(record.get("step"), int):
                 raise ValueError("no integer 'step'")
         except ValueError as err:
@@ -98,8 +100,11 @@ def plot_runs(runs: Sequence[str | os.PathLike], out: str | os.PathLike | None =
         if ax.lines:
             ax.legend(fontsize="small")
     if out is not None:
-        with as_path(out).open("wb") as f:
-            fig.savefig(f, format="png", dpi=100)
+        from mlra_jax.guards import atomic_write_bytes  # (guards imports JAX: only when an image is written)
+
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=100)
+        atomic_write_bytes(out, png.getvalue())
     return fig
 
 
@@ -117,6 +122,20 @@ def show_runs(runs: Sequence[str | os.PathLike], out: str | os.PathLike | None =
     return fig
 
 
+def _check_output(out: Any, runs: Sequence[str]) -> bool:
+    """Refuse an --out that would replace a run's metrics or other own files, or whose folder is missing or cannot
+    take it; whether it replaces an earlier image."""
+    from mlra_jax.guards import InputError, check_output_path
+
+    folder = out.parent
+    if is_remote(out) or not any(os.path.isfile(p) for p in (folder, *folder.parents)):
+        if not folder.is_dir():
+            raise InputError(f"--out {out}: the folder {folder} does not exist; create it or choose another path")
+    files = [metrics_file(run) for run in runs]
+    return check_output_path(out, inputs=files, run_dirs=[f.parent for f in files])
+
+
+@command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlra_jax.plot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,19 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     out = as_path(args.out)
-    if not out.parent.is_dir():
-        print(f"error: --out {out}: the folder {out.parent} does not exist; create it or choose another path",
-              file=sys.stderr)
-        return 2
+    replaced = _check_output(out, args.runs)
     try:
         plot_runs(args.runs, out)
-    except MetricsFileError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     except ImportError as err:
         print(f"error: {err.name or 'matplotlib'} is missing: pip install -e '.[plot]'", file=sys.stderr)
         return 2
-    print(f"wrote {out} ({len(args.runs)} run{'s' if len(args.runs) > 1 else ''})")
+    print(f"wrote {out} ({len(args.runs)} run{'s' if len(args.runs) > 1 else ''}"
+          f"{'; replaced the earlier image' if replaced else ''})")
     return 0
 
 

@@ -107,6 +107,8 @@ def topology_devices(topology: Topology) -> list[jax.Device]:
     """The slice's compile-only devices (one per chip) from libtpu; a ConfigError naming the fix when libtpu is
     missing or refuses the topology."""
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no GCE metadata lookups on a machine that is not a TPU VM
+    # compile-only use takes no TPU: let several processes load libtpu (its lockfile guards a real TPU's owner)
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     try:

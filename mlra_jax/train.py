@@ -21,9 +21,9 @@ import os
 import sys
 from pathlib import Path
 
-from mlra_jax.cli import apply_overrides, disk_full, fields_help
-from mlra_jax.config import ConfigError, Experiment
-from mlra_jax.data.shards import DataError
+from mlra_jax.cli import apply_overrides, fields_help
+from mlra_jax.command import command
+from mlra_jax.config import Experiment
 from mlra_jax.distributed import add_arguments as add_distributed_arguments
 from mlra_jax.experiments import all_experiments, get_experiment
 from mlra_jax.paths import as_path
@@ -103,6 +103,7 @@ def compile_for(experiment: Experiment, slice_name: str, report_path: Path | Non
     return 0
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     args, overrides = _parser().parse_known_args(argv)
     if args.compile_for:
@@ -111,34 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     configure_cli_logging()  # one handler, on stdout; orbax and grain stay at WARNING
     if args.distributed:
         initialize_distributed(args)
-    from mlra_jax.checkpoint import CheckpointError
+    experiment = apply_overrides(get_experiment(args.experiment), overrides)
+    if args.compile_for:
+        return compile_for(experiment, args.compile_for, args.compile_report)
+    if args.dry_run:
+        dry_run(experiment, args.compile)
+        return 0
+    from mlra_jax.training.loop import train
 
-    try:
-        experiment = apply_overrides(get_experiment(args.experiment), overrides)
-        if args.compile_for:
-            return compile_for(experiment, args.compile_for, args.compile_report)
-        if args.dry_run:
-            dry_run(experiment, args.compile)
-            return 0
-        from mlra_jax.training.loop import TrainingDiverged, train
-
-        workdir = as_path(args.workdir or Path("runs") / experiment.name)
-        result = train(experiment, workdir, allow_changed=tuple(filter(None, args.allow_changed.split(","))),
-                       init_from=args.init_from)
-    except (ConfigError, DataError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except TrainingDiverged as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 3
-    except Exception as err:
-        full = disk_full(err)
-        if full is None:
-            raise
-        print(f"error: no space left on the device while writing {full.filename or 'the run'} ({full.strerror}); free "
-              f"space there and run the same command again: it resumes from the newest complete checkpoint in "
-              f"{as_path(args.workdir or Path('runs') / args.experiment) / 'checkpoints'}", file=sys.stderr)
-        return 2
+    workdir = as_path(args.workdir or Path("runs") / experiment.name)
+    result = train(experiment, workdir, allow_changed=tuple(filter(None, args.allow_changed.split(","))),
+                   init_from=args.init_from)
     print(f"{'stopped' if result.stopped_by_signal else 'finished'} at step {result.step}"
           f"{f' (loss {result.last_loss:.4f} on the last step line)' if result.last_loss is not None else ''}. "
           f"Checkpoints: "

@@ -34,7 +34,8 @@ def pytest_unconfigure(config) -> None:
 # that the fixture runs once. (--dist loadgroup would do it, but its xdist_group marks are ignored under
 # pytest 9.2: pytest-xdist issue 1386.)
 SHARED_FIXTURE_MODULES = {"test_convert.py", "test_convert_hf.py", "test_eval_ppl.py", "test_launch_slurm.py",
-                          "test_lm_eval.py", "test_watching_a_run.py"}
+                          "test_lm_eval.py", "test_watching_a_run.py", "test_command_faults.py",
+                          "test_nonfinite_weights.py"}
 # Handed out first (after those modules), so that no test of a minute or more starts at the end of the run
 LONG_FIRST = ["test_resume.py"]
 

@@ -85,7 +85,7 @@ def test_skip_every_and_max_tokens_on_local_files(tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    (["--every", "0"], "--every must be at least 1"),
+    (["--every", "0"], "argument --every: '0' is not a whole number >= 1"),
     (["--max_tokens", "1.5"], "'1.5' is not a whole number"),
     (["--skip_documents", "-1"], "'-1' is not a whole number >= 0"),
 ])

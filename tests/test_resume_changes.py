@@ -15,7 +15,7 @@ from mlra_jax.config import DataConfig
 from mlra_jax.data.pipeline import train_dataset
 from mlra_jax.train import main as train_main
 from mlra_jax.training.loop import train
-from mlra_jax.training.resume_check import check_resume
+from mlra_jax.training.resume_check import record_experiment
 
 ONE_DEVICE = jax.devices()[:1]
 
@@ -65,7 +65,7 @@ def test_settings_that_keep_the_trajectory_resume_freely(tmp_path, caplog):
 
 def test_a_changed_model_shape_is_refused_naming_the_field(tmp_path, capsys):
     run = [f"--workdir={tmp_path}", "--experiment=mlra4_tiny", *MICRO]
-    check_resume(tmp_path, apply_overrides(get_experiment("mlra4_tiny"), MICRO), has_checkpoints=True)
+    record_experiment(tmp_path, apply_overrides(get_experiment("mlra4_tiny"), MICRO))
     saved = (tmp_path / "experiment.json").read_text()
     assert train_main([*run, "--model.n_layer=2"]) == 2
     err = capsys.readouterr().err

@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 
-class ReferenceError(ValueError):
+class AnchorFileError(ValueError):
     """The reference file cannot be used; the message says why and what it should hold."""
 
 
 def read_reference(path: Path) -> dict[tuple[str, int], list[dict[str, Any]]]:
     """(REF variant, layers) -> the batch sizes timed, each the anchor script's JSON line."""
     if not path.is_file():
-        raise ReferenceError(f"--reference={path}: no such file; give the JSON lines that the anchor script "
+        raise AnchorFileError(f"--reference={path}: no such file; give the JSON lines that the anchor script "
                              f"reference_train_step.py printed")
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for line in path.read_text().splitlines():
@@ -35,7 +35,7 @@ def read_reference(path: Path) -> dict[tuple[str, int], list[dict[str, Any]]]:
         if isinstance(record, dict) and {"variant", "n_layer", "batch"} <= set(record):
             runs.setdefault((record["variant"], int(record["n_layer"])), []).append(record)
     if not runs:
-        raise ReferenceError(f"--reference={path} holds no line of the anchor script (a JSON object with variant, "
+        raise AnchorFileError(f"--reference={path} holds no line of the anchor script (a JSON object with variant, "
                              f"n_layer, batch and tokens_per_s)")
     return runs
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.results}: no such file; give the --out of python -m mlra_jax.benchmarks.train")
     try:
         record = annotate(args.results, args.reference)
-    except ReferenceError as err:
+    except AnchorFileError as err:
         parser.error(str(err))
     for result in record["results"]:
         ref = result.get("reference")

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlra_jax.benchmarks.reference import ReferenceError, compare, read_reference
+from mlra_jax.benchmarks.reference import AnchorFileError, compare, read_reference
 from mlra_jax.variants import VARIANTS
 from mlra_jax.xla_flags import apply_gpu_defaults
 
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         reference = read_reference(args.reference) if args.reference else None
-    except ReferenceError as err:
+    except AnchorFileError as err:
         parser.error(str(err))
     xla_defaults = False if args.no_xla_defaults else apply_gpu_defaults()  # before JAX starts a backend
     logging.basicConfig(level=logging.WARNING)

@@ -3,7 +3,9 @@ Face datasets (`hf:NAME[:CONFIG]`, or `hf:FOLDER` saved by `datasets` or of data
 Datasets (`tfds:NAME[:CONFIG]`), streamed or read by index, never loaded whole.
 
 A file that cannot be read as what its name says raises a DataError naming the file (and the
-line, for JSON lines) and the fix, never a bare decoding traceback.
+line, for JSON lines, or the row, for parquet) and the fix, never a bare decoding traceback. A null
+text is no document: it is read as "", which prepare skips and counts with the empty ones; a text
+field of another type (a number, a list) is bad input.
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ def _json_lines(path: Path, f: IO[bytes], text_field: str) -> Iterator[str]:
             raise DataError(f"{where}: a JSON {type(record).__name__}, not an object with a {text_field!r} field")
         if text_field not in record:
             raise DataError(f"{where} has no field {text_field!r} (fields: {', '.join(record)}); pass --text_field")
-        if not isinstance(record[text_field], str):
+        if not isinstance(record[text_field], (str, type(None))):
             raise DataError(f"{where}: field {text_field!r} is a {type(record[text_field]).__name__}, not text")
-        yield record[text_field]
+        yield record[text_field] or ""
 
 
 def _parquet(path: Path, text_field: str) -> Iterator[str]:
@@ -67,8 +69,15 @@ def _parquet(path: Path, text_field: str) -> Iterator[str]:
     if text_field not in table.schema_arrow.names:
         raise DataError(f"{path} has no column {text_field!r} (columns: {', '.join(table.schema_arrow.names)}); "
                         f"pass --text_field")
+    row = 0
     for batch in table.iter_batches(columns=[text_field]):
-        yield from batch.column(0).to_pylist()
+        for value in batch.column(0).to_pylist():
+            if not isinstance(value, (str, type(None))):
+                raise DataError(f"{path}: row {row} (counting from 0) of column {text_field!r} is a "
+                                f"{type(value).__name__}, not text; pass the text column as --text_field, or "
+                                f"re-export the file with text in it")
+            yield value or ""
+            row += 1
 
 
 def read_file(path: Path, text_field: str) -> Iterator[str]:
@@ -124,6 +133,8 @@ def _text_of(record: Any, text_field: str, source: str) -> str:
     value = record[text_field]
     if isinstance(value, bytes):  # TFDS text features read through TensorFlow
         value = value.decode("utf-8", errors="replace")
+    if value is None:  # no document: skipped by prepare
+        return ""
     if not isinstance(value, str):
         raise DataError(f"{source}: field {text_field!r} is a {type(value).__name__}, not text; pass --text_field")
     return value

@@ -19,7 +19,7 @@ from etils import epath
 
 from mlra_jax.config import DataConfig
 from mlra_jax.data.builtin import builtin_shards
-from mlra_jax.data.shards import DataError, find_shards, open_shard
+from mlra_jax.data.shards import DataError, find_shards, open_shard, read_marker, verify_shards
 from mlra_jax.paths import as_path
 
 
@@ -99,7 +99,11 @@ def eval_windows(path: str | os.PathLike, seq_len: int, tokens: int, batch_size:
     floor(min(tokens, available) / (batch_size * seq_len)) batches of batch_size windows."""
     if batch_size % process_count:
         raise DataError(f"batch_size={batch_size} does not split over {process_count} processes")
-    data = open_shard(as_path(path))
+    path = as_path(path)
+    record = read_marker(path.parent)
+    if record is not None and path.name in record["shards"]:  # a shard of a prepared folder: still as prepare wrote it
+        verify_shards(path.parent, [path], record)
+    data = open_shard(path)
     per_batch = batch_size * seq_len
     batches = min(tokens, data.size - 1) // per_batch
     if batches == 0:
@@ -109,3 +113,23 @@ def eval_windows(path: str | os.PathLike, seq_len: int, tokens: int, batch_size:
     count = batches * batch_size
     starts = np.arange(process_index, count, process_count) * seq_len
     return np.stack([np.asarray(data[s: s + seq_len + 1], dtype=np.int32) for s in starts])
+
+
+def check_token_ids(windows: np.ndarray, path: str | os.PathLike, vocab_size: int, seq_len: int,
+                    process_index: int = 0, process_count: int = 1) -> None:
+    """A DataError naming the file, the first token id >= vocab_size in `windows` (this process's rows of
+    `eval_windows`) and its position in the file; an id out of range would index past the embedding (a NaN loss).
+    Over several processes all of them raise (their largest ids are gathered first), so that none waits for the rest."""
+    largest = int(windows.max(initial=0))
+    if process_count > 1:
+        from jax.experimental import multihost_utils
+
+        largest = int(np.max(multihost_utils.process_allgather(np.int64(largest))))
+    if largest < vocab_size:
+        return
+    rows, columns = np.nonzero(windows >= vocab_size)
+    where = (f"token id {int(windows[rows[0], columns[0]])} at position "
+             f"{(process_index + int(rows[0]) * process_count) * seq_len + int(columns[0])}" if rows.size else
+             f"token id {largest}")
+    raise DataError(f"{path}: {where} is >= the model's vocabulary size {vocab_size} (ids 0 to {vocab_size - 1}); "
+                    f"the file was made with another tokenizer: evaluate a file tokenized for this model")

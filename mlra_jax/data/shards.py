@@ -1,12 +1,23 @@
 """llm.c token shards: a 256 x int32 header (magic 20240520, version 1, token count),
 then the tokens as uint16. The official preprocessed data and llm.c's FineWeb scripts
 write this format. Local shards are memory-mapped; shards on an object store (gs://) are read by
-byte range (ranged_shard.py), after the same header checks."""
+byte range (ranged_shard.py), after the same header checks.
+
+A folder made by prepare holds `prepare.json`, which lists each shard with its tokens, bytes and sha256.
+Training and evaluation refuse a shard of such a folder that the marker does not list, one it lists that
+is gone, and one whose size differs from the recorded one (a stat per shard, at every start). Checksums
+are compared only when asked (hashing 100s of GB at every start is slow): MLRA_JAX_VERIFY_SHARDS=1 for
+a run, or `python -m mlra_jax.data.prepare --verify FOLDER`. Folders without the marker (llm.c's
+downloads) are read as they are."""
 
 from __future__ import annotations
 
+import fnmatch
+import hashlib
 import json
+import os
 from pathlib import Path
+from typing import Any, Iterable
 
 import numpy as np
 from etils import epath
@@ -17,27 +28,33 @@ from mlra_jax.paths import is_remote, local_path
 MAGIC, VERSION = 20240520, 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
-MARKER = "prepare.json"  # written by prepare beside the shards it made: inputs and tokens per shard
+MARKER = "prepare.json"  # written by prepare beside the shards it made: inputs, tokens, bytes and sha256 per shard
+VERIFY_VARIABLE = "MLRA_JAX_VERIFY_SHARDS"  # 1: also compare every shard's sha256 with the marker's at each start
+_REMAKE = "re-create the folder with python -m mlra_jax.data.prepare --overwrite, or restore the shard"
 
 
 class DataError(ValueError):
     """Token data is missing or malformed; the message names the file and the fix."""
 
 
-def write_shard(path: Path | epath.Path, tokens: np.ndarray) -> None:
+def write_shard(path: Path | epath.Path, tokens: np.ndarray) -> dict[str, Any]:
     """Write tokens atomically (a partial file never carries the final name); local or on a bucket, where
-    an object appears only once uploaded whole (no temporary name, whose rename would be a copy)."""
+    an object appears only once uploaded whole (no temporary name, whose rename would be a copy).
+    Returns what prepare.json records of the file: {"tokens", "bytes", "sha256"}."""
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
         raise DataError(f"token ids must lie in [0, 65535] to fit uint16 shards; got [{tokens.min()}, {tokens.max()}]")
     header = np.zeros(HEADER_INTS, dtype=np.int32)
     header[:3] = (MAGIC, VERSION, tokens.size)
     tmp = path if is_remote(path) else path.with_name(path.name + ".tmp")
+    digest = hashlib.sha256()
     with tmp.open("wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype(np.uint16).tobytes())
+        for part in (header.tobytes(), tokens.astype(np.uint16).tobytes()):
+            digest.update(part)
+            f.write(part)
     if tmp != path:
         tmp.replace(path)
+    return {"tokens": int(tokens.size), "bytes": HEADER_BYTES + 2 * int(tokens.size), "sha256": digest.hexdigest()}
 
 
 def open_shard(path: Path | epath.Path) -> np.ndarray | RangedShard:
@@ -95,15 +112,67 @@ def find_shards(directory: Path | epath.Path, pattern: str) -> list[Path | epath
     if folders:
         raise DataError(f"{directory}: {', '.join(folders[:5])} match the shard pattern {pattern!r} but are folders; "
                         f"rename them or narrow --data.train_pattern / --data.val_pattern")
-    marker = directory / MARKER
-    if marker.is_file():  # shards not made by the prepare that wrote the marker would be mixed in silently
-        try:
-            listed = json.loads(marker.read_text())["shards"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise DataError(f"{marker} is damaged ({type(err).__name__}); re-create the folder with "
-                            f"python -m mlra_jax.data.prepare --overwrite") from None
-        strangers = [p.name for p in paths if p.name not in listed]
+    record = read_marker(directory)
+    if record is not None:  # shards not made by the prepare that wrote the marker would be mixed in silently
+        strangers = [p.name for p in paths if p.name not in record["shards"]]
         if strangers:
             raise DataError(f"{directory}: {', '.join(strangers[:5])} match {pattern!r} but were not written by the "
                             f"prepare that made this folder ({MARKER}); remove them or narrow the data pattern")
+        missing = sorted(set(fnmatch.filter(record["shards"], pattern)) - {p.name for p in paths})
+        if missing:
+            raise DataError(f"{directory}: {', '.join(missing[:5])} listed in {MARKER} (matching {pattern!r}) are "
+                            f"missing; {_REMAKE}")
+        verify_shards(directory, paths, record)
     return paths
+
+
+def read_marker(directory: Path | epath.Path) -> dict[str, Any] | None:
+    """The prepare.json of a shard folder (None if it has none), checked enough to be used."""
+    marker = directory / MARKER
+    if not marker.is_file():
+        return None
+    try:
+        record = json.loads(marker.read_text())
+        shards, files = record["shards"], record.get("files", {})
+        if not all(isinstance(tokens, int) for tokens in shards.values()) or \
+                not all(isinstance(file["bytes"], int) for file in files.values()):
+            raise TypeError("shards")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise DataError(f"{marker} is damaged ({type(err).__name__}); re-create the folder with "
+                        f"python -m mlra_jax.data.prepare --overwrite") from None
+    return record
+
+
+def verify_shards(directory: Path | epath.Path, paths: Iterable[Path | epath.Path], record: dict[str, Any],
+                  checksums: bool | None = None) -> None:
+    """Each of `paths` (shards of `directory` listed in its marker `record`) has the size prepare recorded (from
+    the marker's "files", or its token count for markers written before those), and with `checksums` (default:
+    the MLRA_JAX_VERIFY_SHARDS variable) the recorded sha256; a DataError naming the first that differs."""
+    if checksums is None:
+        checksums = os.environ.get(VERIFY_VARIABLE, "") not in ("", "0")
+    files = record.get("files", {})
+    for path in paths:
+        listed = files.get(path.name) or {"bytes": HEADER_BYTES + 2 * int(record["shards"][path.name])}
+        size = _size(path)
+        if size != listed["bytes"]:
+            raise DataError(f"{path}: {size:,} bytes, but prepare wrote {listed['bytes']:,} bytes under this name "
+                            f"({directory / MARKER}); the shard was replaced or damaged since: {_REMAKE}")
+        if checksums and "sha256" in listed and sha256_of(path) != listed["sha256"]:
+            raise DataError(f"{path}: its sha256 differs from the one prepare recorded ({directory / MARKER}); the "
+                            f"shard was replaced or damaged since: {_REMAKE}")
+
+
+def sha256_of(path: Path | epath.Path) -> str:
+    digest = hashlib.sha256()
+    with (local_path(path) if not is_remote(path) else epath.Path(path)).open("rb") as f:
+        while block := f.read(1 << 23):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _size(path: Path | epath.Path) -> int:
+    try:
+        return local_path(path).stat().st_size if not is_remote(path) else epath.Path(path).stat().length
+    except OSError as err:
+        raise DataError(f"{path}: cannot be read ({err.strerror or err}); check that it is a readable token shard "
+                        f"file and its permissions") from None

@@ -52,6 +52,8 @@ class Sampling:
         if not temperature_ok or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise GenerationError(f"temperature={self.temperature} must be >= 0, top_k={self.top_k} >= 0 and "
                                   f"top_p={self.top_p} in (0, 1]")
+        if not -2**63 <= self.seed < 2**63:  # what jax.random.key takes
+            raise GenerationError(f"seed={self.seed} is out of range: give a 64-bit integer, from -2**63 to 2**63 - 1")
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
@@ -93,6 +95,8 @@ class Generator:
         keep_model=False prepares the serving model now and keeps no reference to the model's parameters:
         generate runs as before, the stacked-cache prefill and step refuse, and the model's float32 weights
         are freed once the caller drops the model (2.9B: 11.6 GB beside the 5.8 GB bf16 serving copy)."""
+        if max_len < 1:
+            raise GenerationError(f"max_len={max_len} must be at least 1 (the cache holds the prompt and new tokens)")
         if serving is not None and (serving.cfg != model.config or serving.mesh is not mesh):
             raise ValueError("the serving model must be prepared from the same model config and on the same mesh")
         self.cfg, self.max_len, self.mesh = model.config, max_len, mesh

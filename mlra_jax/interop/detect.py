@@ -37,6 +37,9 @@ def detect_config(shapes: Mapping[str, tuple[int, ...]], fields: Mapping[str, An
     is the file a config.json names. Without either, the files whose names and shapes fit are tried;
     a ConfigError asks for --variant when several fit. With one of them given, the config is built even
     if it does not fit, so that loading names what differs."""
+    if reference_model is not None and not isinstance(reference_model, str):
+        raise ConfigError(f"config.json's reference_model is {reference_model!r}, not the name of an official model "
+                          f"file (a string such as 'model/mlra_4.py'); correct it, or remove it and pass --variant")
     if variant is not None and variant.endswith(".py"):
         reference_model, variant = variant, None
     if variant is not None and variant not in SPECS:

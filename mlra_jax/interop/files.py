@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from mlra_jax.guards import error_summary
 from mlra_jax.interop.names import EMBEDDING_KEY, TIED_KEY
 
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -99,8 +100,25 @@ def write_reference(state_dict: Mapping[str, np.ndarray], config: Mapping[str, A
     return [CONFIG_FILE, *files, INDEX_FILE]
 
 
+def _check_torch_header(path: Path) -> None:
+    """torch.save writes a zip archive (a pickle in the legacy format): anything else is named as what it is."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as err:
+        raise ReferenceFileError(f"{path} cannot be read ({err.strerror or err}); check the path and its "
+                                 f"permissions") from None
+    if not head:
+        raise ReferenceFileError(f"{path} is empty (0 bytes): a copy or download that did not finish? Copy the "
+                                 f"checkpoint file again")
+    if not head.startswith((b"PK\x03\x04", b"\x80")):
+        raise ReferenceFileError(f"{path} is not a PyTorch checkpoint (it starts with {head!r}, neither torch.save's "
+                                 f"zip archive nor its legacy pickle); give the .pt/.bin file that torch.save wrote")
+
+
 def _load_torch_file(path: Path) -> dict[str, Any]:
     torch = _torch()
+    _check_torch_header(path)
     try:
         try:
             loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # tensors stay on disk
@@ -110,11 +128,10 @@ def _load_torch_file(path: Path) -> dict[str, Any]:
             loaded = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
     except pickle.UnpicklingError as err:
         raise ReferenceFileError(f"{path} is refused by torch.load(weights_only=True): it holds more than tensors "
-                                 f"(arbitrary pickled objects are never loaded) ({str(err).splitlines()[0][:200]})"
-                                 ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
+                                 f"(arbitrary pickled objects are never loaded) ({error_summary(err)})") from None
+    except Exception as err:  # noqa: BLE001 - torch raises RuntimeError, EOFError, IndexError, ... on damaged files
         raise ReferenceFileError(f"{path} is not a readable PyTorch checkpoint (truncated or damaged?): "
-                                 f"{type(err).__name__}: {str(err).splitlines()[0][:200]}") from None
+                                 f"{error_summary(err)}") from None
     return _tensor_dict(loaded, path)
 
 
@@ -135,7 +152,7 @@ def _load_safetensors(path: Path) -> dict[str, Any]:
             return {k: f.get_tensor(k) for k in f.keys()}
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
         raise ReferenceFileError(f"{path} is not a readable safetensors file (truncated or damaged?): "
-                                 f"{type(err).__name__}: {str(err).splitlines()[0][:200]}") from None
+                                 f"{error_summary(err)}") from None
 
 
 def _load_file(path: Path) -> dict[str, Any]:
@@ -147,6 +164,11 @@ def _load_sharded(folder: Path, index_file: str) -> dict[str, Any]:
         weight_map = json.loads((folder / index_file).read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ReferenceFileError(f"{folder / index_file} is not a shard index ({type(err).__name__}: {err})") from None
+    wrong = (f"is a {type(weight_map).__name__}" if not isinstance(weight_map, dict) else
+             next((f"maps {k!r} to {v!r}" for k, v in weight_map.items() if not isinstance(v, str)), None))
+    if wrong is not None:
+        raise ReferenceFileError(f"{folder / index_file}: its weight_map {wrong}, where it maps each tensor name to "
+                                 f"the file name of its shard; restore the index the checkpoint came with")
     shards = sorted(set(weight_map.values()))
     missing = [s for s in shards if not (folder / s).is_file()]
     if missing:

@@ -6,7 +6,9 @@ computes, with `auto_map` to the code beside it), `configuration_mlra.py` and `m
 `save_pretrained` writes them (`model.safetensors`, or shards with `model.safetensors.index.json`
 above the size limit; the tied head stored once, as `transformer.wte.weight`) under the official
 code's tensor names, and the GPT-2 tokenizer (`tokenizer.json`, made offline from the bundled BPE
-ranks). torch and transformers are imported inside the functions (the `hf` extra).
+ranks). torch and transformers are imported inside the functions (the `hf` extra). A folder is used only
+whole (`check_hf_folder`: config, code, every weight file and the tokenizer) and with a config.json whose
+fields have their types (`model_config_from_hf`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import types
+import typing
 from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
@@ -23,7 +27,7 @@ import numpy as np
 from mlra_jax.config import RUNTIME_FIELDS, ConfigError, ModelConfig
 from mlra_jax.data.tokenizer import BPE_FILE, EOT, GPT2_PATTERN
 from mlra_jax.hf_remote_code import REMOTE_CODE_FILES
-from mlra_jax.interop.files import CONFIG_FILE, to_torch
+from mlra_jax.interop.files import CONFIG_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX, to_torch
 
 MODEL_TYPE = "mlra"
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -31,6 +35,7 @@ AUTO_MAP = {"AutoConfig": "configuration_mlra.MLRAConfig", "AutoModelForCausalLM
 # ModelConfig fields that choose how the JAX model runs or stores its weights, not what it computes
 _LOCAL_FIELDS = (*RUNTIME_FIELDS, "param_dtype", "compute_dtype")
 END_OF_TEXT = "<|endoftext|>"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _transformers() -> tuple[Any, Any]:
@@ -59,13 +64,65 @@ def read_hf_config(folder: Path) -> dict[str, Any] | None:
     return config if isinstance(config, dict) and config.get("model_type") == MODEL_TYPE else None
 
 
+def check_hf_folder(folder: Path, source: str) -> None:
+    """A ConfigError naming every file that an exported folder lacks (config.json, the modeling code, each weight
+    file of the index, the tokenizer): a folder of an export that stopped before its end is never used."""
+    folder = Path(folder)
+    wanted = [CONFIG_FILE, *REMOTE_CODE_FILES, *TOKENIZER_FILES]
+    if (folder / SAFETENSORS_INDEX).is_file():
+        try:
+            weight_map = json.loads((folder / SAFETENSORS_INDEX).read_text())["weight_map"]
+            wanted += sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ConfigError(f"{source}: {SAFETENSORS_INDEX} is not a shard index ({type(err).__name__}: {err}); "
+                              f"export the run again with python -m mlra_jax.convert to-hf") from None
+    else:
+        wanted.append(SAFETENSORS_FILE)
+    missing = [name for name in wanted if not isinstance(name, str) or not (folder / name).is_file()]
+    if missing:
+        raise ConfigError(f"{source} is not a complete Hugging Face folder of convert to-hf: it lacks "
+                          f"{', '.join(map(str, missing[:6]))}{' and more' if len(missing) > 6 else ''} (an export "
+                          f"that stopped before its end?); export the run again with python -m mlra_jax.convert to-hf")
+
+
+def _has_type(value: Any, annotation: Any) -> bool:
+    """Whether a JSON value fits a ModelConfig field's annotation (int, float, bool, str, Literal, X | None)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_has_type(value, a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if typing.get_origin(annotation) is typing.Literal or annotation is str:
+        return isinstance(value, str)
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, annotation) and not isinstance(value, bool)  # int
+
+
 def model_config_from_hf(config: Mapping[str, Any], source: str) -> ModelConfig:
     """Our ModelConfig from an exported config.json (ConfigError naming what is wrong)."""
     names = {f.name for f in dataclasses.fields(ModelConfig)} - set(_LOCAL_FIELDS)
     missing = sorted(n for n in ("variant", "n_layer", "n_head", "n_embd", "intermediate_size") if n not in config)
     if missing:
         raise ConfigError(f"{source}/config.json lacks {', '.join(missing)}; it is not a folder of convert to-hf")
+    hints = typing.get_type_hints(ModelConfig)
+    wrong = [f"{k}={v!r} (not {getattr(hints[k], '__name__', str(hints[k]).replace('typing.', ''))})"
+             for k, v in config.items() if k in names and not _has_type(v, hints[k])]
+    if wrong:
+        raise ConfigError(f"{source}/config.json has fields of the wrong type: {'; '.join(wrong)}; restore the "
+                          f"values convert to-hf wrote, or export the run again")
     return ModelConfig(**{k: v for k, v in config.items() if k in names})
+
+
+def hf_step(config: Mapping[str, Any], source: str) -> int:
+    """The training step an exported folder's weights come from (config.json's mlra_jax.step; 0 when absent)."""
+    record = config.get("mlra_jax") or {}
+    step = record.get("step", 0) if isinstance(record, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"{source}/config.json: mlra_jax.step is {step!r}, not a step number (an integer >= 0); "
+                          f"restore the value convert to-hf wrote, or remove the mlra_jax field")
+    return step
 
 
 @functools.cache

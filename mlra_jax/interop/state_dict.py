@@ -2,7 +2,7 @@
 
 `to_state_dict` writes every reference key, both tied keys included;
 `from_state_dict` validates a reference state_dict completely (keys, layer count,
-shapes, tied weights, finite values) before converting anything, so a mismatched
+shapes, float dtypes, tied weights, finite values) before converting anything, so a mismatched
 checkpoint fails with a message that names the problem and leaves the model as it was.
 """
 
@@ -110,6 +110,11 @@ def _check_values(arrays: Mapping[str, np.ndarray], expected: Mapping[str, tuple
     if wrong:
         raise StateDictError(f"{len(wrong)} tensors have the wrong shape for this config (check n_embd, n_head, "
                              f"head dims, ranks and intermediate_size): {'; '.join(wrong[:4])}")
+    not_float = [f"{k} ({a.dtype})" for k, a in arrays.items() if not jnp.issubdtype(a.dtype, jnp.floating)]
+    if not_float:
+        raise StateDictError(f"{len(not_float)} tensors are not floating point: {', '.join(not_float[:4])}. Weights "
+                             f"are floats; cast to {np.dtype(dtype).name} they would be other numbers than the model "
+                             f"was trained with (a quantized or altered checkpoint?); give the float checkpoint")
     widened = {k: w for k, a in arrays.items() if (w := _widened(a)) is not None and w.size}
     bad = [k for k, w in widened.items() if not np.isfinite(w).all()]
     if bad:

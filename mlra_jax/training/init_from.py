@@ -4,7 +4,8 @@ folder written by `convert to-hf` (config.json of model_type mlra with its safet
 Only the parameters are taken: the optimizer state is fresh, the step is 0 and the data starts at
 its first example. The two model configs must agree (fields that only change how the model runs,
 such as the attention implementation, may differ; a Hugging Face folder stores no dtypes, so those
-are this run's).
+are this run's). A Hugging Face folder is used only when complete (config, code, weights and tokenizer:
+an export that stopped before its end is refused) and its config.json fields have their types.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import numpy as np
 from mlra_jax.checkpoint import Checkpointer
 from mlra_jax.cli import experiment_from_dict, read_run_config
 from mlra_jax.config import RUNTIME_FIELDS, CheckpointConfig, ConfigError, ModelConfig
+from mlra_jax.guards import check_finite
 from mlra_jax.interop.files import ReferenceFileError, read_reference
-from mlra_jax.interop.hf_folder import hf_fields, model_config_from_hf, read_hf_config
+from mlra_jax.interop.hf_folder import check_hf_folder, hf_fields, hf_step, model_config_from_hf, read_hf_config
 from mlra_jax.interop.state_dict import StateDictError, from_state_dict
 from mlra_jax.params import unflatten
 from mlra_jax.paths import as_path
@@ -37,6 +39,7 @@ def _hf_config(source: str | os.PathLike) -> dict[str, Any] | None:
 def source_model(source: str | os.PathLike) -> ModelConfig:
     hf = _hf_config(source)
     if hf is not None:
+        check_hf_folder(Path(source), f"--init_from={source}")
         return model_config_from_hf(hf, str(source))
     path = as_path(source) / "experiment.json"
     if not path.exists():
@@ -62,7 +65,8 @@ def check_same_model(source: str | os.PathLike, model: ModelConfig) -> None:
 
 def _hf_params(folder: str | os.PathLike, abstract_params: Any) -> tuple[Any, int]:
     hf = _hf_config(folder)
-    cfg = model_config_from_hf(hf, str(folder))
+    check_hf_folder(Path(folder), f"--init_from={folder}")
+    cfg, step = model_config_from_hf(hf, str(folder)), hf_step(hf, str(folder))
     try:
         tensors, _ = read_reference(Path(folder))
         flat = from_state_dict(tensors, cfg)  # validated: names, shapes, finite values
@@ -74,8 +78,7 @@ def _hf_params(folder: str | os.PathLike, abstract_params: Any) -> tuple[Any, in
         array = array.astype(abstract.dtype)
         return jax.make_array_from_callback(array.shape, abstract.sharding, lambda index: array[index])
 
-    step = (hf.get("mlra_jax") or {}).get("step", 0)
-    return jax.tree.map(place, unflatten(flat), abstract_params), int(step)
+    return jax.tree.map(place, unflatten(flat), abstract_params), step
 
 
 def source_params(source: str | os.PathLike, abstract_params: Any) -> tuple[Any, int]:
@@ -90,4 +93,6 @@ def source_params(source: str | os.PathLike, abstract_params: Any) -> tuple[Any,
         checkpointer.close()
     if restored is None:
         raise ConfigError(f"--init_from={source} holds no complete checkpoint")
+    check_finite(restored[1]["params"], f"--init_from={source}, step {restored[0]}",
+                 fix="start from a run or folder whose weights are finite")
     return restored[1]["params"], restored[0]

@@ -24,7 +24,8 @@ from etils import epath
 
 from mlra_jax.checkpoint import Checkpointer
 from mlra_jax.config import Experiment
-from mlra_jax.data.pipeline import eval_windows, train_dataset, train_iterator, validation_batches
+from mlra_jax.data.pipeline import check_token_ids, eval_windows, train_dataset, train_iterator, validation_batches
+from mlra_jax.guards import check_finite, check_run_dir
 from mlra_jax.metrics import MetricWriter, format_line, peak_flops, training_flops_per_token
 from mlra_jax.optim import learning_rate_schedule
 from mlra_jax.paths import as_path
@@ -33,7 +34,7 @@ from mlra_jax.sharding import batch_sharding
 from mlra_jax.tracking import WandbTracker, check_available
 from mlra_jax.training.init_from import check_same_model, source_params
 from mlra_jax.training.profile import StepProfiler
-from mlra_jax.training.resume_check import check_resume
+from mlra_jax.training.resume_check import check_resume, record_experiment
 from mlra_jax.training.run_lock import RunLock
 from mlra_jax.training.state import Setup, build_setup, global_batch, init_state, jit_train_step, state_from_params
 from mlra_jax.training.step import loss_fn
@@ -81,6 +82,13 @@ class TrainingLoop:
         self.cfg, self.train_cfg = setup.experiment.model, setup.experiment.train
         self.is_writer = jax.process_index() == 0
         self.checkpointer = Checkpointer(workdir / "checkpoints", self.experiment.checkpoint)
+        try:
+            self._start(setup, workdir)
+        except BaseException:
+            self.checkpointer.close()  # its threads would otherwise fail at exit over the real error
+            raise
+
+    def _start(self, setup: Setup, workdir: epath.Path) -> None:
         self._restore(workdir)
         tracked = self.is_writer and self.experiment.metrics.wandb_project
         self.writer = MetricWriter(workdir, enabled=self.is_writer,
@@ -106,7 +114,9 @@ class TrainingLoop:
         self.timed, self.interval_start, self.paused, self.last_loss = 0, time.perf_counter(), 0.0, None
 
     def _restore(self, workdir: epath.Path) -> None:
-        restored = self.checkpointer.restore_latest(self.setup.abstract_state, required_metadata=("step", "examples"))
+        restored = self.checkpointer.restore_latest(
+            self.setup.abstract_state, required_metadata=("step", "examples"),
+            validate=lambda step, state: check_finite(state["params"], f"checkpoint {step}"))
         # `window`: checked metrics since the last log line, saved with each checkpoint so that resumed
         # averages equal uninterrupted ones.
         if restored is None:
@@ -130,6 +140,7 @@ class TrainingLoop:
         """This process's rows of the first eval_batches global batches of a held-out file's windows."""
         size, seq_len, processes = self.train_cfg.global_batch_size, self.train_cfg.seq_len, jax.process_count()
         windows = eval_windows(path, seq_len, self.train_cfg.eval_batches * size * seq_len, size)
+        check_token_ids(windows, path, self.cfg.vocab_size, seq_len, jax.process_index(), jax.process_count())
         return [windows[i: i + size][jax.process_index()::processes] for i in range(0, len(windows), size)]
 
     def run(self) -> TrainResult:
@@ -257,13 +268,16 @@ def train(experiment: Experiment, workdir: str | os.PathLike, devices: list[jax.
     check_available(experiment)  # before anything is written
     if init_from is not None:
         check_same_model(init_from, experiment.model)
-    workdir.mkdir(parents=True, exist_ok=True)
+    check_run_dir(workdir)
     with RunLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():  # one writer per run
         has_checkpoints = any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*"))
-        check_resume(workdir, experiment, has_checkpoints, allow_changed, write=jax.process_index() == 0)
+        check_resume(workdir, experiment, has_checkpoints, allow_changed)
         setup = build_setup(experiment, devices)
         with jax.set_mesh(setup.mesh):  # the model reads the TP degree from the mesh in context
             log.info("%s: %s parameters, mesh %s over %d devices (%s)", setup.experiment.name,
                      f"{setup.num_params:,}", dict(setup.mesh.shape), setup.mesh.size,
                      setup.mesh.devices.flat[0].device_kind)
-            return TrainingLoop(setup, workdir, None if has_checkpoints else init_from).run()
+            loop = TrainingLoop(setup, workdir, None if has_checkpoints else init_from)
+            if jax.process_index() == 0:  # the run started: its record now says what it is
+                record_experiment(workdir, experiment)
+            return loop.run()

@@ -18,6 +18,7 @@ from etils import epath
 
 from mlra_jax.cli import SECTIONS, read_run_config
 from mlra_jax.config import RUNTIME_FIELDS, ConfigError, Experiment
+from mlra_jax.guards import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,10 @@ def validate_allowed(names: tuple[str, ...]) -> None:
 
 
 def check_resume(workdir: epath.Path, experiment: Experiment, has_checkpoints: bool,
-                 allow_changed: tuple[str, ...] = (), write: bool = True) -> None:
-    """Raise ConfigError if `experiment` may not continue the run in `workdir`; then record it there
-    (when `write`: process 0 of a multi-host run).
-
-    Nothing is written when the check fails, so experiment.json keeps describing the checkpoints."""
+                 allow_changed: tuple[str, ...] = ()) -> None:
+    """Raise ConfigError if `experiment` may not continue the run in `workdir`. Writes nothing: the trainer
+    records the experiment (record_experiment) only once the run has started from its checkpoints or from
+    fresh weights, so that experiment.json keeps describing the checkpoints whatever fails before."""
     validate_allowed(allow_changed)
     path = workdir / "experiment.json"
     current = dataclasses.asdict(experiment)
@@ -63,5 +63,8 @@ def check_resume(workdir: epath.Path, experiment: Experiment, has_checkpoints: b
                               f"with them anyway (the run continues at the same example), or use another --workdir")
         for key, (old, new) in changed.items():
             log.warning("resuming %s with %s changed from %r to %r", workdir, key, old, new)
-    if write:
-        path.write_text(json.dumps(current, indent=1))
+
+
+def record_experiment(workdir: epath.Path, experiment: Experiment) -> None:
+    """Write the run's experiment.json, whole or not at all (guards.atomic_write_text)."""
+    atomic_write_text(workdir / "experiment.json", json.dumps(dataclasses.asdict(experiment), indent=1))
