@@ -128,3 +128,12 @@ def test_a_full_disk_during_training_is_one_clear_line(tmp_path, monkeypatch, ca
     assert code == 2 and err.count("\n") == 1
     assert "no space left on the device while writing" in err and "checkpoints/4" in err
     assert "run the same command again" in err
+
+
+def test_an_empty_eval_file_is_named_not_a_traceback(tmp_path):
+    """A held-out file of no tokens (training's --train.eval_sets and eval ppl read it the same way)."""
+    from mlra_jax.data.pipeline import eval_windows
+
+    write_shard(tmp_path / "empty.bin", np.zeros(0, np.int32))
+    with pytest.raises(DataError, match="empty.bin holds 0 tokens, fewer than one batch"):
+        eval_windows(tmp_path / "empty.bin", 16, 100, 2)

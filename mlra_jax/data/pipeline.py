@@ -105,7 +105,7 @@ def eval_windows(path: str | os.PathLike, seq_len: int, tokens: int, batch_size:
         verify_shards(path.parent, [path], record)
     data = open_shard(path)
     per_batch = batch_size * seq_len
-    batches = min(tokens, data.size - 1) // per_batch
+    batches = max(min(tokens, data.size - 1), 0) // per_batch  # an empty file: no batch (named below)
     if batches == 0:
         raise DataError(f"{path} holds {data.size:,} tokens, fewer than one batch of {batch_size} windows of "
                         f"{seq_len + 1} tokens ({per_batch + 1:,}); lower --batch_size or --seq_len, or use a "
