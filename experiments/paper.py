@@ -1,9 +1,9 @@
 """The paper's 30 pretraining runs at 2.9B (App. F; reference config/*.py).
 
-Every run shares 24 layers, d = 3072, GPT-2's padded vocabulary and the training
-recipe of REFERENCE.md (TrainConfig's defaults); the FFN width keeps each variant
-at the MHA baseline's parameter count. `reference_key` is the run's key in
-shared/reference/paper_experiments.json.
+Every run shares 24 layers, d = 3072, GPT-2's padded vocabulary and the paper's training
+recipe (TrainConfig's defaults; docs/conventions.md); the FFN width keeps each variant
+at the MHA baseline's parameter count. `reference_key` is the run's key in the table of
+the paper's experiments that tests/reference/paper_experiments.json holds.
 """
 
 from __future__ import annotations

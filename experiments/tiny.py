@@ -26,7 +26,7 @@ _ATTENTION: dict[str, dict[str, Any]] = {
     "mlra2": _LATENT,
     "mlra4": _LATENT,
 }
-TINY_TRAIN = TrainConfig(seq_len=128, global_batch_size=8, total_steps=200, warmup_steps=20, peak_lr=3e-3, seed=0,
+TINY_TRAIN = TrainConfig(seq_len=128, global_batch_size=8, total_steps=200, warmup_steps=0.1, peak_lr=3e-3, seed=0,
                          log_every=10, eval_every=100, eval_batches=4)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train on every worker of a Cloud TPU VM pod slice (a queued resource). The workdir and data must be one
-# filesystem mounted at the same path on every worker (e.g. Filestore NFS; local paths only, no gs://);
-# the same `run` resumes from its newest checkpoint.
+# filesystem every worker sees at the same path (a Filestore NFS share, or a gs:// bucket through the gcs
+# extra); the same `run` resumes from its newest checkpoint.
 #   export TPU=mlra-v5p-64 ZONE=us-east5-a            # and PROJECT=... unless gcloud has a default
 #   ACCELERATOR=v5p-64 VERSION=v2-alpha-tpuv5 bash launch/tpu_vm_pod.sh create [--spot]
 #   bash launch/tpu_vm_pod.sh setup                    # every worker at this checkout's commit

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 
 from mlra_jax.variants import LATENT_FIELDS, SPECS, VARIANTS, VariantSpec
 
-_OPTIONAL_FIELDS = ("head_dim", "group_size", "tpa_rank", "tpa_q_rank", *LATENT_FIELDS)
+# The variant-specific fields: each variant requires some of them and takes no others
+OPTIONAL_FIELDS = ("head_dim", "group_size", "tpa_rank", "tpa_q_rank", *LATENT_FIELDS)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash", "pallas")
@@ -50,7 +51,7 @@ def _check_positive(obj: Any, *fields: str) -> None:
 class ModelConfig:
     """A Llama-3 decoder with one of the paper's attention variants.
 
-    Field names follow the reference GPTConfig where one exists (REFERENCE.md);
+    Field names follow the reference GPTConfig where one exists (docs/conventions.md);
     `d_h` is `head_dim` for MHA/GQA/MQA/MFA/TPA/GTA and `qk_nope_head_dim` for the
     latent family (MLA, GLA, MLRA), whose RoPE width is `qk_rope_head_dim`.
     """
@@ -93,7 +94,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check_choice("variant", self.variant, VARIANTS)
         _check_positive(self, "n_layer", "n_head", "n_embd", "intermediate_size", "vocab_size",
-                        "max_seq_len", *_OPTIONAL_FIELDS)
+                        "max_seq_len", *OPTIONAL_FIELDS)
         _check_choice("output_init", self.output_init, ("zero", "normal"))
         _check_choice("param_dtype", self.param_dtype, tuple(DTYPES))
         _check_choice("compute_dtype", self.compute_dtype, tuple(DTYPES))
@@ -122,7 +123,7 @@ class ModelConfig:
                      f"group_size={self.group_size} contradicts variant {self.variant!r}, whose group_size is "
                      f"{fixed_group}; leave group_size unset")
             required = required + ("group_size",)
-        unused = [name for name in _OPTIONAL_FIELDS if name not in required and getattr(self, name) is not None]
+        unused = [name for name in OPTIONAL_FIELDS if name not in required and getattr(self, name) is not None]
         _require(not unused, f"{', '.join(unused)} do not apply to variant {self.variant!r}; leave them unset "
                              f"(it uses: {', '.join(required)})")
 
@@ -196,7 +197,7 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """The optimization recipe; defaults are the paper's (REFERENCE.md)."""
+    """The optimization recipe; defaults are the paper's (docs/conventions.md)."""
 
     seq_len: int = 2048
     global_batch_size: int = 480  # sequences per optimizer step
@@ -205,7 +206,8 @@ class TrainConfig:
     # each data-parallel replica (resolved for the mesh by the trainer; None: the whole global batch)
     max_micro_batch_per_device: int | None = None
     total_steps: int = 100_000
-    warmup_steps: int = 2000
+    # Linear warmup: a number of steps, or a fraction of total_steps below 1 (0.1: the first tenth)
+    warmup_steps: int | float = 2000
     peak_lr: float = 1.6e-4
     min_lr_ratio: float = 0.1  # cosine decays to min_lr_ratio * peak_lr at total_steps
     beta1: float = 0.9
@@ -235,9 +237,13 @@ class TrainConfig:
             _require(self.global_batch_size % self.micro_batch_size == 0,
                      f"micro_batch_size={self.micro_batch_size} must divide global_batch_size="
                      f"{self.global_batch_size}")
-        _require(0 <= self.warmup_steps < self.total_steps,
+        _require(isinstance(self.warmup_steps, (int, float)) and not isinstance(self.warmup_steps, bool)
+                 and (self.warmup_steps == int(self.warmup_steps) or 0 < self.warmup_steps < 1),
+                 f"warmup_steps={self.warmup_steps!r} must be a whole number of steps or a fraction of total_steps "
+                 f"between 0 and 1 (0.1: the first tenth)")
+        _require(0 <= self.warmup < self.total_steps,
                  f"warmup_steps={self.warmup_steps} must lie in [0, total_steps={self.total_steps}) so the cosine "
-                 f"phase has at least one step")
+                 f"phase has at least one step; a fraction such as 0.1 follows total_steps")
         _require(math.isfinite(self.peak_lr) and self.peak_lr > 0, f"peak_lr={self.peak_lr} must be a positive number")
         _require(math.isfinite(self.eps) and self.eps > 0, f"eps={self.eps} must be positive (AdamW divides by "
                                                           f"sqrt(v) + eps; the paper uses 1e-8)")
@@ -247,6 +253,13 @@ class TrainConfig:
         _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
                  f"beta1={self.beta1}, beta2={self.beta2} must lie in [0, 1)")
         _require(self.grad_clip > 0, f"grad_clip={self.grad_clip} must be positive")
+
+    @property
+    def warmup(self) -> int:
+        """Warmup steps: warmup_steps itself, or its fraction of total_steps (rounded)."""
+        if 0 < self.warmup_steps < 1:
+            return round(self.warmup_steps * self.total_steps)
+        return int(self.warmup_steps)
 
     def for_replicas(self, replicas: int) -> TrainConfig:
         """This recipe with max_micro_batch_per_device resolved into a micro_batch_size for `replicas`

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import re
 import secrets
@@ -45,6 +44,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from mlra_jax.checkpoint import Checkpointer
+from mlra_jax.cli import add_run_argument, add_subcommand, command_parser, dtype_argument
 from mlra_jax.command import command
 from mlra_jax.config import CheckpointConfig, ConfigError, Experiment, ModelConfig, TrainConfig
 from mlra_jax.generate import load_model
@@ -55,6 +55,7 @@ from mlra_jax.interop.files import parse_size, read_reference, write_reference
 from mlra_jax.interop.hf_folder import DTYPES, check_hf_folder, check_repo_id, push_folder, write_hf_folder
 from mlra_jax.interop.reference_config import reference_config
 from mlra_jax.params import unflatten
+from mlra_jax.progress import configure_cli_logging
 from mlra_jax.training.state import build_setup, state_from_params
 
 # .OUT.partial-HOST-PID-XXXXXXXX after the prefix: the host and process that write it
@@ -228,26 +229,25 @@ def from_reference(src: Path, out: Path, variant: str | None = None) -> ModelCon
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mlra_jax.convert", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("python -m mlra_jax.convert", __doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    to_hf_cmd = commands.add_parser("to-hf", help="a run's checkpoint -> a Hugging Face folder (transformers)")
-    to_hf_cmd.add_argument("--checkpoint", required=True, help="a training run directory")
+    to_hf_cmd = add_subcommand(commands, "to-hf", "a run's checkpoint -> a Hugging Face folder (transformers)")
+    add_run_argument(to_hf_cmd)
     to_hf_cmd.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     to_hf_cmd.add_argument("--out", required=True, type=Path, help="output folder (must not exist)")
-    to_hf_cmd.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
-                           help="dtype of the stored weights (default float32)")
+    to_hf_cmd.add_argument("--dtype", default="float32", type=dtype_argument,
+                           help="dtype of the stored weights: bfloat16 or float32 (default float32)")
     to_hf_cmd.add_argument("--shard_size", default="5GB",
                            help="largest model.safetensors shard (e.g. 5GB, 500MB; default 5GB)")
     to_hf_cmd.add_argument("--push", metavar="USER/NAME",
                            help="also upload the folder to this Hub model repository (created if needed; needs a "
                                 "login: hf auth login or HF_TOKEN)")
-    to_ref = commands.add_parser("to-reference", help="a run's checkpoint -> the official code's files")
-    to_ref.add_argument("--checkpoint", required=True, help="a training run directory")
+    to_ref = add_subcommand(commands, "to-reference", "a run's checkpoint -> the official code's files")
+    add_run_argument(to_ref)
     to_ref.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     to_ref.add_argument("--out", required=True, type=Path, help="output folder (must not exist)")
     to_ref.add_argument("--shard_size", default="10GB", help="largest .bin file (e.g. 5GB, 500MB; default 10GB)")
-    from_ref = commands.add_parser("from-reference", help="the official code's files -> a run directory")
+    from_ref = add_subcommand(commands, "from-reference", "the official code's files -> a run directory")
     from_ref.add_argument("--src", required=True, type=Path,
                           help="a .pt/.bin/.safetensors file or a folder (config.json, weights or shards + index)")
     from_ref.add_argument("--variant", help="our variant (mla, mlra4, ...) or a reference file (model/mla_no_scale.py);"
@@ -259,11 +259,11 @@ def _parser() -> argparse.ArgumentParser:
 @command
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    configure_cli_logging()
     if args.command == "to-hf":
-        to_hf(args.checkpoint, args.out, args.step, args.dtype, args.shard_size, args.push)
+        to_hf(args.workdir, args.out, args.step, args.dtype, args.shard_size, args.push)
     elif args.command == "to-reference":
-        to_reference(args.checkpoint, args.out, args.step, args.shard_size)
+        to_reference(args.workdir, args.out, args.step, args.shard_size)
     else:
         from_reference(args.src, args.out, args.variant)
     return 0

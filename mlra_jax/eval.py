@@ -26,13 +26,13 @@ import argparse
 import dataclasses
 import functools
 import json
-import logging
 import math
 import sys
 from pathlib import Path
 
 import jax
 
+from mlra_jax.cli import add_run_argument, add_subcommand, command_parser, dtype_argument
 from mlra_jax.command import command
 from mlra_jax.config import ConfigError, MeshConfig
 from mlra_jax.distributed import add_arguments as add_distributed_arguments, data_parallel_devices, initialize
@@ -40,6 +40,7 @@ from mlra_jax.generate import load_model
 from mlra_jax.guards import atomic_write_text, check_output_path, without_non_finite
 from mlra_jax.paths import as_path
 from mlra_jax.perplexity import batch_losses, evaluate_set
+from mlra_jax.progress import configure_cli_logging
 from mlra_jax.sharding import make_mesh
 from mlra_jax.zero_shot import PAPER_SUITE, PAPER_TASKS, check_known, paper_table, task_names
 
@@ -72,12 +73,11 @@ def _tokens(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mlra_jax.eval", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("python -m mlra_jax.eval", __doc__)
     add_distributed_arguments(parser)  # before the command: python -m mlra_jax.eval --distributed ... ppl ...
     commands = parser.add_subparsers(dest="command", required=True)
-    ppl = commands.add_parser("ppl", help="loss and perplexity on held-out llm.c token files")
-    ppl.add_argument("--checkpoint", required=True, help="a run directory (local or gs://)")
+    ppl = add_subcommand(commands, "ppl", "loss and perplexity on held-out llm.c token files")
+    add_run_argument(ppl)
     ppl.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     ppl.add_argument("--data", type=_named_set, action="append", required=True, metavar="NAME=PATH",
                      help="an llm.c .bin file to evaluate (repeat for several sets)")
@@ -85,11 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     ppl.add_argument("--seq_len", type=int, default=2048, help="context per window (the paper's 2048)")
     ppl.add_argument("--batch_size", type=int, default=6,
                      help="windows per batch (the official default 6; it sets the number of windows evaluated)")
-    ppl.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the run's)")
+    ppl.add_argument("--dtype", type=dtype_argument, help="compute dtype: bfloat16 or float32 (default: the run's)")
     ppl.add_argument("--out", help="JSON file for the results (default RUN/eval/ppl_step{N}.json)")
 
-    harness = commands.add_parser("lm-eval", help="lm-evaluation-harness tasks (zero-shot accuracy, ...)")
-    harness.add_argument("--checkpoint", required=True, help="a run directory (local or gs://)")
+    harness = add_subcommand(commands, "lm-eval", "lm-evaluation-harness tasks (zero-shot accuracy, ...)")
+    add_run_argument(harness)
     harness.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     harness.add_argument("--tasks", required=True,
                          help=f"comma-separated lm-eval task names or globs; {PAPER_SUITE!r} for the paper's seven "
@@ -97,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     harness.add_argument("--limit", type=_limit, help="examples per task (N) or a fraction of them (0.1); for tests")
     harness.add_argument("--batch_size", type=int, default=32, help="sequences per batch (default 32)")
     harness.add_argument("--num_fewshot", type=int, help="few-shot examples (default: the task's, else 0)")
-    harness.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the run's)")
+    harness.add_argument("--dtype", type=dtype_argument,
+                         help="compute dtype: bfloat16 or float32 (default: the run's)")
     harness.add_argument("--max_length", type=int, help="context length (default: the model's max_seq_len)")
     harness.add_argument("--max_gen_toks", type=int, default=256, help="generated tokens at most (generative tasks)")
     harness.add_argument("--include_path", help="a folder of task YAML files of your own")
@@ -108,9 +109,9 @@ def _parser() -> argparse.ArgumentParser:
 def _output(args: argparse.Namespace, default: str) -> tuple[Path, bool]:
     """(--out, else RUN/eval/`default`; whether it replaces an earlier result), checked before any evaluation: never
     an input (the --data files) nor one of the run's own files, in a folder that takes it."""
-    out = as_path(args.out) if args.out else as_path(args.checkpoint) / "eval" / default
+    out = as_path(args.out) if args.out else as_path(args.workdir) / "eval" / default
     inputs = [path for _, path in getattr(args, "data", None) or []]
-    return out, check_output_path(out, inputs=inputs, run_dirs=[args.checkpoint], make_folder=False)
+    return out, check_output_path(out, inputs=inputs, run_dirs=[args.workdir], make_folder=False)
 
 
 def _write_results(out: Path, results: dict, replaced: bool, **dumps) -> None:
@@ -131,7 +132,7 @@ def ppl(args: argparse.Namespace) -> int:
         raise ConfigError(f"--batch_size: {err}") from None
     if args.out:
         _output(args, "")  # an explicit --out is checked before the model loads
-    model, step = load_model(args.checkpoint, args.step, args.dtype)
+    model, step = load_model(args.workdir, args.step, args.dtype)
     if args.seq_len > model.config.max_seq_len:
         raise ConfigError(f"--seq_len {args.seq_len} exceeds the model's max_seq_len {model.config.max_seq_len}; give "
                           f"--seq_len from 1 to {model.config.max_seq_len} (training refuses the same)")
@@ -148,7 +149,7 @@ def ppl(args: argparse.Namespace) -> int:
     for r in results:
         print(f"{r.name:{width}}  {r.loss:8.4f}  {r.perplexity:10.3f}  {r.tokens:14,}")
     print(f"{'average':{width}}  {average:8.4f}")
-    _write_results(out, {"checkpoint": str(as_path(args.checkpoint)), "step": step, "seq_len": args.seq_len,
+    _write_results(out, {"checkpoint": str(as_path(args.workdir)), "step": step, "seq_len": args.seq_len,
                          "batch_size": args.batch_size, "dtype": args.dtype or model.config.compute_dtype,
                          "average_loss": average, "sets": [dataclasses.asdict(r) for r in results]}, replaced, indent=1)
     return 0
@@ -190,9 +191,9 @@ def lm_eval_command(args: argparse.Namespace) -> int:
     names = task_names(args.tasks)
     manager = task_manager(args.include_path)
     check_known(names, manager.all_tasks, lambda name: manager.match_tasks([name]))
-    model, step = load_model(args.checkpoint, args.step, args.dtype)
+    model, step = load_model(args.workdir, args.step, args.dtype)
     lm = MlraLM(model, batch_size=args.batch_size, max_length=args.max_length, max_gen_toks=args.max_gen_toks,
-                checkpoint=str(as_path(args.checkpoint)), step=step)
+                checkpoint=str(as_path(args.workdir)), step=step)
     out, replaced = _output(args, f"lm_eval_step{step}.json")
     results = lm_eval.simple_evaluate(model=lm, tasks=names, num_fewshot=args.num_fewshot, limit=args.limit,
                                       batch_size=args.batch_size, task_manager=manager, log_samples=False)
@@ -211,7 +212,7 @@ def lm_eval_command(args: argparse.Namespace) -> int:
 @command
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    configure_cli_logging()
     if args.distributed:
         initialize(args.coordinator, args.num_processes, args.process_id)
     return ppl(args) if args.command == "ppl" else lm_eval_command(args)

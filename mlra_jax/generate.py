@@ -11,10 +11,8 @@ padding; decoding stops at <|endoftext|> or after --max_new_tokens. Bad input ex
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import logging
 import os
 import sys
 
@@ -22,7 +20,7 @@ import jax
 from flax import nnx
 
 from mlra_jax.checkpoint import CheckpointError, Checkpointer
-from mlra_jax.cli import experiment_from_dict, read_run_config
+from mlra_jax.cli import add_run_argument, command_parser, experiment_from_dict, read_run_config
 from mlra_jax.command import command
 from mlra_jax.config import CheckpointConfig, ConfigError
 from mlra_jax.data.tokenizer import EOT, gpt2_tokenizer
@@ -30,6 +28,7 @@ from mlra_jax.decode.generator import GenerationError, Generator, Sampling
 from mlra_jax.guards import check_finite, error_summary
 from mlra_jax.model import Transformer, abstract_model
 from mlra_jax.paths import as_path
+from mlra_jax.progress import configure_cli_logging
 
 
 def load_model(run_dir: str | os.PathLike, step: int | None = None,
@@ -79,9 +78,8 @@ def load_model(run_dir: str | os.PathLike, step: int | None = None,
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlra_jax.generate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="a training run directory (local or gs://...)")
+    parser = command_parser("python -m mlra_jax.generate", __doc__)
+    add_run_argument(parser)
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     parser.add_argument("--max_new_tokens", type=int, default=64)
@@ -93,12 +91,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="cache length: the prompt and the new tokens (1 to the model's max_seq_len, the default)")
     parser.add_argument("--json", action="store_true", help="print JSON records")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    configure_cli_logging()
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed)  # checked before the model loads
     if args.max_len is not None and args.max_len < 1:
         raise GenerationError(f"--max_len {args.max_len} is out of range: give 1 to the model's max_seq_len")
-    model, step = load_model(args.checkpoint, args.step)
+    model, step = load_model(args.workdir, args.step)
     max_len = model.config.max_seq_len if args.max_len is None else args.max_len
     if max_len > model.config.max_seq_len:
         raise GenerationError(f"--max_len {max_len} exceeds the model's max_seq_len {model.config.max_seq_len} (the "

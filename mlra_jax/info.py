@@ -2,20 +2,20 @@
 
     python -m mlra_jax.info --list                      # every experiment
     python -m mlra_jax.info --experiment=mlra4_2p9b     # parameters, KV cache, TP loading, decode AI
-    python -m mlra_jax.info --paper-tables              # Tables 1 and 2 at the paper's analysis settings
+    python -m mlra_jax.info --paper_tables              # Tables 1 and 2 at the paper's analysis settings
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any
 
 from mlra_jax.cache_accounting import cache_report
+from mlra_jax.cli import command_parser
 from mlra_jax.command import command
 from mlra_jax.config import Experiment, ModelConfig
-from mlra_jax.experiments import all_experiments, get_experiment
+from mlra_jax.experiments import all_experiments, resolve_experiment
 from mlra_jax.experiments.paper_tables import TABLE_VARIANTS, TP_DEGREES, analysis_config
 from mlra_jax.model import abstract_model, count_params
 
@@ -80,12 +80,13 @@ def paper_tables() -> str:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlra_jax.info", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("python -m mlra_jax.info", __doc__)
     group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--experiment", help="an experiment name (see --list)")
+    group.add_argument("--experiment", help="an experiment's name (see --list), FILE.py:NAME, package.module:NAME "
+                       "or RUN/experiment.json")
     group.add_argument("--list", action="store_true", help="list every experiment")
-    group.add_argument("--paper-tables", action="store_true", help="print paper Tables 1 and 2")
+    group.add_argument("--paper_tables", "--paper-tables", action="store_true",
+                       help="print paper Tables 1 and 2 (--paper-tables: the same)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--measure", action="store_true",
                         help="with --experiment: also build real sharded caches at TP=1,2,4,8 and report the bytes "
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.paper_tables:
         print(paper_tables())
         return 0
-    experiment = get_experiment(args.experiment)  # an unknown name: exit 2 naming the experiments (command.py)
+    experiment = resolve_experiment(args.experiment)  # an unknown name: exit 2 with the closest one (command.py)
     info = describe(experiment)
     if args.measure:
         from mlra_jax.kv_cache import measured_kv_bytes_per_token

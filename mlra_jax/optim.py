@@ -8,9 +8,9 @@ from mlra_jax.config import TrainConfig
 
 
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
-    """Linear warmup from 0 to peak_lr over warmup_steps, cosine to min_lr_ratio * peak_lr at total_steps."""
+    """Linear warmup from 0 to peak_lr over cfg.warmup steps, cosine to min_lr_ratio * peak_lr at total_steps."""
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.peak_lr, warmup_steps=cfg.warmup_steps,
+        init_value=0.0, peak_value=cfg.peak_lr, warmup_steps=cfg.warmup,
         decay_steps=cfg.total_steps, end_value=cfg.peak_lr * cfg.min_lr_ratio)
 
 

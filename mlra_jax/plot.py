@@ -12,7 +12,6 @@ runs' own files, and which is written whole (a kill leaves the earlier image or 
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import logging
@@ -21,8 +20,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from mlra_jax.cli import command_parser
 from mlra_jax.command import command
 from mlra_jax.paths import as_path, is_remote
+from mlra_jax.progress import configure_cli_logging
 
 log = logging.getLogger(__name__)
 
@@ -137,12 +138,11 @@ def _check_output(out: Any, runs: Sequence[str]) -> bool:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlra_jax.plot", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("python -m mlra_jax.plot", __doc__)
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run directories (or their metrics.jsonl files)")
     parser.add_argument("--out", default="curves.png", help="the PNG to write (default curves.png)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    configure_cli_logging()
     out = as_path(args.out)
     replaced = _check_output(out, args.runs)
     try:

@@ -57,9 +57,11 @@ def show_library_logs() -> None:
 
 
 def configure_cli_logging(library_level: int = logging.INFO) -> None:
-    """The entry points' logging: one handler on stdout with timestamps, other libraries (orbax, grain,
-    absl) at WARNING, the library at `library_level`."""
+    """Every command's logging: one handler on stdout with timestamps, other libraries (orbax, grain) at WARNING,
+    absl at ERROR (Orbax's notes about read-only checkpoint managers are not a user's concern), the library at
+    `library_level`."""
     logging.basicConfig(level=logging.WARNING, format=LINE_FORMAT, stream=sys.stdout)
+    logging.getLogger("absl").setLevel(logging.ERROR)
     logging.getLogger(LIBRARY_LOGGER).setLevel(library_level)
 
 

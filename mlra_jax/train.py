@@ -21,22 +21,27 @@ import os
 import sys
 from pathlib import Path
 
-from mlra_jax.cli import apply_overrides, fields_help
+from mlra_jax.cli import apply_overrides, command_parser, fields_help
 from mlra_jax.command import command
-from mlra_jax.config import Experiment
+from mlra_jax.config import ConfigError, Experiment
 from mlra_jax.distributed import add_arguments as add_distributed_arguments
-from mlra_jax.experiments import all_experiments, get_experiment
+from mlra_jax.experiments import all_experiments, resolve_experiment
 from mlra_jax.paths import as_path
 from mlra_jax.progress import configure_cli_logging
 from mlra_jax.xla_flags import apply_gpu_defaults
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(experiment: Experiment | None = None) -> argparse.ArgumentParser:
+    """The command's parser; its help lists the fields with `experiment`'s values (the dataclasses' defaults
+    when no --experiment was given)."""
     experiments = "\n".join(f"  {e.name:28} {e.description}" for e in all_experiments())
-    epilog = f"experiments:\n{experiments}\n\noverridable fields (--SECTION.FIELD=VALUE):\n{fields_help()}"
-    parser = argparse.ArgumentParser(prog="python -m mlra_jax.train", description=__doc__, epilog=epilog,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--experiment", required=True, help="experiment name (listed below)")
+    values = (f"the values of {experiment.name}" if experiment is not None else
+              "their defaults; --experiment=NAME --help shows its values")
+    epilog = (f"experiments (or FILE.py:NAME, package.module:NAME, RUN/experiment.json):\n{experiments}\n\n"
+              f"overridable fields (--SECTION.FIELD=VALUE; {values}):\n{fields_help(experiment)}")
+    parser = command_parser("python -m mlra_jax.train", __doc__, epilog=epilog)
+    parser.add_argument("--experiment", required=True, help="an experiment's name (listed below), FILE.py:NAME or "
+                        "package.module:NAME (an Experiment kept outside this package), or RUN/experiment.json")
     parser.add_argument("--workdir", help="run directory, local or gs://bucket/path (default runs/EXPERIMENT)")
     parser.add_argument("--dry_run", action="store_true",
                         help="print the resolved config, parameter count, mesh and per-device memory, then exit "
@@ -63,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _options(parser: argparse.ArgumentParser) -> tuple[str, ...]:
+    return tuple(option for action in parser._actions for option in action.option_strings)
+
+
 def initialize_distributed(args: argparse.Namespace) -> None:
     from mlra_jax.distributed import initialize
 
@@ -70,10 +79,14 @@ def initialize_distributed(args: argparse.Namespace) -> None:
 
 
 def dry_run(experiment: Experiment, compile_step: bool) -> None:
+    from mlra_jax.data.pipeline import check_data
     from mlra_jax.training.state import build_setup, compiled_memory, memory_estimate
 
+    train = experiment.train
+    data = check_data(experiment.data, train.seq_len, train.eval_every > 0, train.named_eval_sets)
     setup = build_setup(experiment)
     print(json.dumps(dataclasses.asdict(experiment), indent=1))
+    print(data)
     print(f"parameters: {setup.num_params:,}")
     print(f"mesh: {dict(setup.mesh.shape)} over {setup.mesh.size} {setup.mesh.devices.flat[0].device_kind} "
           f"devices; {setup.experiment.train.accumulation_steps} micro-batch(es) of "
@@ -103,16 +116,28 @@ def compile_for(experiment: Experiment, slice_name: str, report_path: Path | Non
     return 0
 
 
+def _chosen_experiment(argv: list[str]) -> Experiment | None:
+    """The --experiment of argv for --help to show its values, when it resolves; else None."""
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    early.add_argument("--experiment")
+    try:
+        name = early.parse_known_args(argv)[0].experiment
+        return resolve_experiment(name) if name else None
+    except ConfigError:
+        return None
+
+
 @command
 def main(argv: list[str] | None = None) -> int:
-    args, overrides = _parser().parse_known_args(argv)
+    parser = _parser(_chosen_experiment(argv) if "-h" in argv or "--help" in argv else None)
+    args, overrides = parser.parse_known_args(argv)
     if args.compile_for:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices; no accelerator is needed here
     apply_gpu_defaults()  # before JAX starts a backend
     configure_cli_logging()  # one handler, on stdout; orbax and grain stay at WARNING
     if args.distributed:
         initialize_distributed(args)
-    experiment = apply_overrides(get_experiment(args.experiment), overrides)
+    experiment = apply_overrides(resolve_experiment(args.experiment), overrides, _options(parser))
     if args.compile_for:
         return compile_for(experiment, args.compile_for, args.compile_report)
     if args.dry_run:

@@ -75,9 +75,9 @@ def latent_decode_tpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array,
 
         @pl.when(step == steps - 1)
         def _finish():
-            l = l_sc[...]
-            o_ref[0, 0, 0] = jnp.where(l > 0, acc_sc[...] / jnp.where(l > 0, l, 1.0), 0.0)
-            lse_ref[0, 0, 0] = (m_sc[...] + jnp.log2(jnp.where(l > 0, l, 1.0))).reshape(1, h)
+            total = l_sc[...]
+            o_ref[0, 0, 0] = jnp.where(total > 0, acc_sc[...] / jnp.where(total > 0, total, 1.0), 0.0)
+            lse_ref[0, 0, 0] = (m_sc[...] + jnp.log2(jnp.where(total > 0, total, 1.0))).reshape(1, h)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,

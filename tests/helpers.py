@@ -17,7 +17,9 @@ from xla_test_flags import SUBPROCESS
 from mlra_jax.experiments import get_experiment
 
 ROOT = Path(__file__).parent.parent
-on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+def on_gpu(test):
+    """A test that needs an NVIDIA GPU: marked `gpu` (pytest -m gpu selects them) and skipped elsewhere."""
+    return pytest.mark.gpu(pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")(test))
 
 # A model and run small enough that a step takes milliseconds on a CPU (the vocabulary stays GPT-2's).
 MICRO = ["--model.n_layer=1", "--model.n_embd=64", "--model.intermediate_size=64", "--train.seq_len=32",

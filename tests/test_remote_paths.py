@@ -67,7 +67,7 @@ def test_a_run_on_a_bucket_trains_resumes_and_writes_nothing_locally(tmp_path, m
     local = train(micro_experiment("mlra4_tiny", "--train.total_steps=8", f"--data.dataset={bucket / 'data'}"),
                   tmp_path / "local_run", devices=ONE_DEVICE)
     assert local.step == 8
-    remote = {s: l for s, l in losses(run).items() if s <= 8}
+    remote = {step: loss for step, loss in losses(run).items() if step <= 8}
     assert losses(tmp_path / "local_run") == remote
 
 

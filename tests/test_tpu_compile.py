@@ -16,6 +16,7 @@ from mlra_jax.tpu_compile import compile_serving, compile_train, mosaic_kernels
 from mlra_jax.tpu_topology import parse_topology
 
 pytest.importorskip("libtpu", reason="compiling for TPUs needs libtpu (pip install 'jax[tpu]'; in the test extra)")
+pytestmark = pytest.mark.tpu
 
 SPLASH = {"splash_mha_fwd_residuals", "splash_mha_dq_no_residuals", "splash_mha_dkv_no_residuals"}
 

@@ -15,7 +15,7 @@ Each block has its RMSNorm and its up-projection to k_nope || v for the heads it
 serves (paper Sec. 3, Eq. 1-2). Within a branch the heads are concatenated; the
 branches are attention outputs summed and scaled by 1/sqrt(branches) (paper Sec.
 3.3; the no-scale ablation drops this factor with alpha_q and alpha_kv). The cache
-holds the normalized, scaled latent blocks and the roped key (REFERENCE.md).
+holds the normalized, scaled latent blocks and the roped key (docs/conventions.md).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class LatentAttention(Attention):
         self.kv_scale = math.sqrt(d / self.block_rank) if cfg.latent_scale else 1.0
         self.softmax_scale = (dh + dr) ** -0.5
         # The reference mlra_2_no_scale.py drops the 1/sqrt(branches) output scale together with
-        # the latent scales (its logits show it; REFERENCE.md's note that it stays is wrong).
+        # the latent scales (its logits show it).
         self.branch_scale = self.branches ** -0.5 if cfg.latent_scale else 1.0
         self.absorbed_training = cfg.trains_absorbed  # training attention absorbed (ModelConfig.latent_form)
 

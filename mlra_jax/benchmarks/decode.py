@@ -4,7 +4,7 @@
     python -m mlra_jax.benchmarks.decode model --experiments=mlra4_2p9b,mla_2p9b --batch=1,64 --context=8192
 
 `attention`: one decode step of attention on one device at the paper's per-device
-settings (REFERENCE.md): MLRA-4 at TP=4 (64 heads over a 128-wide latent block plus
+settings (docs/conventions.md): MLRA-4 at TP=4 (64 heads over a 128-wide latent block plus
 a 64-wide RoPE key), GLA-2 at TP=2 (32 heads, 256 + 64), MLA (64 heads, 512 + 64) and
 GQA at TP=8 (8 query heads on one 128-wide KV head); batch 1 at 128K-2M tokens and
 batch 128 at 1K-16K. It reports the median time per call, the ideal time (cache bytes

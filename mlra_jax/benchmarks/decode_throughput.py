@@ -100,7 +100,7 @@ def measure_attention(variant: str, contexts: list[int], repeats: int, impl: str
 
             results.append(_record(variant, "attention", cfg, tp, dp, len(devices), batch, context,
                                    time_step(run, repeats)))
-            del holder
+            holder.clear()  # the cache's buffers go before the next context's are made
 
 
 def measure_model(variant: str, contexts: list[int], repeats: int, impl: str, devices: list[jax.Device],
@@ -133,7 +133,7 @@ def measure_model(variant: str, contexts: list[int], repeats: int, impl: str, de
 
             results.append(_record(variant, "model", cfg, tp, dp, len(devices), batch, context,
                                    time_step(run, repeats)))
-            del holder
+            holder.clear()  # the cache's buffers go before the next context's are made
 
 
 def _record(variant: str, scope: str, cfg: ModelConfig, tp: int, dp: int, devices: int, batch: int, context: int,

@@ -59,6 +59,21 @@ def data_directory(cfg: DataConfig) -> Path | epath.Path:
     return builtin_shards() if cfg.dataset == "builtin" else as_path(cfg.dataset)
 
 
+def check_data(cfg: DataConfig, seq_len: int, validation: bool, eval_sets: dict[str, str] | None = None) -> str:
+    """What a run will read, checked before its state is built (minutes at 2.9B): the training shards (and the
+    validation shards when `validation`) found, readable, holding a window of seq_len + 1 tokens, and each held-out
+    eval set a readable token file; a DataError naming the first that is not. Returns a one-line summary."""
+    directory = data_directory(cfg)
+    patterns = (("training", cfg.train_pattern),) + ((("validation", cfg.val_pattern),) if validation else ())
+    parts = []
+    for kind, pattern in patterns:
+        windows = TokenWindows(find_shards(directory, pattern), seq_len, vocab_size=2**16)
+        parts.append(f"{kind}: {len(windows.paths)} shard(s), {len(windows):,} windows")
+    for name, path in (eval_sets or {}).items():
+        parts.append(f"{name}: {open_shard(as_path(path)).size:,} tokens")
+    return f"data {directory}: " + "; ".join(parts)
+
+
 def train_dataset(cfg: DataConfig, seq_len: int, vocab_size: int, seed: int, local_batch: int,
                   process_index: int = 0, process_count: int = 1, start_example: int = 0) -> grain.MapDataset:
     """Local batches [local_batch, seq_len + 1] of the shuffled example stream from `start_example` (the

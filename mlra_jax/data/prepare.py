@@ -47,6 +47,7 @@ import numpy as np
 import tiktoken
 from etils import epath
 
+from mlra_jax.cli import command_parser
 from mlra_jax.command import command
 from mlra_jax.data.documents import input_files, iter_documents
 from mlra_jax.data.shards import MARKER, DataError, read_marker, verify_shards, write_shard
@@ -369,8 +370,7 @@ def _count(least: int) -> Callable[[str], int]:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlra_jax.data.prepare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("python -m mlra_jax.data.prepare", __doc__)
     parser.add_argument("--input", help="file, folder, hf:NAME[:CONFIG], hf:FOLDER or tfds:NAME[:CONFIG] (required)")
     parser.add_argument("--output", help="folder for the shards, local or gs://... (required)")
     parser.add_argument("--prefix", default="data", help="shard name prefix (the reference uses fineweb)")

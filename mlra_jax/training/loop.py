@@ -24,7 +24,8 @@ from etils import epath
 
 from mlra_jax.checkpoint import Checkpointer
 from mlra_jax.config import Experiment
-from mlra_jax.data.pipeline import check_token_ids, eval_windows, train_dataset, train_iterator, validation_batches
+from mlra_jax.data.pipeline import (check_data, check_token_ids, eval_windows, train_dataset, train_iterator,
+                                    validation_batches)
 from mlra_jax.guards import check_finite, check_run_dir
 from mlra_jax.metrics import MetricWriter, format_line, peak_flops, training_flops_per_token
 from mlra_jax.optim import learning_rate_schedule
@@ -269,6 +270,8 @@ def train(experiment: Experiment, workdir: str | os.PathLike, devices: list[jax.
     if init_from is not None:
         check_same_model(init_from, experiment.model)
     check_run_dir(workdir)
+    log.info("%s", check_data(experiment.data, experiment.train.seq_len, experiment.train.eval_every > 0,
+                              experiment.train.named_eval_sets))  # before the state is built
     with RunLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():  # one writer per run
         has_checkpoints = any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*"))
         check_resume(workdir, experiment, has_checkpoints, allow_changed)
