@@ -7,7 +7,12 @@ The folder installs as `mlra_jax.experiments` (pyproject's package-dir), a name 
 """
 
 from mlra_jax.experiments import paper, tiny  # noqa: F401  (registration)
-from mlra_jax.experiments.registry import (all_experiments, experiment_names, get_experiment, register,
-                                          resolve_experiment)
+from mlra_jax.experiments.registry import (
+    all_experiments,
+    experiment_names,
+    get_experiment,
+    register,
+    resolve_experiment,
+)
 
 __all__ = ["all_experiments", "experiment_names", "get_experiment", "register", "resolve_experiment"]

@@ -13,8 +13,16 @@ from __future__ import annotations
 from mlra_jax.config import ModelConfig
 
 _LATENT = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64)
-_COMMON = dict(n_layer=1, n_head=128, n_embd=7168, intermediate_size=128, vocab_size=128, max_seq_len=32768,
-               param_dtype="bfloat16", compute_dtype="bfloat16")
+_COMMON = dict(
+    n_layer=1,
+    n_head=128,
+    n_embd=7168,
+    intermediate_size=128,
+    vocab_size=128,
+    max_seq_len=32768,
+    param_dtype="bfloat16",
+    compute_dtype="bfloat16",
+)
 THROUGHPUT_MODELS = {
     "gqa": ModelConfig(variant="gqa", head_dim=128, group_size=8, **_COMMON),
     "mla": ModelConfig(variant="mla", **_LATENT, **_COMMON),

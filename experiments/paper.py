@@ -10,14 +10,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlra_jax.config import Experiment, MeshConfig, ModelConfig, TrainConfig
 from mlra_jax.experiments.registry import register
+
+from mlra_jax.config import Experiment, MeshConfig, ModelConfig, TrainConfig
 from mlra_jax.variants import SPECS
 
 # Layers unrolled (scanning them costs a stacked-activation copy per layer on GPUs) and the least remat that
 # fits the device's memory (training.remat_choice): the fastest measured on an H100 (experiments/results/README.md).
-_COMMON = dict(n_layer=24, n_head=24, n_embd=3072, vocab_size=50304, max_seq_len=2048, compute_dtype="bfloat16",
-               remat="auto", scan_layers=False)
+_COMMON = dict(
+    n_layer=24,
+    n_head=24,
+    n_embd=3072,
+    vocab_size=50304,
+    max_seq_len=2048,
+    compute_dtype="bfloat16",
+    remat="auto",
+    scan_layers=False,
+)
 # 480 sequences per step, accumulated in micro-batches of at most 8 sequences per data-parallel device (the
 # fastest that fits, measured); weights and optimizer state sharded over all devices (FSDP).
 _TRAIN = TrainConfig(max_micro_batch_per_device=8)
@@ -46,8 +55,11 @@ def _model(variant: str, intermediate_size: int | None = None, **changes: Any) -
 
 
 def _add(name: str, description: str, model: ModelConfig, reference_key: str) -> None:
-    register(Experiment(name=name, description=description, model=model, train=_TRAIN, mesh=_MESH,
-                        reference_key=reference_key))
+    register(
+        Experiment(
+            name=name, description=description, model=model, train=_TRAIN, mesh=_MESH, reference_key=reference_key
+        )
+    )
 
 
 def _ref(variant: str) -> str:
@@ -62,17 +74,33 @@ for _v in _MAIN:
     _add(f"{_v}_2p9b", f"{_name(_v)} 2.9B, main results (Tables 3-4)", _model(_v), _ref(_v))
 
 for _v, _ffn, _changes in (("gqa", 7680, dict(group_size=8)), ("mla", 7320, {}), ("gla2", 8344, {})):
-    _add(f"{_v}_double_heads_2p9b", f"{_name(_v)} 2.9B with 48 heads, same KV cache (double-heads ablation)",
-         _model(_v, _ffn, n_head=48, **_changes), f"{_ref(_v)}_double_heads")
+    _add(
+        f"{_v}_double_heads_2p9b",
+        f"{_name(_v)} 2.9B with 48 heads, same KV cache (double-heads ablation)",
+        _model(_v, _ffn, n_head=48, **_changes),
+        f"{_ref(_v)}_double_heads",
+    )
 
 for _v in ("gla2", "gqa", "gta", "mfa", "mha", "mla", "mqa", "tpa"):
-    _add(f"{_v}_normal_init_2p9b", f"{_name(_v)} 2.9B with N(0, 0.02) output projections (initialization ablation)",
-         _model(_v, output_init="normal"), f"{_ref(_v)}_normal_initialization")
+    _add(
+        f"{_v}_normal_init_2p9b",
+        f"{_name(_v)} 2.9B with N(0, 0.02) output projections (initialization ablation)",
+        _model(_v, output_init="normal"),
+        f"{_ref(_v)}_normal_initialization",
+    )
 
 for _v in ("gla2", "mla", "mlra2"):
-    _add(f"{_v}_no_scale_2p9b", f"{_name(_v)} 2.9B without the latent scaling (scaling ablation)",
-         _model(_v, latent_scale=False), f"{_ref(_v)}_no_scale_xxl")
+    _add(
+        f"{_v}_no_scale_2p9b",
+        f"{_name(_v)} 2.9B without the latent scaling (scaling ablation)",
+        _model(_v, latent_scale=False),
+        f"{_ref(_v)}_no_scale_xxl",
+    )
 
 for _v, _ffn in (("gla2", 9024), ("gqa", 8704), ("mla", 8424), ("mlra2", 9024), ("mlra4", 8856)):
-    _add(f"{_v}_gated_2p9b", f"{_name(_v)} 2.9B with gated attention (gating study)", _model(_v, _ffn, gated=True),
-         f"{_ref(_v)}_gated_xxl")
+    _add(
+        f"{_v}_gated_2p9b",
+        f"{_name(_v)} 2.9B with gated attention (gating study)",
+        _model(_v, _ffn, gated=True),
+        f"{_ref(_v)}_gated_xxl",
+    )

@@ -32,5 +32,6 @@ TP_DEGREES = (1, 2, 4, 8)
 
 
 def analysis_config(variant: str) -> ModelConfig:
-    return ModelConfig(variant=variant, n_layer=1, n_head=64, n_embd=7168, intermediate_size=1024,
-                       **_ATTENTION[variant])
+    return ModelConfig(
+        variant=variant, n_layer=1, n_head=64, n_embd=7168, intermediate_size=1024, **_ATTENTION[variant]
+    )

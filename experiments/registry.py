@@ -47,9 +47,11 @@ def resolve_experiment(spec: str) -> Experiment:
     if ":" in spec:
         return _experiment_attribute(spec)
     if spec not in experiment_names():
-        raise ConfigError(f"unknown experiment {spec!r}{did_you_mean(spec, experiment_names())}; "
-                          f"python -m mlra_jax.info --list lists them, or give FILE.py:NAME, package.module:NAME or "
-                          f"a run's experiment.json")
+        raise ConfigError(
+            f"unknown experiment {spec!r}{did_you_mean(spec, experiment_names())}; "
+            f"python -m mlra_jax.info --list lists them, or give FILE.py:NAME, package.module:NAME or "
+            f"a run's experiment.json"
+        )
     return get_experiment(spec)
 
 
@@ -76,6 +78,8 @@ def _experiment_attribute(spec: str) -> Experiment:
     value = getattr(module, name)
     experiment = value() if callable(value) and not isinstance(value, Experiment) else value
     if not isinstance(experiment, Experiment):
-        raise ConfigError(f"--experiment={spec} is a {type(experiment).__name__}, not an Experiment "
-                          f"(mlra_jax.config.Experiment, or a function returning one)")
+        raise ConfigError(
+            f"--experiment={spec} is a {type(experiment).__name__}, not an Experiment "
+            f"(mlra_jax.config.Experiment, or a function returning one)"
+        )
     return experiment

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlra_jax.config import CheckpointConfig, DataConfig, Experiment, ModelConfig, TrainConfig
 from mlra_jax.experiments.registry import register
+
+from mlra_jax.config import CheckpointConfig, DataConfig, Experiment, ModelConfig, TrainConfig
 from mlra_jax.variants import SPECS
 
 _LATENT = dict(q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16)
@@ -26,17 +27,34 @@ _ATTENTION: dict[str, dict[str, Any]] = {
     "mlra2": _LATENT,
     "mlra4": _LATENT,
 }
-TINY_TRAIN = TrainConfig(seq_len=128, global_batch_size=8, total_steps=200, warmup_steps=0.1, peak_lr=3e-3, seed=0,
-                         log_every=10, eval_every=100, eval_batches=4)
+TINY_TRAIN = TrainConfig(
+    seq_len=128,
+    global_batch_size=8,
+    total_steps=200,
+    warmup_steps=0.1,
+    peak_lr=3e-3,
+    seed=0,
+    log_every=10,
+    eval_every=100,
+    eval_batches=4,
+)
 
 
 def tiny_model(variant: str, **changes: Any) -> ModelConfig:
-    fields = dict(n_layer=4, n_head=4, n_embd=128, intermediate_size=384, vocab_size=50304, max_seq_len=512,
-                  **_ATTENTION[variant])
+    fields = dict(
+        n_layer=4, n_head=4, n_embd=128, intermediate_size=384, vocab_size=50304, max_seq_len=512, **_ATTENTION[variant]
+    )
     return ModelConfig(variant=variant, **{**fields, **changes})
 
 
 for _v in _ATTENTION:
-    register(Experiment(name=f"{_v}_tiny", description=f"{SPECS[_v].display_name}, 4 layers, d=128: trains on a CPU "
-                        f"in minutes on the built-in corpus", model=tiny_model(_v), train=TINY_TRAIN,
-                        data=DataConfig(dataset="builtin"), checkpoint=CheckpointConfig(every=100, keep=2)))
+    register(
+        Experiment(
+            name=f"{_v}_tiny",
+            description=f"{SPECS[_v].display_name}, 4 layers, d=128: trains on a CPU in minutes on the built-in corpus",
+            model=tiny_model(_v),
+            train=TINY_TRAIN,
+            data=DataConfig(dataset="builtin"),
+            checkpoint=CheckpointConfig(every=100, keep=2),
+        )
+    )

@@ -55,6 +55,11 @@ class CacheReport:
 
 
 def cache_report(cfg: ModelConfig, tp_degrees: tuple[int, ...] = (1, 2, 4, 8)) -> CacheReport:
-    return CacheReport(cfg.variant, cfg.d_h, kv_cache_elements(cfg),
-                       {tp: per_device_kv_elements(cfg, tp) for tp in tp_degrees},
-                       {tp: replicated_under(cfg, tp) for tp in tp_degrees}, decode_shape(cfg))
+    return CacheReport(
+        cfg.variant,
+        cfg.d_h,
+        kv_cache_elements(cfg),
+        {tp: per_device_kv_elements(cfg, tp) for tp in tp_degrees},
+        {tp: replicated_under(cfg, tp) for tp in tp_degrees},
+        decode_shape(cfg),
+    )

@@ -35,14 +35,18 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, cfg: CheckpointConfig, read_only: bool = False):
         self.directory = as_path(directory)  # a local folder (absolute) or a URL: orbax writes both
         self.read_only = read_only
-        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
-                                               create=not read_only, read_only=read_only)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=not read_only, read_only=read_only
+        )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state: Any, metadata: dict[str, Any]) -> None:
         """Start saving (returns before the write finishes when async); `wait` to block."""
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        metadata=ocp.args.JsonSave(metadata)), force=True)
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), metadata=ocp.args.JsonSave(metadata)),
+            force=True,
+        )
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -56,14 +60,22 @@ class Checkpointer:
         if set(abstract_state) == {"params", "opt_state", "rng"}:
             state_args = ocp.args.StandardRestore(abstract_state)
         else:
-            state_args = ocp.args.PyTreeRestore(item=abstract_state, partial_restore=True,
-                                                restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
-        restored = self.manager.restore(step, args=ocp.args.Composite(state=state_args,
-                                                                      metadata=ocp.args.JsonRestore()))
+            state_args = ocp.args.PyTreeRestore(
+                item=abstract_state,
+                partial_restore=True,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
+            )
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(state=state_args, metadata=ocp.args.JsonRestore())
+        )
         return step, restored["state"], restored["metadata"]
 
-    def restore_latest(self, abstract_state: Any, required_metadata: tuple[str, ...] = (),
-                       validate: Callable[[int, Any], None] | None = None) -> tuple[int, Any, dict[str, Any]] | None:
+    def restore_latest(
+        self,
+        abstract_state: Any,
+        required_metadata: tuple[str, ...] = (),
+        validate: Callable[[int, Any], None] | None = None,
+    ) -> tuple[int, Any, dict[str, Any]] | None:
         """(step, state, metadata) of the newest checkpoint that restores, or None if there is none.
 
         `abstract_state` holds jax.ShapeDtypeStructs with the target shardings; metadata that lacks a key
@@ -86,8 +98,14 @@ class Checkpointer:
                 continue
             for failed, err in failures:
                 what = "skipped it" if self.read_only else f"moved it to {self._set_aside(failed)}"
-                log.warning("checkpoint %s/%d is incomplete or damaged (%s); %s and restored step %d",
-                            self.directory, failed, error_summary(err, 200), what, step)
+                log.warning(
+                    "checkpoint %s/%d is incomplete or damaged (%s); %s and restored step %d",
+                    self.directory,
+                    failed,
+                    error_summary(err, 200),
+                    what,
+                    step,
+                )
             return restored
         if failures:
             step, err = failures[0]
@@ -95,7 +113,8 @@ class Checkpointer:
                 f"none of the {len(failures)} checkpoints in {self.directory} restores; the newest, step {step}, "
                 f"fails with {error_summary(err, 300)}. Nothing was changed. If the "
                 f"model or mesh changed, run with the configuration the checkpoints were saved with; to start over, "
-                f"use another --workdir")
+                f"use another --workdir"
+            )
         return None
 
     def _set_aside(self, step: int) -> epath.Path:

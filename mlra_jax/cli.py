@@ -17,13 +17,30 @@ import typing
 from pathlib import Path
 from typing import Any, Iterable
 
-from mlra_jax.config import (OPTIONAL_FIELDS, CheckpointConfig, ConfigError, DataConfig, Experiment, MeshConfig,
-                             MetricsConfig, ModelConfig, ProfileConfig, TrainConfig)
+from mlra_jax.config import (
+    OPTIONAL_FIELDS,
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    Experiment,
+    MeshConfig,
+    MetricsConfig,
+    ModelConfig,
+    ProfileConfig,
+    TrainConfig,
+)
 from mlra_jax.config_docs import field_docs
 from mlra_jax.variants import SPECS
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "mesh": MeshConfig,
-                             "checkpoint": CheckpointConfig, "metrics": MetricsConfig, "profile": ProfileConfig}
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "mesh": MeshConfig,
+    "checkpoint": CheckpointConfig,
+    "metrics": MetricsConfig,
+    "profile": ProfileConfig,
+}
 _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 
 
@@ -62,8 +79,10 @@ def _split(args: list[str], options: tuple[str, ...] = ()) -> list[tuple[str, st
             raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.field=value")
         key = arg[2:].split("=", 1)[0]
         if "." not in key:
-            raise ConfigError(f"unknown option {arg.split('=', 1)[0]}{did_you_mean(arg.split('=', 1)[0], options)}; "
-                              f"overrides are --SECTION.FIELD=VALUE (SECTION one of {', '.join(SECTIONS)})")
+            raise ConfigError(
+                f"unknown option {arg.split('=', 1)[0]}{did_you_mean(arg.split('=', 1)[0], options)}; "
+                f"overrides are --SECTION.FIELD=VALUE (SECTION one of {', '.join(SECTIONS)})"
+            )
         if "=" in arg:
             value = arg[2:].split("=", 1)[1]
         elif i + 1 < len(args) and not args[i + 1].startswith("--"):
@@ -92,20 +111,29 @@ def apply_overrides(experiment: Experiment, args: list[str], options: tuple[str,
     for key, text in _split(args, options):
         section, _, field = key.partition(".")
         if section not in SECTIONS or not field:
-            raise ConfigError(f"unknown option --{key}{did_you_mean(section, SECTIONS)}; overrides are "
-                              f"--SECTION.FIELD=VALUE with SECTION one of {', '.join(SECTIONS)}")
+            raise ConfigError(
+                f"unknown option --{key}{did_you_mean(section, SECTIONS)}; overrides are "
+                f"--SECTION.FIELD=VALUE with SECTION one of {', '.join(SECTIONS)}"
+            )
         hints = typing.get_type_hints(SECTIONS[section])
         if field not in hints:
-            raise ConfigError(f"{section} has no field {field!r}{did_you_mean(field, hints)}; its fields are: "
-                              f"{', '.join(hints)}")
+            raise ConfigError(
+                f"{section} has no field {field!r}{did_you_mean(field, hints)}; its fields are: {', '.join(hints)}"
+            )
         changes.setdefault(section, {})[field] = _parse(key, text, hints[field])
     model = changes.get("model", {})
     if "variant" in model and model["variant"] != experiment.model.variant:
-        unused = [name for name in OPTIONAL_FIELDS if name not in model and getattr(experiment.model, name) is not None
-                  and (model["variant"] not in SPECS or name not in SPECS[model["variant"]].required_fields)]
+        unused = [
+            name
+            for name in OPTIONAL_FIELDS
+            if name not in model
+            and getattr(experiment.model, name) is not None
+            and (model["variant"] not in SPECS or name not in SPECS[model["variant"]].required_fields)
+        ]
         changes["model"] = {**{name: None for name in unused}, **model}
-    replaced = {section: dataclasses.replace(getattr(experiment, section), **fields)
-                for section, fields in changes.items()}
+    replaced = {
+        section: dataclasses.replace(getattr(experiment, section), **fields) for section, fields in changes.items()
+    }
     return dataclasses.replace(experiment, **replaced)
 
 
@@ -124,8 +152,10 @@ def read_run_config(path: Path) -> dict[str, Any]:
             raise ValueError("no 'model' section")
         return data
     except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise ConfigError(f"{path} is not a run's experiment.json ({type(err).__name__}: {err}); it records the "
-                          f"configuration the run was trained with: restore it, or use another --workdir") from None
+        raise ConfigError(
+            f"{path} is not a run's experiment.json ({type(err).__name__}: {err}); it records the "
+            f"configuration the run was trained with: restore it, or use another --workdir"
+        ) from None
 
 
 def _allowed(annotation: Any, field: dataclasses.Field) -> str:
@@ -174,20 +204,33 @@ def dtype_argument(text: str) -> str:
 def command_parser(prog: str, description: str | None = None, **kwargs: Any) -> argparse.ArgumentParser:
     """A command's parser: no abbreviated options (--dry would be --dry_run), the module docstring kept as
     written, and --debug (handled by command.command) listed."""
-    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **kwargs,
+    )
     parser.add_argument("--debug", action="store_true", help="show an error's traceback (or MLRA_JAX_DEBUG=1)")
     return parser
 
 
 def add_subcommand(subparsers: Any, name: str, help: str) -> argparse.ArgumentParser:
     """A subcommand's parser with the same rules as command_parser's."""
-    return subparsers.add_parser(name, help=help, description=help, allow_abbrev=False,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    return subparsers.add_parser(
+        name, help=help, description=help, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
 
 
-def add_run_argument(parser: argparse.ArgumentParser, help: str = "a training run directory (local or gs://...)",
-                     required: bool = True) -> None:
+def add_run_argument(
+    parser: argparse.ArgumentParser, help: str = "a training run directory (local or gs://...)", required: bool = True
+) -> None:
     """The run directory, --workdir in every command (--checkpoint: the same, the name these commands had)."""
-    parser.add_argument("--workdir", "--checkpoint", dest="workdir", metavar="RUN", required=required,
-                        help=f"{help}; --checkpoint is the same option")
+    parser.add_argument(
+        "--workdir",
+        "--checkpoint",
+        dest="workdir",
+        metavar="RUN",
+        required=required,
+        help=f"{help}; --checkpoint is the same option",
+    )

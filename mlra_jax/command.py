@@ -1,12 +1,12 @@
 """One exit-code map for every command (`@command` on each `main`):
 
-    0  done
-    2  bad input, or a run that cannot continue as asked: one line `error: ...` that names the file, field or
-       value and the fix (the library's errors: ConfigError and its kind, DataError, CheckpointError, ...;
-       a full disk; a path that is missing, unreadable or in the way)
-    3  training diverged (a NaN or inf loss): nothing after the last good checkpoint was saved
-    1  an unexpected failure: one line, and the traceback only with --debug or MLRA_JAX_DEBUG=1
-  130  interrupted (Ctrl-C)
+  0  done
+  2  bad input, or a run that cannot continue as asked: one line `error: ...` that names the file, field or
+     value and the fix (the library's errors: ConfigError and its kind, DataError, CheckpointError, ...;
+     a full disk; a path that is missing, unreadable or in the way)
+  3  training diverged (a NaN or inf loss): nothing after the last good checkpoint was saved
+  1  an unexpected failure: one line, and the traceback only with --debug or MLRA_JAX_DEBUG=1
+130  interrupted (Ctrl-C)
 """
 
 from __future__ import annotations
@@ -20,9 +20,20 @@ from typing import Callable
 DEBUG_VARIABLE = "MLRA_JAX_DEBUG"
 # The library's errors that mean bad input or a run that cannot continue (by class name: their modules
 # import JAX and Orbax, which a command need not load to report one)
-BAD_INPUT = frozenset({"ConfigError", "InputError", "DataError", "CheckpointError", "GenerationError",
-                       "StateDictError", "ReferenceFileError", "MetricsFileError", "KernelUnavailable",
-                       "AnchorFileError"})
+BAD_INPUT = frozenset(
+    {
+        "ConfigError",
+        "InputError",
+        "DataError",
+        "CheckpointError",
+        "GenerationError",
+        "StateDictError",
+        "ReferenceFileError",
+        "MetricsFileError",
+        "KernelUnavailable",
+        "AnchorFileError",
+    }
+)
 PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
 
 
@@ -55,16 +66,20 @@ def exit_code(err: BaseException) -> tuple[int, str]:
         return 2, str(err)
     full = disk_full(err)
     if full is not None:
-        return 2, (f"no space left on the device while writing {full.filename or 'the output'} ({full.strerror}); "
-                   f"free space there and run the same command again (a run resumes from its newest complete "
-                   f"checkpoint)")
+        return 2, (
+            f"no space left on the device while writing {full.filename or 'the output'} ({full.strerror}); "
+            f"free space there and run the same command again (a run resumes from its newest complete "
+            f"checkpoint)"
+        )
     path_error = next((e for e in _chain(err) if isinstance(e, PATH_ERRORS)), None)
     if path_error is not None:
         where = path_error.filename or "a path"
         return 2, f"{where}: {path_error.strerror or path_error}; check the path and its permissions"
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return 1, (f"unexpected {type(err).__name__}{': ' + first[:300] if first else ''} (run with --debug or "
-               f"{DEBUG_VARIABLE}=1 for the traceback)")
+    return 1, (
+        f"unexpected {type(err).__name__}{': ' + first[:300] if first else ''} (run with --debug or "
+        f"{DEBUG_VARIABLE}=1 for the traceback)"
+    )
 
 
 def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:

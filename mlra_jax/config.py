@@ -43,8 +43,10 @@ def _check_positive(obj: Any, *fields: str) -> None:
     for name in fields:
         value = getattr(obj, name)
         if value is not None:
-            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-                     f"{name}={value!r} must be a positive integer")
+            _require(
+                isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                f"{name}={value!r} must be a positive integer",
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,21 +95,26 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_choice("variant", self.variant, VARIANTS)
-        _check_positive(self, "n_layer", "n_head", "n_embd", "intermediate_size", "vocab_size",
-                        "max_seq_len", *OPTIONAL_FIELDS)
+        _check_positive(
+            self, "n_layer", "n_head", "n_embd", "intermediate_size", "vocab_size", "max_seq_len", *OPTIONAL_FIELDS
+        )
         _check_choice("output_init", self.output_init, ("zero", "normal"))
         _check_choice("param_dtype", self.param_dtype, tuple(DTYPES))
         _check_choice("compute_dtype", self.compute_dtype, tuple(DTYPES))
         _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _check_choice("remat", self.remat, REMAT_POLICIES)
         _check_choice("latent_form", self.latent_form, LATENT_FORMS)
-        _require(self.latent_form == "expanded" or self.spec.latent_layout is not None,
-                 f"latent_form={self.latent_form!r} applies to the latent family (MLA, GLA, MLRA), not variant "
-                 f"{self.variant!r}; leave it unset")
+        _require(
+            self.latent_form == "expanded" or self.spec.latent_layout is not None,
+            f"latent_form={self.latent_form!r} applies to the latent family (MLA, GLA, MLRA), not variant "
+            f"{self.variant!r}; leave it unset",
+        )
         _require(math.isfinite(self.init_std) and self.init_std > 0, f"init_std={self.init_std} must be positive")
         _require(math.isfinite(self.norm_eps) and self.norm_eps > 0, f"norm_eps={self.norm_eps} must be positive")
-        _require(math.isfinite(self.rope_theta) and self.rope_theta > 0,
-                 f"rope_theta={self.rope_theta} must be a positive number (the reference uses 10000)")
+        _require(
+            math.isfinite(self.rope_theta) and self.rope_theta > 0,
+            f"rope_theta={self.rope_theta} must be a positive number (the reference uses 10000)",
+        )
         self._check_variant_fields()
         self._check_divisibility()
 
@@ -119,38 +126,54 @@ class ModelConfig:
         # MHA and MQA fix their group size; accept it only when it agrees.
         fixed_group = self.spec.fixed_group_size(self.n_head) if self.spec.fixed_group_size else None
         if fixed_group is not None and self.group_size is not None:
-            _require(self.group_size == fixed_group,
-                     f"group_size={self.group_size} contradicts variant {self.variant!r}, whose group_size is "
-                     f"{fixed_group}; leave group_size unset")
+            _require(
+                self.group_size == fixed_group,
+                f"group_size={self.group_size} contradicts variant {self.variant!r}, whose group_size is "
+                f"{fixed_group}; leave group_size unset",
+            )
             required = required + ("group_size",)
         unused = [name for name in OPTIONAL_FIELDS if name not in required and getattr(self, name) is not None]
-        _require(not unused, f"{', '.join(unused)} do not apply to variant {self.variant!r}; leave them unset "
-                             f"(it uses: {', '.join(required)})")
+        _require(
+            not unused,
+            f"{', '.join(unused)} do not apply to variant {self.variant!r}; leave them unset "
+            f"(it uses: {', '.join(required)})",
+        )
 
     def _check_divisibility(self) -> None:
         v, spec = self.variant, self.spec
         if "group_size" in spec.required_fields:
-            _require(self.n_head % self.group_size == 0,
-                     f"n_head={self.n_head} is not divisible by group_size={self.group_size}; choose a group_size "
-                     f"among the divisors of n_head: {_divisors(self.n_head)}")
+            _require(
+                self.n_head % self.group_size == 0,
+                f"n_head={self.n_head} is not divisible by group_size={self.group_size}; choose a group_size "
+                f"among the divisors of n_head: {_divisors(self.n_head)}",
+            )
         if spec.latent_layout:
             blocks, branches = spec.latent_layout
-            _require(self.kv_lora_rank % blocks == 0,
-                     f"kv_lora_rank={self.kv_lora_rank} is not divisible by the {blocks} latent blocks of "
-                     f"{v!r}; use a multiple of {blocks}")
+            _require(
+                self.kv_lora_rank % blocks == 0,
+                f"kv_lora_rank={self.kv_lora_rank} is not divisible by the {blocks} latent blocks of "
+                f"{v!r}; use a multiple of {blocks}",
+            )
             head_groups = blocks // branches
-            _require(self.n_head % head_groups == 0,
-                     f"n_head={self.n_head} is not divisible by the {head_groups} latent groups of {v!r}; use a "
-                     f"multiple of {head_groups}")
-            _require(self.qk_rope_head_dim % 2 == 0,
-                     f"qk_rope_head_dim={self.qk_rope_head_dim} is odd; RoPE rotates pairs, use an even width")
+            _require(
+                self.n_head % head_groups == 0,
+                f"n_head={self.n_head} is not divisible by the {head_groups} latent groups of {v!r}; use a "
+                f"multiple of {head_groups}",
+            )
+            _require(
+                self.qk_rope_head_dim % 2 == 0,
+                f"qk_rope_head_dim={self.qk_rope_head_dim} is odd; RoPE rotates pairs, use an even width",
+            )
         elif spec.half_rope:
-            _require(self.head_dim % 4 == 0,
-                     f"head_dim={self.head_dim}: GTA applies RoPE to head_dim/2 channels, which must be even; "
-                     f"use a multiple of 4")
+            _require(
+                self.head_dim % 4 == 0,
+                f"head_dim={self.head_dim}: GTA applies RoPE to head_dim/2 channels, which must be even; "
+                f"use a multiple of 4",
+            )
         else:
-            _require(self.head_dim % 2 == 0,
-                     f"head_dim={self.head_dim} is odd; RoPE rotates pairs, use an even head_dim")
+            _require(
+                self.head_dim % 2 == 0, f"head_dim={self.head_dim} is odd; RoPE rotates pairs, use an even head_dim"
+            )
 
     # -- derived quantities ---------------------------------------------------
     @property
@@ -225,33 +248,54 @@ class TrainConfig:
     eval_sets: str = ""
 
     def __post_init__(self) -> None:
-        _check_positive(self, "seq_len", "global_batch_size", "total_steps", "micro_batch_size", "log_every",
-                        "eval_batches", "max_micro_batch_per_device")
+        _check_positive(
+            self,
+            "seq_len",
+            "global_batch_size",
+            "total_steps",
+            "micro_batch_size",
+            "log_every",
+            "eval_batches",
+            "max_micro_batch_per_device",
+        )
         _require(self.eval_every >= 0, f"eval_every={self.eval_every} must be >= 0")
         _require(self.loss_chunk >= 0, f"loss_chunk={self.loss_chunk} must be >= 0 (0: no chunking)")
         for item in filter(None, self.eval_sets.split(",")):
             name, _, path = item.partition("=")
-            _require(bool(name) and bool(path) and "/" not in name,
-                     f"eval_sets item {item!r} is not NAME=PATH (for example c4=data/eval/c4_val.bin)")
+            _require(
+                bool(name) and bool(path) and "/" not in name,
+                f"eval_sets item {item!r} is not NAME=PATH (for example c4=data/eval/c4_val.bin)",
+            )
         if self.micro_batch_size is not None:
-            _require(self.global_batch_size % self.micro_batch_size == 0,
-                     f"micro_batch_size={self.micro_batch_size} must divide global_batch_size="
-                     f"{self.global_batch_size}")
-        _require(isinstance(self.warmup_steps, (int, float)) and not isinstance(self.warmup_steps, bool)
-                 and (self.warmup_steps == int(self.warmup_steps) or 0 < self.warmup_steps < 1),
-                 f"warmup_steps={self.warmup_steps!r} must be a whole number of steps or a fraction of total_steps "
-                 f"between 0 and 1 (0.1: the first tenth)")
-        _require(0 <= self.warmup < self.total_steps,
-                 f"warmup_steps={self.warmup_steps} must lie in [0, total_steps={self.total_steps}) so the cosine "
-                 f"phase has at least one step; a fraction such as 0.1 follows total_steps")
+            _require(
+                self.global_batch_size % self.micro_batch_size == 0,
+                f"micro_batch_size={self.micro_batch_size} must divide global_batch_size={self.global_batch_size}",
+            )
+        _require(
+            isinstance(self.warmup_steps, (int, float))
+            and not isinstance(self.warmup_steps, bool)
+            and (self.warmup_steps == int(self.warmup_steps) or 0 < self.warmup_steps < 1),
+            f"warmup_steps={self.warmup_steps!r} must be a whole number of steps or a fraction of total_steps "
+            f"between 0 and 1 (0.1: the first tenth)",
+        )
+        _require(
+            0 <= self.warmup < self.total_steps,
+            f"warmup_steps={self.warmup_steps} must lie in [0, total_steps={self.total_steps}) so the cosine "
+            f"phase has at least one step; a fraction such as 0.1 follows total_steps",
+        )
         _require(math.isfinite(self.peak_lr) and self.peak_lr > 0, f"peak_lr={self.peak_lr} must be a positive number")
-        _require(math.isfinite(self.eps) and self.eps > 0, f"eps={self.eps} must be positive (AdamW divides by "
-                                                          f"sqrt(v) + eps; the paper uses 1e-8)")
-        _require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
-                 f"weight_decay={self.weight_decay} must be >= 0 (the paper uses 0.1)")
+        _require(
+            math.isfinite(self.eps) and self.eps > 0,
+            f"eps={self.eps} must be positive (AdamW divides by sqrt(v) + eps; the paper uses 1e-8)",
+        )
+        _require(
+            math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+            f"weight_decay={self.weight_decay} must be >= 0 (the paper uses 0.1)",
+        )
         _require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
-        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
-                 f"beta1={self.beta1}, beta2={self.beta2} must lie in [0, 1)")
+        _require(
+            0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"beta1={self.beta1}, beta2={self.beta2} must lie in [0, 1)"
+        )
         _require(self.grad_clip > 0, f"grad_clip={self.grad_clip} must be positive")
 
     @property
@@ -266,9 +310,11 @@ class TrainConfig:
         data-parallel replicas: the largest per-replica micro-batch within the cap that divides the step."""
         if self.micro_batch_size is not None or self.max_micro_batch_per_device is None:
             return self
-        _require(self.global_batch_size % replicas == 0,
-                 f"global_batch_size={self.global_batch_size} does not split over {replicas} data-parallel replicas; "
-                 f"use a multiple of {replicas}")
+        _require(
+            self.global_batch_size % replicas == 0,
+            f"global_batch_size={self.global_batch_size} does not split over {replicas} data-parallel replicas; "
+            f"use a multiple of {replicas}",
+        )
         per_replica = self.global_batch_size // replicas
         micro = max(d for d in range(1, min(per_replica, self.max_micro_batch_per_device) + 1) if per_replica % d == 0)
         return dataclasses.replace(self, micro_batch_size=micro * replicas)
@@ -306,9 +352,11 @@ class MeshConfig:
 
     def __post_init__(self) -> None:
         sizes = (self.data, self.fsdp, self.tensor)
-        _require(all(s == -1 or (isinstance(s, int) and s > 0) for s in sizes) and sizes.count(-1) <= 1,
-                 f"mesh sizes data={self.data}, fsdp={self.fsdp}, tensor={self.tensor} must be positive, with at "
-                 f"most one -1")
+        _require(
+            all(s == -1 or (isinstance(s, int) and s > 0) for s in sizes) and sizes.count(-1) <= 1,
+            f"mesh sizes data={self.data}, fsdp={self.fsdp}, tensor={self.tensor} must be positive, with at "
+            f"most one -1",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -358,8 +406,10 @@ class Experiment:
     reference_key: str | None = None  # key in paper_experiments.json, for the paper's runs
 
     def __post_init__(self) -> None:
-        _require(self.train.seq_len <= self.model.max_seq_len,
-                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        _require(
+            self.train.seq_len <= self.model.max_seq_len,
+            f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
+        )
 
 
 def _divisors(n: int) -> list[int]:

@@ -88,19 +88,24 @@ def remove_stale_partials(out: Path) -> list[Path]:
         return []
     removed, unknown = [], []
     for folder in sorted(p for p in out.parent.iterdir() if p.name.startswith(prefix) and p.is_dir()):
-        writer = _PARTIAL.fullmatch(folder.name[len(prefix):])
+        writer = _PARTIAL.fullmatch(folder.name[len(prefix) :])
         if writer is not None and writer["host"] == host:
             if not _running(int(writer["pid"])):
                 shutil.rmtree(folder)
                 removed.append(folder)
-                print(f"removed {folder}: the unfinished output of a convert (pid {writer['pid']}) that is no longer "
-                      f"running")
+                print(
+                    f"removed {folder}: the unfinished output of a convert (pid {writer['pid']}) that is no longer "
+                    f"running"
+                )
         else:
-            unknown.append(f"{folder} (" + (f"host {writer['host']}, pid {writer['pid']})" if writer else
-                                            "no writer recorded)"))
+            unknown.append(
+                f"{folder} (" + (f"host {writer['host']}, pid {writer['pid']})" if writer else "no writer recorded)")
+            )
     if unknown:
-        print(f"note: {'; '.join(unknown)}: unfinished output{'s' if len(unknown) > 1 else ''} of a convert into {out} "
-              f"that may still be running; remove {'them' if len(unknown) > 1 else 'it'} once it is not")
+        print(
+            f"note: {'; '.join(unknown)}: unfinished output{'s' if len(unknown) > 1 else ''} of a convert into {out} "
+            f"that may still be running; remove {'them' if len(unknown) > 1 else 'it'} once it is not"
+        )
     return removed
 
 
@@ -130,8 +135,10 @@ def _fresh_output(out: Path, write: Callable[[Path], Any], check: Callable[[Path
         follow_umask(tmp)
         _flush(tmp)
         if out.exists():
-            raise InputError(f"{out} was made by another process while this convert wrote it; nothing was "
-                             f"overwritten, choose another --out")
+            raise InputError(
+                f"{out} was made by another process while this convert wrote it; nothing was "
+                f"overwritten, choose another --out"
+            )
         tmp.rename(out)
         return result
     finally:
@@ -147,9 +154,16 @@ def to_reference(checkpoint: str, out: Path, step: int | None = None, shard_size
     _check_new_output(out, run_dirs=[checkpoint])
     model, step = load_model(checkpoint, step)
     fields, reference_model = reference_config(model.config)
-    config = {"architectures": ["GPT"], "model_type": "gpt2", **fields, "bias": False, "dropout": 0.0,
-              "torch_dtype": model.config.param_dtype, "reference_model": reference_model,
-              "mlra_jax": {"variant": model.config.variant, "source": str(checkpoint), "step": step}}
+    config = {
+        "architectures": ["GPT"],
+        "model_type": "gpt2",
+        **fields,
+        "bias": False,
+        "dropout": 0.0,
+        "torch_dtype": model.config.param_dtype,
+        "reference_model": reference_model,
+        "mlra_jax": {"variant": model.config.variant, "source": str(checkpoint), "step": step},
+    }
     state_dict = model_state_dict(model)
     files = _fresh_output(out, lambda tmp: write_reference(state_dict, config, tmp, limit))
     print(f"wrote {', '.join(files)} to {out} (step {step} of {checkpoint})")
@@ -157,8 +171,14 @@ def to_reference(checkpoint: str, out: Path, step: int | None = None, shard_size
     return reference_model
 
 
-def to_hf(checkpoint: str, out: Path, step: int | None = None, dtype: str = "float32", shard_size: str = "5GB",
-          push: str | None = None) -> list[str]:
+def to_hf(
+    checkpoint: str,
+    out: Path,
+    step: int | None = None,
+    dtype: str = "float32",
+    shard_size: str = "5GB",
+    push: str | None = None,
+) -> list[str]:
     """Write a run's model as a Hugging Face folder into `out` (and upload it to the Hub repository `push`);
     the files written."""
     if dtype not in DTYPES:
@@ -173,17 +193,21 @@ def to_hf(checkpoint: str, out: Path, step: int | None = None, dtype: str = "flo
     model, step = load_model(checkpoint, step)
     state_dict = model_state_dict(model)
     source = {"variant": model.config.variant, "source": str(checkpoint), "step": step}
-    files = _fresh_output(out, lambda tmp: write_hf_folder(state_dict, model.config, tmp, dtype, limit, source),
-                          check=lambda tmp: check_hf_folder(tmp, "the export"))
+    files = _fresh_output(
+        out,
+        lambda tmp: write_hf_folder(state_dict, model.config, tmp, dtype, limit, source),
+        check=lambda tmp: check_hf_folder(tmp, "the export"),
+    )
     print(f"wrote {', '.join(files)} to {out} (step {step} of {checkpoint}, {DTYPES[dtype]})")
     print(f"load it with transformers: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
     if push is not None:
         try:
             print(f"uploaded to {push_folder(out, push)}")
         except Exception as err:  # noqa: BLE001 - the Hub client raises its own and the HTTP library's errors
-            raise ConfigError(f"{out} is written, but uploading it to {push} failed ({error_summary(err, 300)}); "
-                              f"log in (hf auth login, or set HF_TOKEN) and upload it with: hf upload {push} {out}"
-                              ) from None
+            raise ConfigError(
+                f"{out} is written, but uploading it to {push} failed ({error_summary(err, 300)}); "
+                f"log in (hf auth login, or set HF_TOKEN) and upload it with: hf upload {push} {out}"
+            ) from None
     return files
 
 
@@ -195,8 +219,11 @@ def write_run(run_dir: Path, experiment: Experiment, flat_params: dict[str, Any]
     (run_dir / "experiment.json").write_text(json.dumps(dataclasses.asdict(experiment), indent=1))
     checkpointer = Checkpointer(run_dir.absolute() / "checkpoints", CheckpointConfig(async_save=False))
     try:
-        checkpointer.save(0, state, {"step": 0, "examples": 0, "log_window": [], "experiment": experiment.name,
-                                     "converted_from": source})
+        checkpointer.save(
+            0,
+            state,
+            {"step": 0, "examples": 0, "log_window": [], "experiment": experiment.name, "converted_from": source},
+        )
     finally:
         checkpointer.close()
 
@@ -211,8 +238,10 @@ def from_reference(src: Path, out: Path, variant: str | None = None) -> ModelCon
     _check_new_output(out, inputs=[src])
     tensors, config = read_reference(src)
     if config is None:
-        raise ConfigError(f"{src} has no config.json beside its weights; the sizes (n_head, ranks, ...) come from "
-                          f"it: put the official config.json of the checkpoint there")
+        raise ConfigError(
+            f"{src} has no config.json beside its weights; the sizes (n_head, ranks, ...) come from "
+            f"it: put the official config.json of the checkpoint there"
+        )
     shapes = {k: tuple(t.shape) for k, t in tensors.items()}
     try:
         cfg = detect_config(shapes, config, config.get("reference_model"), variant)
@@ -222,9 +251,11 @@ def from_reference(src: Path, out: Path, variant: str | None = None) -> ModelCon
     del tensors
     experiment = imported_experiment(cfg, out.name, str(src))
     _fresh_output(out, lambda tmp: write_run(tmp, experiment, flat, str(src)))
-    print(f"wrote run {out} ({cfg.variant}{' gated' if cfg.gated else ''}, {cfg.n_layer} layers) from {src}; "
-          f"generate with python -m mlra_jax.generate --checkpoint {out}, or train from it with python -m "
-          f"mlra_jax.train --init_from={out} ...")
+    print(
+        f"wrote run {out} ({cfg.variant}{' gated' if cfg.gated else ''}, {cfg.n_layer} layers) from {src}; "
+        f"generate with python -m mlra_jax.generate --checkpoint {out}, or train from it with python -m "
+        f"mlra_jax.train --init_from={out} ..."
+    )
     return cfg
 
 
@@ -235,23 +266,38 @@ def _parser() -> argparse.ArgumentParser:
     add_run_argument(to_hf_cmd)
     to_hf_cmd.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     to_hf_cmd.add_argument("--out", required=True, type=Path, help="output folder (must not exist)")
-    to_hf_cmd.add_argument("--dtype", default="float32", type=dtype_argument,
-                           help="dtype of the stored weights: bfloat16 or float32 (default float32)")
-    to_hf_cmd.add_argument("--shard_size", default="5GB",
-                           help="largest model.safetensors shard (e.g. 5GB, 500MB; default 5GB)")
-    to_hf_cmd.add_argument("--push", metavar="USER/NAME",
-                           help="also upload the folder to this Hub model repository (created if needed; needs a "
-                                "login: hf auth login or HF_TOKEN)")
+    to_hf_cmd.add_argument(
+        "--dtype",
+        default="float32",
+        type=dtype_argument,
+        help="dtype of the stored weights: bfloat16 or float32 (default float32)",
+    )
+    to_hf_cmd.add_argument(
+        "--shard_size", default="5GB", help="largest model.safetensors shard (e.g. 5GB, 500MB; default 5GB)"
+    )
+    to_hf_cmd.add_argument(
+        "--push",
+        metavar="USER/NAME",
+        help="also upload the folder to this Hub model repository (created if needed; needs a "
+        "login: hf auth login or HF_TOKEN)",
+    )
     to_ref = add_subcommand(commands, "to-reference", "a run's checkpoint -> the official code's files")
     add_run_argument(to_ref)
     to_ref.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     to_ref.add_argument("--out", required=True, type=Path, help="output folder (must not exist)")
     to_ref.add_argument("--shard_size", default="10GB", help="largest .bin file (e.g. 5GB, 500MB; default 10GB)")
     from_ref = add_subcommand(commands, "from-reference", "the official code's files -> a run directory")
-    from_ref.add_argument("--src", required=True, type=Path,
-                          help="a .pt/.bin/.safetensors file or a folder (config.json, weights or shards + index)")
-    from_ref.add_argument("--variant", help="our variant (mla, mlra4, ...) or a reference file (model/mla_no_scale.py);"
-                                            " needed only when config.json and the tensor names cannot tell")
+    from_ref.add_argument(
+        "--src",
+        required=True,
+        type=Path,
+        help="a .pt/.bin/.safetensors file or a folder (config.json, weights or shards + index)",
+    )
+    from_ref.add_argument(
+        "--variant",
+        help="our variant (mla, mlra4, ...) or a reference file (model/mla_no_scale.py);"
+        " needed only when config.json and the tensor names cannot tell",
+    )
     from_ref.add_argument("--out", required=True, type=Path, help="run directory to write (must not exist)")
     return parser
 

@@ -34,8 +34,11 @@ class SlurmTask:
 
     @property
     def mode(self) -> str:
-        return "1 task per node, all its GPUs" if self.tasks_per_node == 1 else \
-            f"{self.tasks_per_node} tasks per node, 1 GPU each"
+        return (
+            "1 task per node, all its GPUs"
+            if self.tasks_per_node == 1
+            else f"{self.tasks_per_node} tasks per node, 1 GPU each"
+        )
 
 
 def first_host(nodelist: str) -> str:
@@ -86,12 +89,17 @@ def slurm_task(env: Mapping[str, str], coordinator: str | None = None) -> SlurmT
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """--distributed, --coordinator, --num_processes and --process_id (launch/ passes them)."""
-    parser.add_argument("--distributed", action="store_true",
-                        help="call jax.distributed.initialize() first (multi-host; see launch/); the coordinator is "
-                             "found automatically on TPU pods, SLURM (one task per node with all its GPUs, or one "
-                             "per GPU), Open MPI and Kubernetes, or given below")
-    parser.add_argument("--coordinator", help="with --distributed: coordinator host:port (default: detected, or "
-                                              "JAX_COORDINATOR_ADDRESS)")
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() first (multi-host; see launch/); the coordinator is "
+        "found automatically on TPU pods, SLURM (one task per node with all its GPUs, or one "
+        "per GPU), Open MPI and Kubernetes, or given below",
+    )
+    parser.add_argument(
+        "--coordinator",
+        help="with --distributed: coordinator host:port (default: detected, or JAX_COORDINATOR_ADDRESS)",
+    )
     parser.add_argument("--num_processes", type=int, help="with --distributed: number of processes")
     parser.add_argument("--process_id", type=int, help="with --distributed: this process's index")
 
@@ -106,23 +114,31 @@ def data_parallel_devices(batch_size: int) -> list[jax.Device]:
     return [d for p in range(processes) for d in [d for d in jax.devices() if d.process_index == p][:per_process]]
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> None:
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> None:
     """jax.distributed.initialize() for this cluster; explicit arguments win over what is detected."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk over TCP; GPUs/TPUs unaffected
     coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
     task = slurm_task(os.environ, coordinator)
     if task is None:  # TPU pods, Open MPI, Kubernetes, or everything given: JAX's own detection
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                   process_id=process_id)
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
         source = "flags" if coordinator else "detected by JAX"
     else:
-        jax.distributed.initialize(coordinator_address=task.coordinator,
-                                   num_processes=task.num_processes if num_processes is None else num_processes,
-                                   process_id=task.process_id if process_id is None else process_id,
-                                   local_device_ids=task.local_device_ids, cluster_detection_method="deactivate")
+        jax.distributed.initialize(
+            coordinator_address=task.coordinator,
+            num_processes=task.num_processes if num_processes is None else num_processes,
+            process_id=task.process_id if process_id is None else process_id,
+            local_device_ids=task.local_device_ids,
+            cluster_detection_method="deactivate",
+        )
         source = f"SLURM, {task.mode}"
     coordinator_used = task.coordinator if task else coordinator or "detected by JAX"
-    log.info("distributed: process %d of %d (%s), coordinator %s, %d local devices (GPUs visible: %s), "
-             "%d devices in all", jax.process_index(), jax.process_count(), source, coordinator_used,
-             jax.local_device_count(), jax.config.read("jax_cuda_visible_devices"), jax.device_count())
+    log.info(
+        "distributed: process %d of %d (%s), coordinator %s, %d local devices (GPUs visible: %s), %d devices in all",
+        jax.process_index(),
+        jax.process_count(),
+        source,
+        coordinator_used,
+        jax.local_device_count(),
+        jax.config.read("jax_cuda_visible_devices"),
+        jax.device_count(),
+    )

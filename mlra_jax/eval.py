@@ -35,7 +35,8 @@ import jax
 from mlra_jax.cli import add_run_argument, add_subcommand, command_parser, dtype_argument
 from mlra_jax.command import command
 from mlra_jax.config import ConfigError, MeshConfig
-from mlra_jax.distributed import add_arguments as add_distributed_arguments, data_parallel_devices, initialize
+from mlra_jax.distributed import add_arguments as add_distributed_arguments
+from mlra_jax.distributed import data_parallel_devices, initialize
 from mlra_jax.generate import load_model
 from mlra_jax.guards import atomic_write_text, check_output_path, without_non_finite
 from mlra_jax.paths import as_path
@@ -79,26 +80,38 @@ def _parser() -> argparse.ArgumentParser:
     ppl = add_subcommand(commands, "ppl", "loss and perplexity on held-out llm.c token files")
     add_run_argument(ppl)
     ppl.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
-    ppl.add_argument("--data", type=_named_set, action="append", required=True, metavar="NAME=PATH",
-                     help="an llm.c .bin file to evaluate (repeat for several sets)")
+    ppl.add_argument(
+        "--data",
+        type=_named_set,
+        action="append",
+        required=True,
+        metavar="NAME=PATH",
+        help="an llm.c .bin file to evaluate (repeat for several sets)",
+    )
     ppl.add_argument("--tokens", type=_tokens, default=int(1e8), help="tokens per set (default 1e8, the paper's)")
     ppl.add_argument("--seq_len", type=int, default=2048, help="context per window (the paper's 2048)")
-    ppl.add_argument("--batch_size", type=int, default=6,
-                     help="windows per batch (the official default 6; it sets the number of windows evaluated)")
+    ppl.add_argument(
+        "--batch_size",
+        type=int,
+        default=6,
+        help="windows per batch (the official default 6; it sets the number of windows evaluated)",
+    )
     ppl.add_argument("--dtype", type=dtype_argument, help="compute dtype: bfloat16 or float32 (default: the run's)")
     ppl.add_argument("--out", help="JSON file for the results (default RUN/eval/ppl_step{N}.json)")
 
     harness = add_subcommand(commands, "lm-eval", "lm-evaluation-harness tasks (zero-shot accuracy, ...)")
     add_run_argument(harness)
     harness.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
-    harness.add_argument("--tasks", required=True,
-                         help=f"comma-separated lm-eval task names or globs; {PAPER_SUITE!r} for the paper's seven "
-                              f"({','.join(t.task for t in PAPER_TASKS)})")
+    harness.add_argument(
+        "--tasks",
+        required=True,
+        help=f"comma-separated lm-eval task names or globs; {PAPER_SUITE!r} for the paper's seven "
+        f"({','.join(t.task for t in PAPER_TASKS)})",
+    )
     harness.add_argument("--limit", type=_limit, help="examples per task (N) or a fraction of them (0.1); for tests")
     harness.add_argument("--batch_size", type=int, default=32, help="sequences per batch (default 32)")
     harness.add_argument("--num_fewshot", type=int, help="few-shot examples (default: the task's, else 0)")
-    harness.add_argument("--dtype", type=dtype_argument,
-                         help="compute dtype: bfloat16 or float32 (default: the run's)")
+    harness.add_argument("--dtype", type=dtype_argument, help="compute dtype: bfloat16 or float32 (default: the run's)")
     harness.add_argument("--max_length", type=int, help="context length (default: the model's max_seq_len)")
     harness.add_argument("--max_gen_toks", type=int, default=256, help="generated tokens at most (generative tasks)")
     harness.add_argument("--include_path", help="a folder of task YAML files of your own")
@@ -124,8 +137,10 @@ def ppl(args: argparse.Namespace) -> int:
     if args.seq_len < 1 or args.batch_size < 1:
         raise ConfigError("--seq_len and --batch_size must be at least 1")
     if args.tokens < args.seq_len * args.batch_size:
-        raise ConfigError(f"--tokens {args.tokens} is fewer than one batch of --batch_size {args.batch_size} windows "
-                          f"of --seq_len {args.seq_len} tokens ({args.seq_len * args.batch_size}); raise --tokens")
+        raise ConfigError(
+            f"--tokens {args.tokens} is fewer than one batch of --batch_size {args.batch_size} windows "
+            f"of --seq_len {args.seq_len} tokens ({args.seq_len * args.batch_size}); raise --tokens"
+        )
     try:
         devices = data_parallel_devices(args.batch_size)
     except ValueError as err:
@@ -134,13 +149,17 @@ def ppl(args: argparse.Namespace) -> int:
         _output(args, "")  # an explicit --out is checked before the model loads
     model, step = load_model(args.workdir, args.step, args.dtype)
     if args.seq_len > model.config.max_seq_len:
-        raise ConfigError(f"--seq_len {args.seq_len} exceeds the model's max_seq_len {model.config.max_seq_len}; give "
-                          f"--seq_len from 1 to {model.config.max_seq_len} (training refuses the same)")
+        raise ConfigError(
+            f"--seq_len {args.seq_len} exceeds the model's max_seq_len {model.config.max_seq_len}; give "
+            f"--seq_len from 1 to {model.config.max_seq_len} (training refuses the same)"
+        )
     out, replaced = _output(args, f"ppl_step{step}.json")
     mesh = make_mesh(MeshConfig(data=len(devices)), devices)
     evaluate = batch_losses(model, mesh)
-    results = [evaluate_set(name, path, evaluate, args.seq_len, args.tokens, args.batch_size, model.config.vocab_size)
-               for name, path in args.data]
+    results = [
+        evaluate_set(name, path, evaluate, args.seq_len, args.tokens, args.batch_size, model.config.vocab_size)
+        for name, path in args.data
+    ]
     if jax.process_index() > 0:  # process 0 reports
         return 0
     average = sum(r.loss for r in results) / len(results)
@@ -149,9 +168,20 @@ def ppl(args: argparse.Namespace) -> int:
     for r in results:
         print(f"{r.name:{width}}  {r.loss:8.4f}  {r.perplexity:10.3f}  {r.tokens:14,}")
     print(f"{'average':{width}}  {average:8.4f}")
-    _write_results(out, {"checkpoint": str(as_path(args.workdir)), "step": step, "seq_len": args.seq_len,
-                         "batch_size": args.batch_size, "dtype": args.dtype or model.config.compute_dtype,
-                         "average_loss": average, "sets": [dataclasses.asdict(r) for r in results]}, replaced, indent=1)
+    _write_results(
+        out,
+        {
+            "checkpoint": str(as_path(args.workdir)),
+            "step": step,
+            "seq_len": args.seq_len,
+            "batch_size": args.batch_size,
+            "dtype": args.dtype or model.config.compute_dtype,
+            "average_loss": average,
+            "sets": [dataclasses.asdict(r) for r in results],
+        },
+        replaced,
+        indent=1,
+    )
     return 0
 
 
@@ -166,11 +196,17 @@ def task_manager(include_path: str | None):
 def _check_lm_eval_arguments(args: argparse.Namespace) -> None:
     """The ranges of lm-eval's numbers, before anything loads (max_length's upper end, the model's max_seq_len, is
     checked by MlraLM)."""
-    for option, value, low in (("--batch_size", args.batch_size, 1), ("--num_fewshot", args.num_fewshot, 0),
-                               ("--max_length", args.max_length, 1), ("--max_gen_toks", args.max_gen_toks, 1)):
+    for option, value, low in (
+        ("--batch_size", args.batch_size, 1),
+        ("--num_fewshot", args.num_fewshot, 0),
+        ("--max_length", args.max_length, 1),
+        ("--max_gen_toks", args.max_gen_toks, 1),
+    ):
         if value is not None and value < low:
-            raise ConfigError(f"{option} {value} is out of range: give an integer >= {low}"
-                              f"{' (and at most the model max_seq_len)' if option == '--max_length' else ''}")
+            raise ConfigError(
+                f"{option} {value} is out of range: give an integer >= {low}"
+                f"{' (and at most the model max_seq_len)' if option == '--max_length' else ''}"
+            )
 
 
 def lm_eval_command(args: argparse.Namespace) -> int:
@@ -192,11 +228,24 @@ def lm_eval_command(args: argparse.Namespace) -> int:
     manager = task_manager(args.include_path)
     check_known(names, manager.all_tasks, lambda name: manager.match_tasks([name]))
     model, step = load_model(args.workdir, args.step, args.dtype)
-    lm = MlraLM(model, batch_size=args.batch_size, max_length=args.max_length, max_gen_toks=args.max_gen_toks,
-                checkpoint=str(as_path(args.workdir)), step=step)
+    lm = MlraLM(
+        model,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        max_gen_toks=args.max_gen_toks,
+        checkpoint=str(as_path(args.workdir)),
+        step=step,
+    )
     out, replaced = _output(args, f"lm_eval_step{step}.json")
-    results = lm_eval.simple_evaluate(model=lm, tasks=names, num_fewshot=args.num_fewshot, limit=args.limit,
-                                      batch_size=args.batch_size, task_manager=manager, log_samples=False)
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=names,
+        num_fewshot=args.num_fewshot,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        task_manager=manager,
+        log_samples=False,
+    )
     print(make_table(results))
     if results.get("groups"):
         print(make_table(results, "groups"))
@@ -204,8 +253,9 @@ def lm_eval_command(args: argparse.Namespace) -> int:
     if table:
         print(table)
     # through JSON once (lm-eval's own serializer for its objects), then with NaN as null
-    _write_results(out, json.loads(json.dumps(results, default=handle_non_serializable)), replaced, indent=2,
-                   ensure_ascii=False)
+    _write_results(
+        out, json.loads(json.dumps(results, default=handle_non_serializable)), replaced, indent=2, ensure_ascii=False
+    )
     return 0
 
 

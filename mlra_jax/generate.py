@@ -19,7 +19,7 @@ import sys
 import jax
 from flax import nnx
 
-from mlra_jax.checkpoint import CheckpointError, Checkpointer
+from mlra_jax.checkpoint import Checkpointer, CheckpointError
 from mlra_jax.cli import add_run_argument, command_parser, experiment_from_dict, read_run_config
 from mlra_jax.command import command
 from mlra_jax.config import CheckpointConfig, ConfigError
@@ -31,48 +31,62 @@ from mlra_jax.paths import as_path
 from mlra_jax.progress import configure_cli_logging
 
 
-def load_model(run_dir: str | os.PathLike, step: int | None = None,
-               compute_dtype: str | None = None) -> tuple[Transformer, int]:
+def load_model(
+    run_dir: str | os.PathLike, step: int | None = None, compute_dtype: str | None = None
+) -> tuple[Transformer, int]:
     """The model of a run's newest (or given) checkpoint, on one device; (model, step). Only the
     parameters are read (not the optimizer state). `run_dir` is a local folder or a URL (gs://...);
     `compute_dtype` ("float32", "bfloat16") overrides the run's."""
     run_dir = as_path(run_dir)
     config_path = run_dir / "experiment.json"
     if not config_path.exists():
-        raise ConfigError(f"{run_dir} is not a run directory (no experiment.json); pass the --workdir of a "
-                          f"training run")
+        raise ConfigError(
+            f"{run_dir} is not a run directory (no experiment.json); pass the --workdir of a training run"
+        )
     try:
         experiment = experiment_from_dict(read_run_config(config_path))
     except TypeError as err:  # fields this version does not know
         raise ConfigError(f"{config_path} does not describe an experiment of this version ({err})") from None
     if compute_dtype is not None:
-        experiment = dataclasses.replace(experiment, model=dataclasses.replace(experiment.model,
-                                                                               compute_dtype=compute_dtype))
+        experiment = dataclasses.replace(
+            experiment, model=dataclasses.replace(experiment.model, compute_dtype=compute_dtype)
+        )
     model = abstract_model(experiment.model)
     graphdef, device = nnx.split(model)[0], jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    abstract = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                                       nnx.to_pure_dict(nnx.state(model, nnx.Param)))}
+    abstract = {
+        "params": jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+            nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+        )
+    }
     checkpointer = Checkpointer(run_dir / "checkpoints", CheckpointConfig(), read_only=True)
     steps = checkpointer.steps()
     if step is not None and step not in steps:
         checkpointer.close()
         raise ConfigError(f"no checkpoint at step {step} in {checkpointer.directory} (steps: {steps})")
     try:
-        restored = (checkpointer.restore_latest(abstract) if step is None else
-                    checkpointer.restore_step(step, abstract))
+        restored = checkpointer.restore_latest(abstract) if step is None else checkpointer.restore_step(step, abstract)
     except CheckpointError:
         raise
     except Exception as err:  # noqa: BLE001 - any failure of the named step, reported without a traceback
-        raise CheckpointError(f"checkpoint {checkpointer.directory / str(step)} does not restore "
-                              f"({error_summary(err, 300)}); nothing was changed") from err
+        raise CheckpointError(
+            f"checkpoint {checkpointer.directory / str(step)} does not restore "
+            f"({error_summary(err, 300)}); nothing was changed"
+        ) from err
     finally:
         checkpointer.close()
     if restored is None:
         raise ConfigError(f"{run_dir / 'checkpoints'} holds no complete checkpoint")
     earlier = [s for s in steps if s < restored[0]]
-    check_finite(restored[1]["params"], f"checkpoint {checkpointer.directory / str(restored[0])} (step {restored[0]})",
-                 fix=(f"pass --step with an earlier checkpoint ({', '.join(map(str, earlier))})" if earlier else
-                      "the run has no earlier checkpoint; train it again from its last good weights"))
+    check_finite(
+        restored[1]["params"],
+        f"checkpoint {checkpointer.directory / str(restored[0])} (step {restored[0]})",
+        fix=(
+            f"pass --step with an earlier checkpoint ({', '.join(map(str, earlier))})"
+            if earlier
+            else "the run has no earlier checkpoint; train it again from its last good weights"
+        ),
+    )
     return nnx.merge(graphdef, restored[1]["params"]), restored[0]
 
 
@@ -87,20 +101,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top_k", type=int, default=0)
     parser.add_argument("--top_p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max_len", type=int,
-                        help="cache length: the prompt and the new tokens (1 to the model's max_seq_len, the default)")
+    parser.add_argument(
+        "--max_len",
+        type=int,
+        help="cache length: the prompt and the new tokens (1 to the model's max_seq_len, the default)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON records")
     args = parser.parse_args(argv)
     configure_cli_logging()
-    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, seed=args.seed)  # checked before the model loads
+    sampling = Sampling(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )  # checked before the model loads
     if args.max_len is not None and args.max_len < 1:
         raise GenerationError(f"--max_len {args.max_len} is out of range: give 1 to the model's max_seq_len")
     model, step = load_model(args.workdir, args.step)
     max_len = model.config.max_seq_len if args.max_len is None else args.max_len
     if max_len > model.config.max_seq_len:
-        raise GenerationError(f"--max_len {max_len} exceeds the model's max_seq_len {model.config.max_seq_len} (the "
-                              f"longest context it was built for); give --max_len from 1 to {model.config.max_seq_len}")
+        raise GenerationError(
+            f"--max_len {max_len} exceeds the model's max_seq_len {model.config.max_seq_len} (the "
+            f"longest context it was built for); give --max_len from 1 to {model.config.max_seq_len}"
+        )
     tokenizer = gpt2_tokenizer()
     prompts = [[EOT, *tokenizer.encode_ordinary(p)] for p in args.prompt]
     generator = Generator(model, max_len, keep_model=False)
@@ -108,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     outputs = generator.generate(prompts, sampling)
     for prompt, tokens in zip(args.prompt, outputs):
         text = tokenizer.decode([t for t in tokens if t != EOT])
-        print(json.dumps({"prompt": prompt, "completion": text, "tokens": tokens, "step": step})
-              if args.json else f"--- {prompt!r} (checkpoint step {step})\n{prompt}{text}")
+        print(
+            json.dumps({"prompt": prompt, "completion": text, "tokens": tokens, "step": step})
+            if args.json
+            else f"--- {prompt!r} (checkpoint step {step})\n{prompt}{text}"
+        )
     return 0
 
 

@@ -110,21 +110,28 @@ def check_writable_dir(path: str | os.PathLike, what: str, make: bool = True) ->
         while not os.path.isdir(parent):
             parent = os.path.dirname(parent)
         if not os.access(parent, os.W_OK | os.X_OK):
-            raise InputError(f"{what} {local} cannot be made: {parent} is not writable; fix its permissions or use "
-                             f"another path")
+            raise InputError(
+                f"{what} {local} cannot be made: {parent} is not writable; fix its permissions or use another path"
+            )
         return
     try:
         os.makedirs(local, exist_ok=True)
         probe = tempfile.NamedTemporaryFile(dir=local, prefix=".write-check-", delete=True)
         probe.close()
     except OSError as err:
-        raise InputError(f"{what} {local} is not writable ({err.strerror}); fix its permissions or use another "
-                         f"path") from None
+        raise InputError(
+            f"{what} {local} is not writable ({err.strerror}); fix its permissions or use another path"
+        ) from None
 
 
 # A run's own entries and what each must be
-_RUN_ENTRIES = (("experiment.json", "file"), ("metrics.jsonl", "file"), ("lock", "file"), ("checkpoints", "folder"),
-                ("tensorboard", "folder"))
+_RUN_ENTRIES = (
+    ("experiment.json", "file"),
+    ("metrics.jsonl", "file"),
+    ("lock", "file"),
+    ("checkpoints", "folder"),
+    ("tensorboard", "folder"),
+)
 
 
 def check_run_dir(workdir: str | os.PathLike) -> None:
@@ -138,8 +145,10 @@ def check_run_dir(workdir: str | os.PathLike) -> None:
     for name, kind in _RUN_ENTRIES:
         entry = os.path.join(os.fspath(folder), name)
         if os.path.exists(entry) and os.path.isdir(entry) != (kind == "folder"):
-            raise InputError(f"{entry} is a {'folder' if kind == 'file' else 'file'}, where the run keeps its {name} "
-                             f"{kind}; move it out of the way")
+            raise InputError(
+                f"{entry} is a {'folder' if kind == 'file' else 'file'}, where the run keeps its {name} "
+                f"{kind}; move it out of the way"
+            )
     checkpoints = os.path.join(os.fspath(folder), "checkpoints")
     if os.path.isdir(checkpoints):
         check_writable_dir(checkpoints, "the run's checkpoints folder")
@@ -157,8 +166,13 @@ def _file_in_the_way(path: str) -> str | None:
         current = parent
 
 
-def check_output_path(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (),
-                      run_dirs: Iterable[str | os.PathLike] = (), kind: str = "file", make_folder: bool = True) -> bool:
+def check_output_path(
+    out: str | os.PathLike,
+    inputs: Iterable[str | os.PathLike] = (),
+    run_dirs: Iterable[str | os.PathLike] = (),
+    kind: str = "file",
+    make_folder: bool = True,
+) -> bool:
     """Refuse an output (`kind` "file" or "folder") that would replace one of `inputs` or a run's own files
     (RUN_FILES of each of `run_dirs` and of any run directory above `out`), or whose folder cannot take it (made
     now unless `make_folder` is False: then the caller makes it when it writes). Returns whether an earlier output
@@ -168,14 +182,17 @@ def check_output_path(out: str | os.PathLike, inputs: Iterable[str | os.PathLike
     for source in map(_absolute, inputs):
         inside = _under(target, source) and not is_remote(source) and os.path.isdir(source)
         if target == source or _under(source, target) or inside:
-            raise InputError(f"--out {target} would {'write into' if inside else 'replace'} this command's input "
-                             f"{source}; write the result somewhere else")
+            raise InputError(
+                f"--out {target} would {'write into' if inside else 'replace'} this command's input "
+                f"{source}; write the result somewhere else"
+            )
     for run in map(_absolute, run_dirs):
         for name in RUN_FILES:
             own = f"{run.rstrip('/')}/{name}"
             if target == own or _under(target, own) or _under(own, target):
-                raise InputError(f"--out {target} would replace the run's own {name} in {run}; write the result "
-                                 f"somewhere else")
+                raise InputError(
+                    f"--out {target} would replace the run's own {name} in {run}; write the result somewhere else"
+                )
     if is_remote(target):
         return as_path(target).exists()
     if os.path.isdir(target) if kind == "file" else (os.path.exists(target) and not os.path.isdir(target)):
@@ -205,9 +222,11 @@ def _under(path: str, folder: str) -> bool:
     return path.startswith(folder.rstrip("/") + "/")
 
 
-def check_finite(tensors: Mapping[str, Any], source: str,
-                 fix: str = "take an earlier checkpoint (a run keeps checkpoint.keep of them) or the weights' "
-                            "original source") -> None:
+def check_finite(
+    tensors: Mapping[str, Any],
+    source: str,
+    fix: str = "take an earlier checkpoint (a run keeps checkpoint.keep of them) or the weights' original source",
+) -> None:
     """An InputError naming every tensor of `tensors` (dotted name -> array, or a nested dict of them) that holds
     NaN or inf, and `source` (the checkpoint and step, or the file they came from). Device arrays are counted
     where they are; only the counts come to the host."""

@@ -1,8 +1,8 @@
 """Describe experiments without allocating weights.
 
-    python -m mlra_jax.info --list                      # every experiment
-    python -m mlra_jax.info --experiment=mlra4_2p9b     # parameters, KV cache, TP loading, decode AI
-    python -m mlra_jax.info --paper_tables              # Tables 1 and 2 at the paper's analysis settings
+python -m mlra_jax.info --list                      # every experiment
+python -m mlra_jax.info --experiment=mlra4_2p9b     # parameters, KV cache, TP loading, decode AI
+python -m mlra_jax.info --paper_tables              # Tables 1 and 2 at the paper's analysis settings
 """
 
 from __future__ import annotations
@@ -47,20 +47,24 @@ def describe(experiment: Experiment) -> dict[str, Any]:
 
 def format_description(info: dict[str, Any], cfg: ModelConfig) -> str:
     bytes_per_token = info["kv_cache_elements_per_token"] * 2
-    per_device = "   ".join(f"TP={tp}: {_fmt_d_h(v)}{' (replicated)' if info['replicated'][tp] else ''}"
-                             for tp, v in info["per_device_kv_d_h"].items())
-    return "\n".join([
-        f"{info['experiment']}: {info['description']}",
-        f"  model        {cfg.spec.display_name}, {cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head} heads, "
-        f"FFN {cfg.intermediate_size}, vocab {cfg.vocab_size}, {cfg.compute_dtype} compute",
-        f"  parameters   {info['num_params']:,} ({info['num_params'] / 1e6:.2f}M; tied embedding counted once)",
-        f"  KV cache     {info['kv_cache_elements_per_token_per_layer']} elements per token per layer = "
-        f"{_fmt_d_h(info['kv_cache_d_h'])} (d_h={info['d_h']}); {info['kv_cache_elements_per_token']:,} per token "
-        f"over {cfg.n_layer} layers = {bytes_per_token / 1024:.1f} KiB in 16-bit",
-        f"  per device   {per_device}   (KV cache loaded per token per layer)",
-        f"  decode AI    {info['decode_arithmetic_intensity']:.1f} FLOP/byte per device at TP={info['decode_tp']} "
-        f"(attention over the cache, 16-bit)",
-    ])
+    per_device = "   ".join(
+        f"TP={tp}: {_fmt_d_h(v)}{' (replicated)' if info['replicated'][tp] else ''}"
+        for tp, v in info["per_device_kv_d_h"].items()
+    )
+    return "\n".join(
+        [
+            f"{info['experiment']}: {info['description']}",
+            f"  model        {cfg.spec.display_name}, {cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head} heads, "
+            f"FFN {cfg.intermediate_size}, vocab {cfg.vocab_size}, {cfg.compute_dtype} compute",
+            f"  parameters   {info['num_params']:,} ({info['num_params'] / 1e6:.2f}M; tied embedding counted once)",
+            f"  KV cache     {info['kv_cache_elements_per_token_per_layer']} elements per token per layer = "
+            f"{_fmt_d_h(info['kv_cache_d_h'])} (d_h={info['d_h']}); {info['kv_cache_elements_per_token']:,} per token "
+            f"over {cfg.n_layer} layers = {bytes_per_token / 1024:.1f} KiB in 16-bit",
+            f"  per device   {per_device}   (KV cache loaded per token per layer)",
+            f"  decode AI    {info['decode_arithmetic_intensity']:.1f} FLOP/byte per device at TP={info['decode_tp']} "
+            f"(attention over the cache, 16-bit)",
+        ]
+    )
 
 
 def paper_tables() -> str:
@@ -70,11 +74,15 @@ def paper_tables() -> str:
         cfg = analysis_config(variant)
         report = cache_report(cfg, TP_DEGREES)
         cells = " ".join(f"{_fmt_d_h(report.in_d_h(report.per_device[tp])):>8}" for tp in TP_DEGREES)
-        rows.append(f"{cfg.spec.display_name:8} {_fmt_d_h(report.in_d_h(report.kv_cache_elements)):>9} {cells} "
-                    f"{report.decode.arithmetic_intensity():8.2f}")
-    header = ("Paper Tables 1-2 at the analysis settings (64 heads, d_h=128, g=8, d_c=4d_h, d_h^R=d_h/2, "
-              "beta_kv=2):\nKV cache per token, loading per token per device under TP, and decode arithmetic "
-              "intensity (FLOP/byte, per device at the native TP)")
+        rows.append(
+            f"{cfg.spec.display_name:8} {_fmt_d_h(report.in_d_h(report.kv_cache_elements)):>9} {cells} "
+            f"{report.decode.arithmetic_intensity():8.2f}"
+        )
+    header = (
+        "Paper Tables 1-2 at the analysis settings (64 heads, d_h=128, g=8, d_c=4d_h, d_h^R=d_h/2, "
+        "beta_kv=2):\nKV cache per token, loading per token per device under TP, and decode arithmetic "
+        "intensity (FLOP/byte, per device at the native TP)"
+    )
     return header + "\n" + "\n".join(rows)
 
 
@@ -82,16 +90,25 @@ def paper_tables() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = command_parser("python -m mlra_jax.info", __doc__)
     group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--experiment", help="an experiment's name (see --list), FILE.py:NAME, package.module:NAME "
-                       "or RUN/experiment.json")
+    group.add_argument(
+        "--experiment",
+        help="an experiment's name (see --list), FILE.py:NAME, package.module:NAME or RUN/experiment.json",
+    )
     group.add_argument("--list", action="store_true", help="list every experiment")
-    group.add_argument("--paper_tables", "--paper-tables", action="store_true",
-                       help="print paper Tables 1 and 2 (--paper-tables: the same)")
+    group.add_argument(
+        "--paper_tables",
+        "--paper-tables",
+        action="store_true",
+        help="print paper Tables 1 and 2 (--paper-tables: the same)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    parser.add_argument("--measure", action="store_true",
-                        help="with --experiment: also build real sharded caches at TP=1,2,4,8 and report the bytes "
-                             "each device holds per token (needs 8 devices; on a CPU set "
-                             "XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="with --experiment: also build real sharded caches at TP=1,2,4,8 and report the bytes "
+        "each device holds per token (needs 8 devices; on a CPU set "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=8)",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for exp in all_experiments():
@@ -106,12 +123,15 @@ def main(argv: list[str] | None = None) -> int:
         from mlra_jax.kv_cache import measured_kv_bytes_per_token
 
         info["measured_kv_bytes_per_token_per_device"] = {
-            str(tp): measured_kv_bytes_per_token(experiment.model, tp) for tp in TP_DEGREES}
+            str(tp): measured_kv_bytes_per_token(experiment.model, tp) for tp in TP_DEGREES
+        }
     text = format_description(info, experiment.model)
     if args.measure:
-        text += "\n  measured     " + "   ".join(f"TP={tp}: {b} B" for tp, b in
-                                               info["measured_kv_bytes_per_token_per_device"].items()) + \
-                "   (bytes per token per layer on one device, from sharded caches)"
+        text += (
+            "\n  measured     "
+            + "   ".join(f"TP={tp}: {b} B" for tp, b in info["measured_kv_bytes_per_token_per_device"].items())
+            + "   (bytes per token per layer on one device, from sharded caches)"
+        )
     print(json.dumps(info, indent=1) if args.json else text)
     return 0
 

@@ -51,35 +51,40 @@ def cache_plans(cfg: ModelConfig, tp: int | None = None) -> dict[str, UnitPlan]:
     return {c.name: unit_plan(c.units, tp) for c in cache_layout(cfg)}
 
 
-def cache_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...] = ("data", "fsdp")
-                    ) -> dict[str, NamedSharding]:
+def cache_shardings(
+    cfg: ModelConfig, mesh: jax.sharding.Mesh, batch_axes: tuple[str, ...] = ("data", "fsdp")
+) -> dict[str, NamedSharding]:
     """Slices split over `tensor` as planned, sequences over the data-parallel axes."""
     plans = cache_plans(cfg, mesh.shape.get("tensor", 1))
     batch_axes = tuple(a for a in batch_axes if mesh.shape.get(a, 1) > 1) or None
-    return {c.name: NamedSharding(mesh, plans[c.name].spec(4 + len(c.unit_shape), 3, leading=(None, batch_axes)))
-            for c in cache_layout(cfg)}
+    return {
+        c.name: NamedSharding(mesh, plans[c.name].spec(4 + len(c.unit_shape), 3, leading=(None, batch_axes)))
+        for c in cache_layout(cfg)
+    }
 
 
 SLOT_MULTIPLE = 8  # caches hold a multiple of 8 slots (TMA tiles rows in 8s in the GPU decode kernel)
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, starts: jax.Array | None = None,
-               mesh: jax.sharding.Mesh | None = None) -> DecodeState:
+def init_cache(
+    cfg: ModelConfig, batch: int, max_len: int, starts: jax.Array | None = None, mesh: jax.sharding.Mesh | None = None
+) -> DecodeState:
     """An empty cache of at least `max_len` slots (rounded up to SLOT_MULTIPLE) in the compute
     dtype; sharded over `mesh` when given."""
     max_len = -(-max_len // SLOT_MULTIPLE) * SLOT_MULTIPLE
     tp = mesh.shape.get("tensor", 1) if mesh is not None else None
     plans = cache_plans(cfg, tp)
-    kv = {c.name: jnp.zeros((cfg.n_layer, batch, max_len, plans[c.name].stored, *c.unit_shape), cfg.dtype)
-          for c in cache_layout(cfg)}
+    kv = {
+        c.name: jnp.zeros((cfg.n_layer, batch, max_len, plans[c.name].stored, *c.unit_shape), cfg.dtype)
+        for c in cache_layout(cfg)
+    }
     if mesh is not None:
         kv = jax.device_put(kv, cache_shardings(cfg, mesh))
     starts = jnp.zeros((batch,), jnp.int32) if starts is None else jnp.asarray(starts, jnp.int32)
     return DecodeState(kv, starts, jnp.zeros((), jnp.int32), tuple(plans.items()))
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["layers", "starts", "index"],
-                   meta_fields=["plans"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["layers", "starts", "index"], meta_fields=["plans"])
 @dataclasses.dataclass(frozen=True)
 class LayerCaches:
     """The serving form of the cache (decode.serving): one buffer per layer and cached tensor,
@@ -109,12 +114,15 @@ class LayerCaches:
 
 def layer_cache_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh) -> dict[str, NamedSharding]:
     """cache_shardings without the layer axis: one layer's buffers."""
-    return {name: NamedSharding(mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
-            for name, sharding in cache_shardings(cfg, mesh).items()}
+    return {
+        name: NamedSharding(mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+        for name, sharding in cache_shardings(cfg, mesh).items()
+    }
 
 
-def init_layer_caches(cfg: ModelConfig, batch: int, capacity: int, starts: jax.Array | None = None,
-                      mesh: jax.sharding.Mesh | None = None) -> LayerCaches:
+def init_layer_caches(
+    cfg: ModelConfig, batch: int, capacity: int, starts: jax.Array | None = None, mesh: jax.sharding.Mesh | None = None
+) -> LayerCaches:
     """Empty per-layer caches of `capacity` slots (a multiple of SLOT_MULTIPLE) in the compute dtype,
     created directly in their shardings under `mesh`."""
     if capacity % SLOT_MULTIPLE:
@@ -125,8 +133,7 @@ def init_layer_caches(cfg: ModelConfig, batch: int, capacity: int, starts: jax.A
     shardings = layer_cache_shardings(cfg, mesh) if mesh is not None else None
 
     def make() -> tuple[dict[str, jax.Array], ...]:
-        return tuple({name: jnp.zeros(shape, cfg.dtype) for name, shape in shapes.items()}
-                     for _ in range(cfg.n_layer))
+        return tuple({name: jnp.zeros(shape, cfg.dtype) for name, shape in shapes.items()} for _ in range(cfg.n_layer))
 
     layers = jax.jit(make, out_shardings=(shardings,) * cfg.n_layer if mesh is not None else None)()
     starts = jnp.zeros((batch,), jnp.int32) if starts is None else jnp.asarray(starts, jnp.int32)
@@ -148,7 +155,9 @@ def measured_kv_bytes_per_token(cfg: ModelConfig, tp: int, devices: list[jax.Dev
     measured on a real sharded cache over `tp` devices (not computed from a formula)."""
     devices = (devices or jax.devices())[:tp]
     if len(devices) < tp:
-        raise ValueError(f"measuring TP={tp} needs {tp} devices, {len(devices)} are present (on a CPU, set "
-                         f"XLA_FLAGS=--xla_force_host_platform_device_count={tp})")
+        raise ValueError(
+            f"measuring TP={tp} needs {tp} devices, {len(devices)} are present (on a CPU, set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={tp})"
+        )
     state = init_cache(cfg, batch=1, max_len=2, mesh=make_mesh(MeshConfig(data=1, tensor=tp), devices))
     return sum(per_device_bytes(a) for a in state.kv.values()) // (cfg.n_layer * state.max_len)

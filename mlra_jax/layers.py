@@ -47,8 +47,9 @@ def xavier_uniform_torch_view(view_shape: tuple[int, ...]) -> Initializer:
     return lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
-def make_param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], init: Initializer,
-               cfg: ModelConfig) -> nnx.Param:
+def make_param(
+    rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], init: Initializer, cfg: ModelConfig
+) -> nnx.Param:
     """A parameter with its logical axis names (one per dimension)."""
     if len(axes) != len(shape):
         raise ValueError(f"logical axes {axes} do not match shape {shape}")
@@ -119,7 +120,7 @@ def two_rows(product: Callable[..., jax.Array], spec: str, x: jax.Array, w: jax.
     if axes is None:
         return product(spec, x, w)
     x_axis, out_axis = axes
-    rows = jnp.broadcast_to(x, x.shape[:x_axis] + (ROW_COPIES,) + x.shape[x_axis + 1:])  # fuses into the GEMM
+    rows = jnp.broadcast_to(x, x.shape[:x_axis] + (ROW_COPIES,) + x.shape[x_axis + 1 :])  # fuses into the GEMM
     out = product(spec, rows, w)
     return jax.lax.slice_in_dim(out, 0, 1, axis=out_axis)
 
@@ -163,8 +164,9 @@ class MLP(nnx.Module):
         else:
             both = project(x, self.gate_up, "btd,gfd->btgf" if self.out_major else "btd,dgf->btgf", self.dtype)
             gate, up = both[:, :, 0], both[:, :, 1]
-        out = project(jax.nn.silu(gate) * up, self.down_proj, "btf,df->btd" if self.out_major else "btf,fd->btd",
-                      self.dtype)
+        out = project(
+            jax.nn.silu(gate) * up, self.down_proj, "btf,df->btd" if self.out_major else "btf,fd->btd", self.dtype
+        )
         return out[:rows]
 
     def use_serving_layout(self, params: dict[str, jax.Array], out_major: bool = False) -> dict[str, jax.Array]:
@@ -194,5 +196,9 @@ class Embed(nnx.Module):
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Logits against the tied embedding, accumulated and returned in float32."""
-        return einsum("btd,vd->btv", x.astype(self.dtype), self.embedding[...].astype(self.dtype),
-                      preferred_element_type=jnp.float32)
+        return einsum(
+            "btd,vd->btv",
+            x.astype(self.dtype),
+            self.embedding[...].astype(self.dtype),
+            preferred_element_type=jnp.float32,
+        )

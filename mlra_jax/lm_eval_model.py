@@ -44,9 +44,17 @@ SAMPLING_ARGUMENTS = {"do_sample", "temperature", "top_k", "top_p"}  # gen_kwarg
 class MlraLM(TemplateLM):
     """lm-eval's LM interface over a Transformer; `checkpoint` and `step` name it in the results."""
 
-    def __init__(self, model: Transformer, batch_size: int | str = 32, max_length: int | str | None = None,
-                 max_gen_toks: int | str = 256, seed: int | str = 0, checkpoint: str | None = None,
-                 step: int | None = None, **unused: Any):
+    def __init__(
+        self,
+        model: Transformer,
+        batch_size: int | str = 32,
+        max_length: int | str | None = None,
+        max_gen_toks: int | str = 256,
+        seed: int | str = 0,
+        checkpoint: str | None = None,
+        step: int | None = None,
+        **unused: Any,
+    ):
         super().__init__()
         if str(batch_size).startswith("auto"):
             raise ConfigError("batch_size=auto is not supported; give a number of sequences (default 32)")
@@ -55,13 +63,14 @@ class MlraLM(TemplateLM):
         self._max_length = int(max_length if max_length not in (None, "") else model.config.max_seq_len)
         self.max_gen_toks = int(max_gen_toks)
         if self.batch_size < 1 or not 1 <= self._max_length <= model.config.max_seq_len or self.max_gen_toks < 1:
-            raise ConfigError(f"batch_size={self.batch_size} must be >= 1, max_length={self._max_length} in "
-                              f"[1, {model.config.max_seq_len}] (the model's max_seq_len) and max_gen_toks="
-                              f"{self.max_gen_toks} >= 1")
+            raise ConfigError(
+                f"batch_size={self.batch_size} must be >= 1, max_length={self._max_length} in "
+                f"[1, {model.config.max_seq_len}] (the model's max_seq_len) and max_gen_toks="
+                f"{self.max_gen_toks} >= 1"
+            )
         self.tokenizer = gpt2_tokenizer()
         devices = jax.local_devices()
-        data_parallel = max(d for d in range(1, len(devices) + 1)
-                            if self.batch_size % d == 0 and len(devices) % d == 0)
+        data_parallel = max(d for d in range(1, len(devices) + 1) if self.batch_size % d == 0 and len(devices) % d == 0)
         mesh = make_mesh(MeshConfig(data=data_parallel), devices[:data_parallel]) if data_parallel > 1 else None
         self.scorer = ContinuationScorer(model, self.batch_size, self._max_length, mesh)
         self.generator = Generator(model, self._max_length)
@@ -91,15 +100,16 @@ class MlraLM(TemplateLM):
 
     # -- scoring
 
-    def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False,
-                              **kwargs: Any) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
+    ) -> list[tuple[float, bool]]:
         """(log-probability, is_greedy) of each (strings, context tokens, continuation tokens); the
         sequence keeps its last max_length + 1 tokens, as HFLM truncates."""
         collator = Collator(requests, sort_fn=lambda r: (-len(r[1]) - len(r[2]), tuple(r[1] + r[2])))
         results = []
         with tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood", leave=False) as bar:
             for chunk in collator.get_batched(n=self.batch_size):
-                sequences = [(context + continuation)[-(self._max_length + 1):] for _, context, continuation in chunk]
+                sequences = [(context + continuation)[-(self._max_length + 1) :] for _, context, continuation in chunk]
                 scores = self.scorer.score(sequences, [len(continuation) for _, _, continuation in chunk])
                 for (strings, _, _), answer in zip(chunk, scores):
                     results.append(answer)
@@ -112,9 +122,15 @@ class MlraLM(TemplateLM):
         """Each document's log-likelihood given <|endoftext|>, over lm-eval's disjoint rolling windows."""
         windows, owners = [], []
         for index, (text,) in enumerate(request.args for request in requests):
-            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
-                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                    max_seq_len=self._max_length, context_len=1)):
+            for context, continuation in map(
+                make_disjoint_window,
+                get_rolling_token_windows(
+                    token_list=self.tok_encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self._max_length,
+                    context_len=1,
+                ),
+            ):
                 windows.append((None, context, continuation))
                 owners.append(index)
         totals = [0.0] * len(requests)
@@ -133,14 +149,21 @@ class MlraLM(TemplateLM):
         if ignored:
             log.warning("generate_until ignores %s", ", ".join(sorted(ignored)))
         sample = bool(kwargs.get("do_sample"))
-        return Sampling(max_new_tokens=kwargs["max_gen_toks"],
-                        temperature=float(kwargs.get("temperature") or 0.0) if sample else 0.0,
-                        top_k=int(kwargs.get("top_k") or 0) if sample else 0,
-                        top_p=float(kwargs.get("top_p") or 1.0) if sample else 1.0, seed=self.seed), until
+        return Sampling(
+            max_new_tokens=kwargs["max_gen_toks"],
+            temperature=float(kwargs.get("temperature") or 0.0) if sample else 0.0,
+            top_k=int(kwargs.get("top_k") or 0) if sample else 0,
+            top_p=float(kwargs.get("top_p") or 1.0) if sample else 1.0,
+            seed=self.seed,
+        ), until
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        collator = Collator([request.args for request in requests], group_by="gen_kwargs", group_fn=lambda a: a[1],
-                            sort_fn=lambda a: (-len(self.tok_encode(a[0])), a[0]))
+        collator = Collator(
+            [request.args for request in requests],
+            group_by="gen_kwargs",
+            group_fn=lambda a: a[1],
+            sort_fn=lambda a: (-len(self.tok_encode(a[0])), a[0]),
+        )
         results = []
         with tqdm(total=len(requests), disable=disable_tqdm, desc="generate_until", leave=False) as bar:
             for chunk in collator.get_batched(n=self.batch_size):
@@ -148,8 +171,10 @@ class MlraLM(TemplateLM):
                 sampling, until = self._sampling(all_kwargs[0])
                 room = self._max_length - sampling.max_new_tokens
                 if room < 1:
-                    raise ConfigError(f"max_gen_toks={sampling.max_new_tokens} leaves no room for a prompt within "
-                                      f"max_length={self._max_length}")
+                    raise ConfigError(
+                        f"max_gen_toks={sampling.max_new_tokens} leaves no room for a prompt within "
+                        f"max_length={self._max_length}"
+                    )
                 prompts = [self.tok_encode(context)[-room:] or [EOT] for context in contexts]
                 for context, kwargs, tokens in zip(contexts, all_kwargs, self._generate(prompts, sampling, until)):
                     text = postprocess_generated_text(self.tok_decode(tokens), until, None)
@@ -169,10 +194,16 @@ class MlraLM(TemplateLM):
             return row >= len(prompts) or any(s in self.tok_decode(tokens[-tail:]) for s in until if s)
 
         rows = prompts + [[EOT]] * (self.batch_size - len(prompts))
-        return self.generator.generate(rows, sampling, stop, width=buckets[0])[:len(prompts)]
+        return self.generator.generate(rows, sampling, stop, width=buckets[0])[: len(prompts)]
 
     def get_model_info(self) -> dict[str, Any]:
         """Recorded by lm-eval under the results' "config"."""
         cfg = self.model.config
-        return {"checkpoint": self.checkpoint, "step": self.step, "variant": cfg.variant,
-                "compute_dtype": cfg.compute_dtype, "max_length": self._max_length, "batch_size": self.batch_size}
+        return {
+            "checkpoint": self.checkpoint,
+            "step": self.step,
+            "variant": cfg.variant,
+            "compute_dtype": cfg.compute_dtype,
+            "max_length": self._max_length,
+            "batch_size": self.batch_size,
+        }

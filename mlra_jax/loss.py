@@ -55,13 +55,16 @@ def _chunks(hidden: jax.Array, targets: jax.Array, chunk: int) -> tuple[jax.Arra
     when `chunk` is 0, at least T, or does not divide T."""
     batch, length, width = hidden.shape
     count = 1 if chunk <= 0 or chunk >= length or length % chunk else length // chunk
-    return (hidden.reshape(batch, count, length // count, width).swapaxes(0, 1),
-            targets.reshape(batch, count, length // count).swapaxes(0, 1))
+    return (
+        hidden.reshape(batch, count, length // count, width).swapaxes(0, 1),
+        targets.reshape(batch, count, length // count).swapaxes(0, 1),
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def next_token_loss_and_head(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, dtype: jnp.dtype,
-                             chunk: int) -> jax.Array:
+def next_token_loss_and_head(
+    hidden: jax.Array, embedding: jax.Array, targets: jax.Array, dtype: jnp.dtype, chunk: int
+) -> jax.Array:
     """next_token_loss(head_logits(hidden, embedding, dtype), targets): hidden [B, T, d] (float32), the tied
     embedding [V, d], targets [B, T]; the head multiplied in `dtype` with float32 accumulation, over chunks
     of `chunk` positions (0: whole)."""
@@ -69,8 +72,9 @@ def next_token_loss_and_head(hidden: jax.Array, embedding: jax.Array, targets: j
 
     def body(total: jax.Array, inputs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
         h, t = inputs
-        logits = constrain_batch(einsum("btd,vd->btv", h.astype(dtype), embedding.astype(dtype),
-                                        preferred_element_type=jnp.float32))
+        logits = constrain_batch(
+            einsum("btd,vd->btv", h.astype(dtype), embedding.astype(dtype), preferred_element_type=jnp.float32)
+        )
         return total + optax.softmax_cross_entropy_with_integer_labels(logits, t).sum(), None
 
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hidden_chunks, target_chunks))
@@ -106,20 +110,25 @@ def _loss_forward(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, d
     return total * scale, residuals
 
 
-def _loss_backward(dtype: jnp.dtype, chunk: int, residuals: tuple[jax.Array, jax.Array, jax.Array],
-                   cotangent: jax.Array):
+def _loss_backward(
+    dtype: jnp.dtype, chunk: int, residuals: tuple[jax.Array, jax.Array, jax.Array], cotangent: jax.Array
+):
     del dtype, chunk
     d_hidden, d_embedding, targets = residuals
     zero_targets = jnp.zeros(targets.shape, jax.dtypes.float0)
-    return ((cotangent * d_hidden).astype(d_hidden.dtype), (cotangent * d_embedding).astype(d_embedding.dtype),
-            zero_targets)
+    return (
+        (cotangent * d_hidden).astype(d_hidden.dtype),
+        (cotangent * d_embedding).astype(d_embedding.dtype),
+        zero_targets,
+    )
 
 
 next_token_loss_and_head.defvjp(_loss_forward, _loss_backward)
 
 
-def chunked_next_token_loss(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, dtype: jnp.dtype,
-                            chunk: int) -> jax.Array:
+def chunked_next_token_loss(
+    hidden: jax.Array, embedding: jax.Array, targets: jax.Array, dtype: jnp.dtype, chunk: int
+) -> jax.Array:
     """The training loss (next_token_loss_and_head): value and gradients are those of the whole form
     next_token_loss(head_logits(hidden, embedding, dtype), targets) up to float32 summation order."""
     return next_token_loss_and_head(hidden, embedding, targets, dtype, chunk)

@@ -77,8 +77,13 @@ class MetricWriter:
     `rewrite_every_s` seconds and at each `flush` (the training loop flushes at every checkpoint) and `close`.
     """
 
-    def __init__(self, workdir: str | os.PathLike, enabled: bool = True, rewrite_every_s: float = REWRITE_EVERY_S,
-                 tracker: Any = None):
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        enabled: bool = True,
+        rewrite_every_s: float = REWRITE_EVERY_S,
+        tracker: Any = None,
+    ):
         """`tracker`: another sink of every record (tracking.WandbTracker: write(step, values), close())."""
         workdir = as_path(workdir)
         self.tracker = tracker
@@ -117,8 +122,12 @@ class MetricWriter:
                 record = json.loads(line)
                 keep = record["step"] <= step
             except (json.JSONDecodeError, KeyError, TypeError):
-                log.warning("%s line %d is not a metrics record (torn by an interrupted write?); dropped: %.80s",
-                            self.jsonl_path, number, line)
+                log.warning(
+                    "%s line %d is not a metrics record (torn by an interrupted write?); dropped: %.80s",
+                    self.jsonl_path,
+                    number,
+                    line,
+                )
                 continue
             if keep:
                 kept.append(line)
@@ -164,10 +173,16 @@ class MetricWriter:
 
 def format_line(step: int, total: int, values: dict[str, Any]) -> str:
     parts = [f"step {step}/{total}"]
-    for key, fmt in (("loss", ".4f"), ("val_loss", ".4f"), ("grad_norm", ".3f"), ("lr", ".3e"),
-                     ("tokens_per_s", ",.0f"), ("step_time_s", ".3f"), ("mfu", ".1%")):
+    for key, fmt in (
+        ("loss", ".4f"),
+        ("val_loss", ".4f"),
+        ("grad_norm", ".3f"),
+        ("lr", ".3e"),
+        ("tokens_per_s", ",.0f"),
+        ("step_time_s", ".3f"),
+        ("mfu", ".1%"),
+    ):
         if values.get(key) is not None:
             parts.append(f"{key} {values[key]:{fmt}}")
     parts += [f"{key} {value:.4f}" for key, value in values.items() if key.startswith("val/") and value is not None]
     return "  ".join(parts)
-

@@ -24,8 +24,10 @@ from mlra_jax.sharding import constrain_batch
 
 def _dots_and_attention(prim: Any, *args: Any, **params: Any) -> bool:
     """Keep the projections and the fused attention kernels' results: the backward reruns no kernel."""
-    return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
-            or prim.name in KERNEL_PRIMITIVES)
+    return (
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
+        or prim.name in KERNEL_PRIMITIVES
+    )
 
 
 REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
@@ -46,8 +48,16 @@ class Block(nnx.Module):
         x = x + self.attn(self.attn_norm(x), positions, mask)
         return x + self.mlp(self.mlp_norm(x))
 
-    def cached(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array], mask: jax.Array,
-               index: jax.Array, plans: dict[str, Any], absorbed: bool) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def cached(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: dict[str, jax.Array],
+        mask: jax.Array,
+        index: jax.Array,
+        plans: dict[str, Any],
+        absorbed: bool,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The block on new tokens x [B, T, d]: their cache entries written at `index`, attention over the cache."""
         h = self.attn_norm(x)
         heads, cache = self.attn.write_and_attend(h, positions, cache, mask, index, plans, absorbed)
@@ -73,13 +83,13 @@ class Transformer(nnx.Module):
         self.blocks = stacked_blocks(cfg, rngs.params())
         self.final_norm = RMSNorm((cfg.n_embd,), ("embed",), cfg, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 mask: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array | None = None, mask: jax.Array | None = None
+    ) -> jax.Array:
         """Float32 logits [B, T, vocab] for tokens [B, T] (causal when mask is None)."""
         return self.embed.attend(self.hidden(tokens, positions, mask))
 
-    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
-               mask: jax.Array | None = None) -> jax.Array:
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, mask: jax.Array | None = None) -> jax.Array:
         """The final-normed hidden states [B, T, d] that the tied head turns into logits."""
         if positions is None:
             positions = default_positions(tokens)
@@ -87,8 +97,9 @@ class Transformer(nnx.Module):
         x, _ = self.run_layers(x, lambda block, h, _: (block(h, positions, mask), None))
         return self.final_norm(x)
 
-    def forward_cached(self, tokens: jax.Array, state: DecodeState, absorbed: bool = True
-                       ) -> tuple[jax.Array, DecodeState]:
+    def forward_cached(
+        self, tokens: jax.Array, state: DecodeState, absorbed: bool = True
+    ) -> tuple[jax.Array, DecodeState]:
         """Logits of new tokens [B, T] written into the cache at state.index (prefill or decode step).
 
         absorbed: the latent family attends with absorbed weights (decoding); False up-projects
@@ -96,13 +107,17 @@ class Transformer(nnx.Module):
         positions, mask = slot_mask(state, tokens.shape[1])
         plans = dict(state.plans)
         x = self.embed(tokens)
-        x, kv = self.run_layers(x, lambda block, h, layer_kv: block.cached(h, positions, layer_kv, mask,
-                                                                           state.index, plans, absorbed), state.kv)
+        x, kv = self.run_layers(
+            x,
+            lambda block, h, layer_kv: block.cached(h, positions, layer_kv, mask, state.index, plans, absorbed),
+            state.kv,
+        )
         logits = self.embed.attend(self.final_norm(x))
         return logits, dataclasses.replace(state, kv=kv, index=state.index + tokens.shape[1])
 
-    def run_layers(self, x: jax.Array, apply: Callable[[Block, jax.Array, Any], tuple[jax.Array, Any]],
-                   xs: Any = None) -> tuple[jax.Array, Any]:
+    def run_layers(
+        self, x: jax.Array, apply: Callable[[Block, jax.Array, Any], tuple[jax.Array, Any]], xs: Any = None
+    ) -> tuple[jax.Array, Any]:
         """Thread x through the layers, `(x, y) = apply(block, x, xs[layer])` at each, scanned or
         unrolled; returns x and the ys stacked over layers."""
         graphdef, state = nnx.split(self.blocks)

@@ -56,8 +56,10 @@ def set_flat_params(model: nnx.Module, flat: Mapping[str, Any]) -> None:
     state = nnx.state(model, nnx.Param)
     current = flat_params(model)
     if set(current) != set(flat):
-        raise KeyError(f"parameter paths differ: missing {sorted(set(current) - set(flat))[:5]}, "
-                       f"unexpected {sorted(set(flat) - set(current))[:5]}")
+        raise KeyError(
+            f"parameter paths differ: missing {sorted(set(current) - set(flat))[:5]}, "
+            f"unexpected {sorted(set(flat) - set(current))[:5]}"
+        )
     pure = unflatten({p: jnp.asarray(flat[p], dtype=current[p].dtype) for p in current})
     nnx.replace_by_pure_dict(state, pure)
     nnx.update(model, state)
@@ -67,10 +69,12 @@ def compute_params(params: dict[str, Any], dtype: jnp.dtype) -> dict[str, Any]:
     """Weights cast once to the compute dtype, before any layer reads them, so that FSDP all-gathers
     them in it (the layers would cast each one after its gather). Norm scales stay float32, and so
     does the embedding, whose lookup feeds the float32 residual stream; numerics are unchanged."""
+
     def cast(path: tuple, leaf: jax.Array) -> jax.Array:
         names = [str(getattr(key, "key", key)) for key in path]
-        keep = names[-1] == "scale" or names[-2:] == ["embed", "embedding"] or not jnp.issubdtype(leaf.dtype,
-                                                                                               jnp.floating)
+        keep = (
+            names[-1] == "scale" or names[-2:] == ["embed", "embedding"] or not jnp.issubdtype(leaf.dtype, jnp.floating)
+        )
         return leaf if keep else leaf.astype(dtype)
 
     return jax.tree_util.tree_map_with_path(cast, params)

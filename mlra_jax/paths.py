@@ -38,16 +38,19 @@ def as_path(path: str | os.PathLike) -> epath.Path:
     if is_remote(path):
         scheme = os.fspath(path).split("://", 1)[0]
         if scheme not in SCHEMES:
-            raise ConfigError(f"{path}: {scheme}:// is not supported; use a local path or one of "
-                              f"{', '.join(s + '://' for s in SCHEMES)}")
+            raise ConfigError(
+                f"{path}: {scheme}:// is not supported; use a local path or one of "
+                f"{', '.join(s + '://' for s in SCHEMES)}"
+            )
         if missing := filesystem_missing(scheme):
             extra = "pip install -e '.[gcs]'" if scheme == "gs" else f"pip install {missing}"
             raise ConfigError(f"{path}: {scheme}:// needs the {missing} package: {extra}")
         return epath.Path(os.fspath(path))
     local = pathlib.Path(path)
     if local.parts and local.parts[0].removesuffix(":") in SCHEMES and local.parts[0].endswith(":"):
-        raise ValueError(f"{path} looks like a URL whose '//' pathlib.Path collapsed to '/'; pass the "
-                         f"URL as a string or epath.Path")
+        raise ValueError(
+            f"{path} looks like a URL whose '//' pathlib.Path collapsed to '/'; pass the URL as a string or epath.Path"
+        )
     return epath.Path(local.absolute())
 
 

@@ -43,8 +43,10 @@ def read_records(run: str | os.PathLike) -> list[dict[str, Any]]:
     skipped with a warning; a missing file or one without records is a MetricsFileError."""
     path = metrics_file(run)
     if not path.is_file():
-        raise MetricsFileError(f"{path} does not exist: give a run directory (the --workdir of "
-                               f"python -m mlra_jax.train, which writes metrics.jsonl) or a metrics.jsonl file")
+        raise MetricsFileError(
+            f"{path} does not exist: give a run directory (the --workdir of "
+            f"python -m mlra_jax.train, which writes metrics.jsonl) or a metrics.jsonl file"
+        )
     records = []
     for number, line in enumerate(path.read_bytes().splitlines(), 1):
         try:
@@ -56,8 +58,10 @@ def read_records(run: str | os.PathLike) -> list[dict[str, Any]]:
             continue
         records.append(record)
     if not records:
-        raise MetricsFileError(f"{path} holds no metrics records (the run has not logged a step yet, or the file "
-                               f"is not a run's metrics.jsonl)")
+        raise MetricsFileError(
+            f"{path} holds no metrics records (the run has not logged a step yet, or the file "
+            f"is not a run's metrics.jsonl)"
+        )
     return records
 
 
@@ -79,8 +83,9 @@ def plot_runs(runs: Sequence[str | os.PathLike], out: str | os.PathLike | None =
     from matplotlib.figure import Figure
 
     data = [read_records(run) for run in runs]
-    held_out = sorted({k for records in data for r in records for k in r if k.startswith("val/") and
-                       k.endswith("/loss")})
+    held_out = sorted(
+        {k for records in data for r in records for k in r if k.startswith("val/") and k.endswith("/loss")}
+    )
     panels = ["loss", *held_out, "tokens_per_s"]
     fig = Figure(figsize=(5 * len(panels), 4), layout="constrained")
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
@@ -150,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as err:
         print(f"error: {err.name or 'matplotlib'} is missing: pip install -e '.[plot]'", file=sys.stderr)
         return 2
-    print(f"wrote {out} ({len(args.runs)} run{'s' if len(args.runs) > 1 else ''}"
-          f"{'; replaced the earlier image' if replaced else ''})")
+    print(
+        f"wrote {out} ({len(args.runs)} run{'s' if len(args.runs) > 1 else ''}"
+        f"{'; replaced the earlier image' if replaced else ''})"
+    )
     return 0
 
 

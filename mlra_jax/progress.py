@@ -32,9 +32,13 @@ class _CurrentStdoutHandler(logging.StreamHandler):
 def _unconfigured_root() -> bool:
     """Whether the root logger has only what a bare `logging.basicConfig()` leaves (or nothing): absl calls
     it the first time it logs (orbax does at import), so such a handler says nobody chose where lines go."""
-    return all(type(h) is logging.StreamHandler and h.stream in (sys.stderr, sys.__stderr__)
-               and h.formatter is not None and h.formatter._fmt == logging.BASIC_FORMAT
-               for h in logging.getLogger().handlers)
+    return all(
+        type(h) is logging.StreamHandler
+        and h.stream in (sys.stderr, sys.__stderr__)
+        and h.formatter is not None
+        and h.formatter._fmt == logging.BASIC_FORMAT
+        for h in logging.getLogger().handlers
+    )
 
 
 def show_library_logs() -> None:

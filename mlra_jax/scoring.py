@@ -24,8 +24,8 @@ from flax import nnx
 
 from mlra_jax.loss import head_logits
 from mlra_jax.model import Transformer
-from mlra_jax.sharding import batch_sharding, data_parallel_size, replicated
 from mlra_jax.params import compute_params
+from mlra_jax.sharding import batch_sharding, data_parallel_size, replicated
 
 POSITION_CHUNK = 256  # positions whose [B, chunk, V] logits are held at once
 
@@ -40,8 +40,9 @@ def length_buckets(max_length: int, min_length: int = 16) -> tuple[int, ...]:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def target_log_probs(graphdef: nnx.GraphDef, params: dict, inputs: jax.Array, targets: jax.Array
-                     ) -> tuple[jax.Array, jax.Array]:
+def target_log_probs(
+    graphdef: nnx.GraphDef, params: dict, inputs: jax.Array, targets: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """(log p(targets[b, t] | inputs[b, :t + 1]), targets[b, t] == argmax) for inputs, targets [B, T];
     jitted once per model structure and shape (the arrays' shardings, data-parallel or not, carry over)."""
     dtype = nnx.merge(graphdef, params).config.dtype
@@ -59,20 +60,31 @@ def target_log_probs(graphdef: nnx.GraphDef, params: dict, inputs: jax.Array, ta
     if length <= POSITION_CHUNK or length % POSITION_CHUNK:
         return score(hidden, targets)
     chunks = length // POSITION_CHUNK
-    picked, greedy = jax.lax.map(lambda x: score(*x), (
-        hidden.reshape(batch, chunks, POSITION_CHUNK, width).swapaxes(0, 1),
-        targets.reshape(batch, chunks, POSITION_CHUNK).swapaxes(0, 1)))
+    picked, greedy = jax.lax.map(
+        lambda x: score(*x),
+        (
+            hidden.reshape(batch, chunks, POSITION_CHUNK, width).swapaxes(0, 1),
+            targets.reshape(batch, chunks, POSITION_CHUNK).swapaxes(0, 1),
+        ),
+    )
     return picked.swapaxes(0, 1).reshape(batch, length), greedy.swapaxes(0, 1).reshape(batch, length)
 
 
 class ContinuationScorer:
     """Scores batches of token sequences with one model; data-parallel over `mesh` when given."""
 
-    def __init__(self, model: Transformer, batch_size: int, max_length: int, mesh: jax.sharding.Mesh | None = None,
-                 min_length: int = 16):
+    def __init__(
+        self,
+        model: Transformer,
+        batch_size: int,
+        max_length: int,
+        mesh: jax.sharding.Mesh | None = None,
+        min_length: int = 16,
+    ):
         if mesh is not None and batch_size % data_parallel_size(mesh):
-            raise ValueError(f"batch_size={batch_size} is not a multiple of the {data_parallel_size(mesh)} "
-                             f"data-parallel devices")
+            raise ValueError(
+                f"batch_size={batch_size} is not a multiple of the {data_parallel_size(mesh)} data-parallel devices"
+            )
         self.batch_size, self.max_length, self.mesh = batch_size, max_length, mesh
         self.buckets = length_buckets(max_length, min(min_length, max_length))
         self._graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -82,20 +94,22 @@ class ContinuationScorer:
     def padded_length(self, length: int) -> int:
         return next(b for b in self.buckets if b >= length)
 
-    def score(self, sequences: Sequence[Sequence[int]], continuation_lengths: Sequence[int]
-              ) -> list[tuple[float, bool]]:
+    def score(
+        self, sequences: Sequence[Sequence[int]], continuation_lengths: Sequence[int]
+    ) -> list[tuple[float, bool]]:
         """(sum of the continuation's log-probabilities, whether greedy decoding gives it) per sequence;
         at most batch_size sequences of 2 to max_length + 1 tokens."""
         if not 0 < len(sequences) <= self.batch_size:
             raise ValueError(f"{len(sequences)} sequences for a batch of {self.batch_size}")
         lengths = [len(s) - 1 for s in sequences]  # model inputs
         if min(lengths) < 1 or max(lengths) > self.max_length:
-            raise ValueError(f"sequences must hold 2 to {self.max_length + 1} tokens (got {min(lengths) + 1} to "
-                             f"{max(lengths) + 1})")
+            raise ValueError(
+                f"sequences must hold 2 to {self.max_length + 1} tokens (got {min(lengths) + 1} to {max(lengths) + 1})"
+            )
         width = self.padded_length(max(lengths))
         tokens = np.zeros((self.batch_size, width + 1), np.int32)
         for row, sequence in enumerate(sequences):
-            tokens[row, :len(sequence)] = sequence
+            tokens[row, : len(sequence)] = sequence
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         if self._batch is not None:
             inputs, targets = jax.device_put(inputs, self._batch), jax.device_put(targets, self._batch)

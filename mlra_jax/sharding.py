@@ -37,12 +37,16 @@ def mesh_shape(cfg: MeshConfig, device_count: int) -> tuple[int, int, int]:
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if device_count % known:
-            raise ConfigError(f"mesh {dict(zip(MESH_AXES, sizes))}: {device_count} devices are not divisible by "
-                              f"{known}; choose mesh sizes whose product divides the device count")
+            raise ConfigError(
+                f"mesh {dict(zip(MESH_AXES, sizes))}: {device_count} devices are not divisible by "
+                f"{known}; choose mesh sizes whose product divides the device count"
+            )
         sizes[sizes.index(-1)] = device_count // known
     if math.prod(sizes) != device_count:
-        raise ConfigError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices but "
-                          f"{device_count} are available; set one axis to -1 to use the rest")
+        raise ConfigError(
+            f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices but "
+            f"{device_count} are available; set one axis to -1 to use the rest"
+        )
     return tuple(sizes)
 
 
@@ -53,8 +57,9 @@ def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
-def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
-                    fsdp_everything: bool = True) -> PartitionSpec:
+def logical_to_spec(
+    axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, fsdp_everything: bool = True
+) -> PartitionSpec:
     """PartitionSpec for an array with these logical axes, under LOGICAL_RULES.
 
     With `fsdp_everything` (parameters and optimizer state), an array that the rules
@@ -79,8 +84,9 @@ def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: 
     return PartitionSpec(*(None if not p else p[0] if len(p) == 1 else tuple(p) for p in chosen))
 
 
-def tree_shardings(tree: Mapping[str, Any], axes: Mapping[str, tuple[str | None, ...]], mesh: Mesh,
-                   prefix: str = "") -> dict[str, Any]:
+def tree_shardings(
+    tree: Mapping[str, Any], axes: Mapping[str, tuple[str | None, ...]], mesh: Mesh, prefix: str = ""
+) -> dict[str, Any]:
     """NamedShardings for a nested dict of arrays whose dotted paths index `axes`."""
     out = {}
     for key, value in tree.items():
@@ -105,8 +111,11 @@ def constrain_batch(x: jax.Array) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    auto = {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
-            if kind != AxisType.Manual}
+    auto = {
+        name: size
+        for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+        if kind != AxisType.Manual
+    }
     axes = tuple(a for a in ("data", "fsdp") if auto.get(a, 1) > 1)
     if not axes or x.shape[0] % math.prod(auto[a] for a in axes):
         return x

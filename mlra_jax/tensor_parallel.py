@@ -89,8 +89,9 @@ class UnitPlan:
 def unit_plan(units: int, tp: int) -> UnitPlan:
     plan = UnitPlan(units, tp)
     if plan.replicated_fallback:
-        log.warning("%d slices cannot be divided over TP=%d devices (nor TP over them): replicated on every "
-                    "device", units, tp)
+        log.warning(
+            "%d slices cannot be divided over TP=%d devices (nor TP over them): replicated on every device", units, tp
+        )
     return plan
 
 
@@ -106,12 +107,15 @@ class LatentPlan:
     def __post_init__(self) -> None:
         b, t = self.blocks, self.tp
         if not (b % t == 0 or t % b == 0):
-            raise ConfigError(f"TP={t} cannot split {b} latent blocks: use a TP degree that divides {b} or is a "
-                              f"multiple of it")
+            raise ConfigError(
+                f"TP={t} cannot split {b} latent blocks: use a TP degree that divides {b} or is a multiple of it"
+            )
         if self.block_heads % self.head_split:
-            raise ConfigError(f"TP={t} puts {self.head_split} devices on each latent block, but its "
-                              f"{self.block_heads} heads do not divide among them; use a TP degree with "
-                              f"{self.block_heads} % (TP / {b}) == 0")
+            raise ConfigError(
+                f"TP={t} puts {self.head_split} devices on each latent block, but its "
+                f"{self.block_heads} heads do not divide among them; use a TP degree with "
+                f"{self.block_heads} % (TP / {b}) == 0"
+            )
 
     @property
     def block_heads(self) -> int:

@@ -66,26 +66,37 @@ class CompileReport:
         gib = lambda b: f"{b / 2**30:.1f} GiB"
         mesh = ", ".join(f"{k}={v}" for k, v in self.mesh.items())
         settings = ", ".join(f"{k} {v}" for k, v in self.settings.items())
-        lines = [f"compiled the {self.step} for {self.topology} ({self.chips} x {self.device_kind}, mesh {mesh}) in "
-                 f"{self.compile_s:.0f} s; {settings}"]
+        lines = [
+            f"compiled the {self.step} for {self.topology} ({self.chips} x {self.device_kind}, mesh {mesh}) in "
+            f"{self.compile_s:.0f} s; {settings}"
+        ]
         if self.memory is None:
             lines.append(f"per chip: does NOT fit in {gib(self.hbm_bytes)} of HBM: {self.error}")
         else:
             m = self.memory
-            verdict = (f"fits, {gib(self.margin_bytes)} to spare" if self.fits else
-                       f"does NOT fit: {gib(-self.margin_bytes)} over")
-            lines.append(f"per chip: arguments {gib(m['arguments'])}, temporaries {gib(m['temporaries'])}, generated "
-                         f"code {gib(m['generated_code'])}, outputs not aliased {gib(m['outputs'] - m['aliased'])}: "
-                         f"{gib(m['total'])} of {gib(self.hbm_bytes)} HBM, {verdict}")
+            verdict = (
+                f"fits, {gib(self.margin_bytes)} to spare"
+                if self.fits
+                else f"does NOT fit: {gib(-self.margin_bytes)} over"
+            )
+            lines.append(
+                f"per chip: arguments {gib(m['arguments'])}, temporaries {gib(m['temporaries'])}, generated "
+                f"code {gib(m['generated_code'])}, outputs not aliased {gib(m['outputs'] - m['aliased'])}: "
+                f"{gib(m['total'])} of {gib(self.hbm_bytes)} HBM, {verdict}"
+            )
         kernels = ", ".join(f"{name} x{count}" for name, count in sorted(self.kernels.items())) or "none"
         lines.append(f"Mosaic kernels: {kernels}; attention chosen: {self.chosen or 'none'}")
         if self.flops is not None:
-            lines.append(f"XLA cost analysis per chip (loop bodies once): {self.flops:.3g} FLOPs, "
-                         f"{self.bytes_accessed:.3g} bytes accessed")
+            lines.append(
+                f"XLA cost analysis per chip (loop bodies once): {self.flops:.3g} FLOPs, "
+                f"{self.bytes_accessed:.3g} bytes accessed"
+            )
         if self.estimate:
             e = self.estimate
-            lines.append(f"roofline estimate: {e['step_s']:.3g} s per step ({e['bound']}-bound at the chip's peak)"
-                         + (f", MFU at most {e['mfu']:.0%}" if "mfu" in e else ""))
+            lines.append(
+                f"roofline estimate: {e['step_s']:.3g} s per step ({e['bound']}-bound at the chip's peak)"
+                + (f", MFU at most {e['mfu']:.0%}" if "mfu" in e else "")
+            )
         return "\n".join(lines)
 
 
@@ -93,7 +104,7 @@ def mosaic_kernels(hlo_text: str) -> dict[str, int]:
     """The Mosaic (Pallas TPU) kernels in a compiled program's text, by the name of the op that called them."""
     kernels: dict[str, int] = {}
     for match in re.finditer(r'custom_call_target="tpu_custom_call"', hlo_text):
-        op = re.search(r'op_name="([^"]*)"', hlo_text[match.start(): match.start() + 50_000])
+        op = re.search(r'op_name="([^"]*)"', hlo_text[match.start() : match.start() + 50_000])
         parts = [p for p in (op.group(1) if op else "").split("/") if p and p != "pallas_call"]
         name = parts[-1] if parts else "unnamed"
         kernels[name] = kernels.get(name, 0) + 1
@@ -102,11 +113,16 @@ def mosaic_kernels(hlo_text: str) -> dict[str, int]:
 
 def _memory(compiled: Any) -> dict[str, int]:
     analysis = compiled.memory_analysis()
-    memory = {"arguments": analysis.argument_size_in_bytes, "outputs": analysis.output_size_in_bytes,
-              "aliased": analysis.alias_size_in_bytes, "temporaries": analysis.temp_size_in_bytes,
-              "generated_code": analysis.generated_code_size_in_bytes}
-    memory["total"] = (memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
-                       + memory["generated_code"])
+    memory = {
+        "arguments": analysis.argument_size_in_bytes,
+        "outputs": analysis.output_size_in_bytes,
+        "aliased": analysis.alias_size_in_bytes,
+        "temporaries": analysis.temp_size_in_bytes,
+        "generated_code": analysis.generated_code_size_in_bytes,
+    }
+    memory["total"] = (
+        memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"] + memory["generated_code"]
+    )
     return memory
 
 
@@ -119,8 +135,9 @@ def _cost(compiled: Any) -> tuple[float | None, float | None]:
     return cost.get("flops"), cost.get("bytes accessed")
 
 
-def compile_step(step_name: str, topology: Topology, mesh: jax.sharding.Mesh, lower: Callable[[], Any],
-                 settings: dict[str, Any]) -> tuple[CompileReport, Any]:
+def compile_step(
+    step_name: str, topology: Topology, mesh: jax.sharding.Mesh, lower: Callable[[], Any], settings: dict[str, Any]
+) -> tuple[CompileReport, Any]:
     """lower() traced and compiled for the TPU under `mesh`: the report and the compiled program (None when the
     compiler gave up for lack of memory). Other compiler errors propagate."""
     fused.CHOSEN.clear()
@@ -135,10 +152,22 @@ def compile_step(step_name: str, topology: Topology, mesh: jax.sharding.Mesh, lo
                 raise
             error = str(err).strip().splitlines()[0][:500]
     device = mesh.devices.flat[0]
-    report = CompileReport(step_name, topology.slice_name, mesh.size, device.device_kind,
-                           {k: int(v) for k, v in mesh.shape.items()}, topology.chip.hbm_bytes,
-                           time.perf_counter() - start, None, {}, dict(fused.CHOSEN), None, None, settings,
-                           error=error)
+    report = CompileReport(
+        step_name,
+        topology.slice_name,
+        mesh.size,
+        device.device_kind,
+        {k: int(v) for k, v in mesh.shape.items()},
+        topology.chip.hbm_bytes,
+        time.perf_counter() - start,
+        None,
+        {},
+        dict(fused.CHOSEN),
+        None,
+        None,
+        settings,
+        error=error,
+    )
     if compiled is not None:
         report.memory = _memory(compiled)
         report.kernels = mosaic_kernels(compiled.as_text())
@@ -146,8 +175,13 @@ def compile_step(step_name: str, topology: Topology, mesh: jax.sharding.Mesh, lo
     return report, compiled
 
 
-def roofline(report: CompileReport, topology: Topology, loop_trips: int = 1, kernel_flops_per_chip: float = 0.0,
-             model_flops_per_chip: float | None = None) -> dict[str, float]:
+def roofline(
+    report: CompileReport,
+    topology: Topology,
+    loop_trips: int = 1,
+    kernel_flops_per_chip: float = 0.0,
+    model_flops_per_chip: float | None = None,
+) -> dict[str, float]:
     """The step time at the chip's peak: the larger of its FLOPs at peak FLOP/s and its bytes at HBM bandwidth.
     FLOPs: the model's count where given, or XLA's (a loop's body times `loop_trips`, plus the FLOPs inside Mosaic
     kernels, which XLA does not count), whichever is larger; bytes: XLA's, times `loop_trips`. XLA counts a nested
@@ -155,8 +189,12 @@ def roofline(report: CompileReport, topology: Topology, loop_trips: int = 1, ker
     flops = max((report.flops or 0.0) * loop_trips + kernel_flops_per_chip, model_flops_per_chip or 0.0)
     compute_s = flops / topology.chip.peak_flops
     memory_s = (report.bytes_accessed or 0.0) * loop_trips / topology.chip.hbm_bandwidth
-    estimate = {"step_s": max(compute_s, memory_s), "bound": "compute" if compute_s >= memory_s else "memory",
-                "compute_s": compute_s, "memory_s": memory_s}
+    estimate = {
+        "step_s": max(compute_s, memory_s),
+        "bound": "compute" if compute_s >= memory_s else "memory",
+        "compute_s": compute_s,
+        "memory_s": memory_s,
+    }
     if model_flops_per_chip is not None:
         estimate["mfu"] = model_flops_per_chip / (estimate["step_s"] * topology.chip.peak_flops)
     return estimate
@@ -172,35 +210,53 @@ def compile_train(experiment: Experiment, topology: Topology) -> CompileReport:
     with compiling_for("tpu"):  # remat="auto" traces the layer with the TPU's kernels
         setup = build_setup(experiment, devices)
     train, cfg = setup.experiment.train, setup.experiment.model
-    tokens = jax.ShapeDtypeStruct((train.global_batch_size, train.seq_len + 1), jnp.int32,
-                                  sharding=batch_sharding(setup.mesh))
+    tokens = jax.ShapeDtypeStruct(
+        (train.global_batch_size, train.seq_len + 1), jnp.int32, sharding=batch_sharding(setup.mesh)
+    )
     state = setup.abstract_state
     micro = train.global_batch_size // train.accumulation_steps
-    settings = {"global batch": train.global_batch_size, "micro-batch": micro,
-                "accumulation steps": train.accumulation_steps, "remat": cfg.remat, "seq_len": train.seq_len}
-    report, _ = compile_step("train step", topology, setup.mesh,
-                             lambda: jit_train_step(setup).lower(state["params"], state["opt_state"], tokens),
-                             settings)
+    settings = {
+        "global batch": train.global_batch_size,
+        "micro-batch": micro,
+        "accumulation steps": train.accumulation_steps,
+        "remat": cfg.remat,
+        "seq_len": train.seq_len,
+    }
+    report, _ = compile_step(
+        "train step",
+        topology,
+        setup.mesh,
+        lambda: jit_train_step(setup).lower(state["params"], state["opt_state"], tokens),
+        settings,
+    )
     if report.memory is not None:
         tokens_per_chip = train.global_batch_size * train.seq_len / topology.chips
         in_kernels = attention_flops_per_token(cfg, train.seq_len) * tokens_per_chip if report.kernels else 0.0
-        report.estimate = roofline(report, topology, train.accumulation_steps, in_kernels,
-                                   training_flops_per_token(cfg, train.seq_len) * tokens_per_chip)
+        report.estimate = roofline(
+            report,
+            topology,
+            train.accumulation_steps,
+            in_kernels,
+            training_flops_per_token(cfg, train.seq_len) * tokens_per_chip,
+        )
     return report
 
 
 def not_fitting_advice(report: CompileReport) -> str:
     """What to change when a train step does not fit a chip."""
     s = report.settings
-    return (f"the train step needs more than the {report.hbm_bytes / 2**30:.1f} GiB of HBM per chip of "
-            f"{report.topology} (micro-batch {s['micro-batch']}, remat {s['remat']}): lower "
-            f"--train.max_micro_batch_per_device or --train.micro_batch_size, recompute more with --model.remat="
-            f"dots or full, shard over more chips (--mesh.fsdp=-1) or compile for a larger slice")
+    return (
+        f"the train step needs more than the {report.hbm_bytes / 2**30:.1f} GiB of HBM per chip of "
+        f"{report.topology} (micro-batch {s['micro-batch']}, remat {s['remat']}): lower "
+        f"--train.max_micro_batch_per_device or --train.micro_batch_size, recompute more with --model.remat="
+        f"dots or full, shard over more chips (--mesh.fsdp=-1) or compile for a larger slice"
+    )
 
 
 # -- serving ----------------------------------------------------------------------------------------------------
-def compile_serving(cfg: ModelConfig, topology: Topology, tp: int, batch: int, context: int,
-                    prefill_chunk: int = 512) -> list[CompileReport]:
+def compile_serving(
+    cfg: ModelConfig, topology: Topology, tp: int, batch: int, context: int, prefill_chunk: int = 512
+) -> list[CompileReport]:
     """The serving path's prefill chunk and decode step of `cfg` for `topology` at TP degree `tp`, `batch`
     sequences and a cache of `context` slots: reports of both, with the cache bytes each chip reads per decode
     step (`settings`). The other chips serve data parallel, as many as the batch splits over (batch 1: the first
@@ -215,8 +271,9 @@ def compile_serving(cfg: ModelConfig, topology: Topology, tp: int, batch: int, c
     if topology.chips % tp:
         raise ConfigError(f"TP={tp} does not divide the {topology.chips} chips of {topology.slice_name}")
     data = max(d for d in range(1, topology.chips // tp + 1) if batch % d == 0)
-    mesh = jax.make_mesh((data, 1, tp), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
-                         devices=devices[:data * tp])
+    mesh = jax.make_mesh(
+        (data, 1, tp), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices[: data * tp]
+    )
     capacity = -(-context // SLOT_MULTIPLE) * SLOT_MULTIPLE
     abstract = abstract_model(cfg)
     graphdef = nnx.split(abstract)[0]
@@ -226,29 +283,42 @@ def compile_serving(cfg: ModelConfig, topology: Topology, tp: int, batch: int, c
     holder: dict[str, ServingModel] = {}
 
     def prepare(p: dict[str, Any]) -> dict[str, Any]:
-        holder["serving"] = ServingModel(nnx.merge(graphdef, p), mesh, prefill_chunk=prefill_chunk,
-                                         row_kernels="off")
+        holder["serving"] = ServingModel(nnx.merge(graphdef, p), mesh, prefill_chunk=prefill_chunk, row_kernels="off")
         return holder["serving"].weights
 
     with compiling_for("tpu"), jax.set_mesh(mesh):
         prepared = jax.jit(prepare).lower(params).compile()  # the weights' serving shardings, as GSPMD gives them
-        weights = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                               jax.eval_shape(prepare, params), prepared.output_shardings)
+        weights = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            jax.eval_shape(prepare, params),
+            prepared.output_shardings,
+        )
         caches = jax.eval_shape(lambda: init_layer_caches(cfg, batch, capacity, None, mesh))
-        caches = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), caches,
-                              _cache_shardings(caches, mesh, cfg))
+        caches = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), caches, _cache_shardings(caches, mesh, cfg)
+        )
     serving = holder["serving"]
     cache_bytes = sum(_per_device_bytes(a) for layer in caches.layers for a in layer.values())
     weight_bytes = sum(_per_device_bytes(a) for a in jax.tree.leaves(weights))
-    settings = {"tp": tp, "batch": batch, "context": context, "cache per chip (GiB)": round(cache_bytes / 2**30, 3),
-                "weights per chip (GiB)": round(weight_bytes / 2**30, 3)}
+    settings = {
+        "tp": tp,
+        "batch": batch,
+        "context": context,
+        "cache per chip (GiB)": round(cache_bytes / 2**30, 3),
+        "weights per chip (GiB)": round(weight_bytes / 2**30, 3),
+    }
     reports = []
     for absorbed, tokens_per_call in ((False, prefill_chunk), (True, 1)):
         tokens = jax.ShapeDtypeStruct((batch, tokens_per_call), jnp.int32, sharding=batch_sharding(mesh))
         fn = serving.compiled(absorbed, (batch, tokens_per_call))
         name = "decode step" if absorbed else "prefill chunk"
-        report, _ = compile_step(name, topology, mesh, lambda: fn.lower(weights, tokens, caches),
-                                 {**settings, "tokens per call": tokens_per_call})
+        report, _ = compile_step(
+            name,
+            topology,
+            mesh,
+            lambda: fn.lower(weights, tokens, caches),
+            {**settings, "tokens per call": tokens_per_call},
+        )
         if absorbed and report.memory is not None:
             read = cache_bytes + weight_bytes  # each decode step reads the weights and the whole cache once
             report.settings["bytes read per step per chip (GiB)"] = round(read / 2**30, 3)
@@ -267,8 +337,12 @@ def _cache_shardings(caches: Any, mesh: jax.sharding.Mesh, cfg: ModelConfig) -> 
     from mlra_jax.sharding import batch_sharding
 
     layer = layer_cache_shardings(cfg, mesh)
-    return dataclasses.replace(caches, layers=tuple({n: layer[n] for n in buffers} for buffers in caches.layers),
-                               starts=batch_sharding(mesh, 1), index=NamedSharding(mesh, PartitionSpec()))
+    return dataclasses.replace(
+        caches,
+        layers=tuple({n: layer[n] for n in buffers} for buffers in caches.layers),
+        starts=batch_sharding(mesh, 1),
+        index=NamedSharding(mesh, PartitionSpec()),
+    )
 
 
 def _per_device_bytes(a: jax.ShapeDtypeStruct) -> int:

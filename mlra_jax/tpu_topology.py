@@ -33,16 +33,30 @@ class Chip:
     chip_config: str  # libtpu's chip configuration: megacore (one device per chip) or default
 
 
-CHIPS = {chip.generation: chip for chip in (
-    Chip("v4", "TPU v4", 32 * 2**30, 275e12, 1.2e12, True, 3, "megacore"),
-    Chip("v5p", "TPU v5", 95 * 10**9, 459e12, 2.765e12, True, 3, "megacore"),
-    Chip("v5e", "TPU v5 lite", 16 * 10**9, 197e12, 0.819e12, False, 2, "default"),
-    Chip("v6e", "TPU v6 lite", 32 * 10**9, 918e12, 1.64e12, False, 2, "default"),
-)}
+CHIPS = {
+    chip.generation: chip
+    for chip in (
+        Chip("v4", "TPU v4", 32 * 2**30, 275e12, 1.2e12, True, 3, "megacore"),
+        Chip("v5p", "TPU v5", 95 * 10**9, 459e12, 2.765e12, True, 3, "megacore"),
+        Chip("v5e", "TPU v5 lite", 16 * 10**9, 197e12, 0.819e12, False, 2, "default"),
+        Chip("v6e", "TPU v6 lite", 32 * 10**9, 918e12, 1.64e12, False, 2, "default"),
+    )
+}
 _ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e", "v5": "v5p"}
 # Chip grids of the slice sizes Cloud TPU offers (chips -> grid)
-_GRIDS_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
-             256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16), 2048: (8, 16, 16), 4096: (16, 16, 16)}
+_GRIDS_3D = {
+    4: (2, 2, 1),
+    8: (2, 2, 2),
+    16: (2, 2, 4),
+    32: (2, 4, 4),
+    64: (4, 4, 4),
+    128: (4, 4, 8),
+    256: (4, 8, 8),
+    512: (8, 8, 8),
+    1024: (8, 8, 16),
+    2048: (8, 16, 16),
+    4096: (16, 16, 16),
+}
 _GRIDS_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
 
 
@@ -84,8 +98,10 @@ def parse_topology(text: str) -> Topology:
     if grid_form:
         grid = tuple(int(d) for d in grid_form.group(2).split("x"))
         if len(grid) != chip.grid_dims or min(grid) < 1:
-            raise ConfigError(f"--compile_for={text!r}: a {chip.generation} chip grid has {chip.grid_dims} positive "
-                              f"dimensions (e.g. {chip.generation}:{'x'.join(['2'] * chip.grid_dims)})")
+            raise ConfigError(
+                f"--compile_for={text!r}: a {chip.generation} chip grid has {chip.grid_dims} positive "
+                f"dimensions (e.g. {chip.generation}:{'x'.join(['2'] * chip.grid_dims)})"
+            )
         return Topology(chip, grid)
     count = int(count_form.group(2))
     grids = _GRIDS_3D if chip.grid_dims == 3 else _GRIDS_2D
@@ -113,20 +129,29 @@ def topology_devices(topology: Topology) -> list[jax.Device]:
 
     try:
         description = topologies.get_topology_desc(
-            platform="tpu", topology_name=topology.name, chip_config_name=topology.chip.chip_config,
-            chips_per_host_bounds=(2, 2, 1), num_slices=1, wrap=(True,) * 3)
+            platform="tpu",
+            topology_name=topology.name,
+            chip_config_name=topology.chip.chip_config,
+            chips_per_host_bounds=(2, 2, 1),
+            num_slices=1,
+            wrap=(True,) * 3,
+        )
     except Exception as err:  # noqa: BLE001 - libtpu's errors are RuntimeErrors of several kinds
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         if not _libtpu_installed():
-            raise ConfigError(f"compiling for {topology.slice_name} needs libtpu, which is not installed here: "
-                              f"pip install 'jax[tpu]' (or the project's tpu extra: pip install -e '.[tpu]')"
-                              ) from None
-        raise ConfigError(f"libtpu cannot describe the TPU topology {topology.name} ({message}); check the slice "
-                          f"name, or update libtpu with pip install -U 'jax[tpu]'") from None
+            raise ConfigError(
+                f"compiling for {topology.slice_name} needs libtpu, which is not installed here: "
+                f"pip install 'jax[tpu]' (or the project's tpu extra: pip install -e '.[tpu]')"
+            ) from None
+        raise ConfigError(
+            f"libtpu cannot describe the TPU topology {topology.name} ({message}); check the slice "
+            f"name, or update libtpu with pip install -U 'jax[tpu]'"
+        ) from None
     devices = list(description.devices)
     if len(devices) != topology.chips:
-        raise ConfigError(f"libtpu described {len(devices)} devices for {topology.name}, not one per chip "
-                          f"({topology.chips})")
+        raise ConfigError(
+            f"libtpu described {len(devices)} devices for {topology.name}, not one per chip ({topology.chips})"
+        )
     return devices
 
 

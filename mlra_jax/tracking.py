@@ -31,8 +31,10 @@ def check_available(experiment: Experiment) -> None:
     if not project:
         return
     if importlib.util.find_spec("wandb") is None:
-        raise ConfigError(f"--metrics.wandb_project={project} needs the wandb package: pip install -e '.[wandb]' "
-                          f"(or pip install wandb), or leave the option out")
+        raise ConfigError(
+            f"--metrics.wandb_project={project} needs the wandb package: pip install -e '.[wandb]' "
+            f"(or pip install wandb), or leave the option out"
+        )
     if os.environ.get("WANDB_MODE", "online") in ("offline", "disabled", "dryrun"):
         return
     import wandb
@@ -40,8 +42,10 @@ def check_available(experiment: Experiment) -> None:
     try:
         wandb.login(verify=False)
     except wandb.errors.UsageError as err:
-        raise ConfigError(f"--metrics.wandb_project={project}: {err} Run `wandb login` or set WANDB_API_KEY, or "
-                          f"set WANDB_MODE=offline to log without a network (wandb sync uploads it later)") from None
+        raise ConfigError(
+            f"--metrics.wandb_project={project}: {err} Run `wandb login` or set WANDB_API_KEY, or "
+            f"set WANDB_MODE=offline to log without a network (wandb sync uploads it later)"
+        ) from None
 
 
 class WandbTracker:
@@ -53,14 +57,20 @@ class WandbTracker:
         cfg = experiment.metrics
         id_file = workdir / RUN_ID_FILE
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
-        self.run = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity,
-                              name=cfg.wandb_name or experiment.name, id=run_id, resume="allow",
-                              config=dataclasses.asdict(experiment),
-                              dir=None if is_remote(workdir) else os.fspath(workdir))
+        self.run = wandb.init(
+            project=cfg.wandb_project,
+            entity=cfg.wandb_entity,
+            name=cfg.wandb_name or experiment.name,
+            id=run_id,
+            resume="allow",
+            config=dataclasses.asdict(experiment),
+            dir=None if is_remote(workdir) else os.fspath(workdir),
+        )
         if not id_file.exists():
             id_file.write_text(run_id + "\n")
-        log.info("logging to Weights & Biases: project %s, run %s (%s)", cfg.wandb_project, run_id,
-                 self.run.settings.mode)
+        log.info(
+            "logging to Weights & Biases: project %s, run %s (%s)", cfg.wandb_project, run_id, self.run.settings.mode
+        )
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         self.run.log({k: v for k, v in values.items() if isinstance(v, (int, float))}, step=step)

@@ -35,35 +35,61 @@ def _parser(experiment: Experiment | None = None) -> argparse.ArgumentParser:
     """The command's parser; its help lists the fields with `experiment`'s values (the dataclasses' defaults
     when no --experiment was given)."""
     experiments = "\n".join(f"  {e.name:28} {e.description}" for e in all_experiments())
-    values = (f"the values of {experiment.name}" if experiment is not None else
-              "their defaults; --experiment=NAME --help shows its values")
-    epilog = (f"experiments (or FILE.py:NAME, package.module:NAME, RUN/experiment.json):\n{experiments}\n\n"
-              f"overridable fields (--SECTION.FIELD=VALUE; {values}):\n{fields_help(experiment)}")
+    values = (
+        f"the values of {experiment.name}"
+        if experiment is not None
+        else "their defaults; --experiment=NAME --help shows its values"
+    )
+    epilog = (
+        f"experiments (or FILE.py:NAME, package.module:NAME, RUN/experiment.json):\n{experiments}\n\n"
+        f"overridable fields (--SECTION.FIELD=VALUE; {values}):\n{fields_help(experiment)}"
+    )
     parser = command_parser("python -m mlra_jax.train", __doc__, epilog=epilog)
-    parser.add_argument("--experiment", required=True, help="an experiment's name (listed below), FILE.py:NAME or "
-                        "package.module:NAME (an Experiment kept outside this package), or RUN/experiment.json")
+    parser.add_argument(
+        "--experiment",
+        required=True,
+        help="an experiment's name (listed below), FILE.py:NAME or "
+        "package.module:NAME (an Experiment kept outside this package), or RUN/experiment.json",
+    )
     parser.add_argument("--workdir", help="run directory, local or gs://bucket/path (default runs/EXPERIMENT)")
-    parser.add_argument("--dry_run", action="store_true",
-                        help="print the resolved config, parameter count, mesh and per-device memory, then exit "
-                             "(simulate N CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
-    parser.add_argument("--compile", action="store_true", help="with --dry_run: also compile the train step and "
-                        "report XLA's memory analysis (activations included)")
-    parser.add_argument("--compile_for", metavar="TPU_SLICE",
-                        help="compile the train step for a TPU slice (v5p-128, v5e-256, v6e-64, v4-32, or a chip grid "
-                             "such as v5p:4x4x4) on this machine, which needs no TPU, and report per-chip memory "
-                             "against HBM, the Mosaic kernels, XLA's cost analysis and a step-time estimate; nothing "
-                             "runs or is written; exit 2 when it does not fit. Needs libtpu: pip install 'jax[tpu]'")
-    parser.add_argument("--compile_report", metavar="FILE", type=Path,
-                        help="with --compile_for: also write the report as JSON to FILE")
-    parser.add_argument("--allow_changed", default="", metavar="FIELD,...",
-                        help="resume although these data-order or schedule settings differ from the run's "
-                             "experiment.json (e.g. train.global_batch_size,train.total_steps); the run continues at "
-                             "the next unseen example")
-    parser.add_argument("--init_from", metavar="RUN_OR_HF_DIR",
-                        help="start a new run from the weights of this run directory (e.g. one made by python -m "
-                             "mlra_jax.convert from-reference) or Hugging Face folder (made by convert to-hf): fresh "
-                             "optimizer state, step 0, data from its start; the model config must be the same. "
-                             "Ignored once --workdir has checkpoints (it resumes)")
+    parser.add_argument(
+        "--dry_run",
+        action="store_true",
+        help="print the resolved config, parameter count, mesh and per-device memory, then exit "
+        "(simulate N CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=N)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="with --dry_run: also compile the train step and report XLA's memory analysis (activations included)",
+    )
+    parser.add_argument(
+        "--compile_for",
+        metavar="TPU_SLICE",
+        help="compile the train step for a TPU slice (v5p-128, v5e-256, v6e-64, v4-32, or a chip grid "
+        "such as v5p:4x4x4) on this machine, which needs no TPU, and report per-chip memory "
+        "against HBM, the Mosaic kernels, XLA's cost analysis and a step-time estimate; nothing "
+        "runs or is written; exit 2 when it does not fit. Needs libtpu: pip install 'jax[tpu]'",
+    )
+    parser.add_argument(
+        "--compile_report", metavar="FILE", type=Path, help="with --compile_for: also write the report as JSON to FILE"
+    )
+    parser.add_argument(
+        "--allow_changed",
+        default="",
+        metavar="FIELD,...",
+        help="resume although these data-order or schedule settings differ from the run's "
+        "experiment.json (e.g. train.global_batch_size,train.total_steps); the run continues at "
+        "the next unseen example",
+    )
+    parser.add_argument(
+        "--init_from",
+        metavar="RUN_OR_HF_DIR",
+        help="start a new run from the weights of this run directory (e.g. one made by python -m "
+        "mlra_jax.convert from-reference) or Hugging Face folder (made by convert to-hf): fresh "
+        "optimizer state, step 0, data from its start; the model config must be the same. "
+        "Ignored once --workdir has checkpoints (it resumes)",
+    )
     add_distributed_arguments(parser)
     return parser
 
@@ -88,17 +114,20 @@ def dry_run(experiment: Experiment, compile_step: bool) -> None:
     print(json.dumps(dataclasses.asdict(experiment), indent=1))
     print(data)
     print(f"parameters: {setup.num_params:,}")
-    print(f"mesh: {dict(setup.mesh.shape)} over {setup.mesh.size} {setup.mesh.devices.flat[0].device_kind} "
-          f"devices; {setup.experiment.train.accumulation_steps} micro-batch(es) of "
-          f"{setup.experiment.train.micro_batch_size or experiment.train.global_batch_size} sequences per step")
+    print(
+        f"mesh: {dict(setup.mesh.shape)} over {setup.mesh.size} {setup.mesh.devices.flat[0].device_kind} "
+        f"devices; {setup.experiment.train.accumulation_steps} micro-batch(es) of "
+        f"{setup.experiment.train.micro_batch_size or experiment.train.global_batch_size} sequences per step"
+    )
     estimate = memory_estimate(setup)
     parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in estimate.items())
     print(f"per-device memory: {parts}; total {sum(estimate.values()) / 2**30:.2f} GiB before activations")
     if compile_step:
         analysis = compiled_memory(setup)
         if analysis:
-            print("compiled train step per device: " + ", ".join(f"{k} {v / 2**30:.2f} GiB"
-                                                                for k, v in analysis.items()))
+            print(
+                "compiled train step per device: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in analysis.items())
+            )
 
 
 def compile_for(experiment: Experiment, slice_name: str, report_path: Path | None) -> int:
@@ -146,13 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     from mlra_jax.training.loop import train
 
     workdir = as_path(args.workdir or Path("runs") / experiment.name)
-    result = train(experiment, workdir, allow_changed=tuple(filter(None, args.allow_changed.split(","))),
-                   init_from=args.init_from)
-    print(f"{'stopped' if result.stopped_by_signal else 'finished'} at step {result.step}"
-          f"{f' (loss {result.last_loss:.4f} on the last step line)' if result.last_loss is not None else ''}. "
-          f"Checkpoints: "
-          f"{workdir / 'checkpoints'}; metrics: {workdir / 'metrics.jsonl'} and TensorBoard logs in "
-          f"{workdir / 'tensorboard'} (tensorboard --logdir {workdir / 'tensorboard'})")
+    result = train(
+        experiment, workdir, allow_changed=tuple(filter(None, args.allow_changed.split(","))), init_from=args.init_from
+    )
+    print(
+        f"{'stopped' if result.stopped_by_signal else 'finished'} at step {result.step}"
+        f"{f' (loss {result.last_loss:.4f} on the last step line)' if result.last_loss is not None else ''}. "
+        f"Checkpoints: "
+        f"{workdir / 'checkpoints'}; metrics: {workdir / 'metrics.jsonl'} and TensorBoard logs in "
+        f"{workdir / 'tensorboard'} (tensorboard --logdir {workdir / 'tensorboard'})"
+    )
     return 0
 
 

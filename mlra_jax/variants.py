@@ -47,23 +47,49 @@ class VariantSpec:
 _GQA, _LATENT = "gqa.GroupedQueryAttention", "latent.LatentAttention"
 _GROUPED = lambda cfg: cfg.n_head // cfg.group_size  # noqa: E731
 
-SPECS: dict[str, VariantSpec] = {spec.name: spec for spec in (
-    VariantSpec("mha", "MHA", _GQA, ("head_dim",), "mha", kv_heads=lambda cfg: cfg.n_head,
-                fixed_group_size=lambda n_head: 1),
-    VariantSpec("mqa", "MQA", _GQA, ("head_dim",), "mqa", reference_file="gqa", kv_heads=lambda cfg: 1,
-                fixed_group_size=lambda n_head: n_head),
-    VariantSpec("gqa", "GQA", _GQA, ("head_dim", "group_size"), "gqa", kv_heads=_GROUPED),
-    VariantSpec("mla", "MLA", _LATENT, LATENT_FIELDS, "mla", latent_layout=(1, 1)),
-    VariantSpec("mfa", "MFA", "mfa.MultiMatrixFactorizationAttention", ("head_dim", "q_lora_rank"), "mfa",
-                kv_heads=lambda cfg: 1, head_width=2),
-    VariantSpec("tpa", "TPA", "tpa.TensorProductAttention", ("head_dim", "tpa_rank", "tpa_q_rank"), "tpa"),
-    VariantSpec("gla2", "GLA-2", _LATENT, LATENT_FIELDS, "gla_2", latent_layout=(2, 1)),
-    VariantSpec("gla4", "GLA-4", _LATENT, LATENT_FIELDS, "gla_4", latent_layout=(4, 1)),
-    VariantSpec("gta", "GTA", "gta.GroupedTiedAttention", ("head_dim", "group_size"), "gta", kv_heads=_GROUPED,
-                half_rope=True),
-    VariantSpec("mlra2", "MLRA-2", _LATENT, LATENT_FIELDS, "mlra_2", latent_layout=(4, 2)),
-    VariantSpec("mlra4", "MLRA-4", _LATENT, LATENT_FIELDS, "mlra_4", latent_layout=(4, 4)),
-)}
+SPECS: dict[str, VariantSpec] = {
+    spec.name: spec
+    for spec in (
+        VariantSpec(
+            "mha", "MHA", _GQA, ("head_dim",), "mha", kv_heads=lambda cfg: cfg.n_head, fixed_group_size=lambda n_head: 1
+        ),
+        VariantSpec(
+            "mqa",
+            "MQA",
+            _GQA,
+            ("head_dim",),
+            "mqa",
+            reference_file="gqa",
+            kv_heads=lambda cfg: 1,
+            fixed_group_size=lambda n_head: n_head,
+        ),
+        VariantSpec("gqa", "GQA", _GQA, ("head_dim", "group_size"), "gqa", kv_heads=_GROUPED),
+        VariantSpec("mla", "MLA", _LATENT, LATENT_FIELDS, "mla", latent_layout=(1, 1)),
+        VariantSpec(
+            "mfa",
+            "MFA",
+            "mfa.MultiMatrixFactorizationAttention",
+            ("head_dim", "q_lora_rank"),
+            "mfa",
+            kv_heads=lambda cfg: 1,
+            head_width=2,
+        ),
+        VariantSpec("tpa", "TPA", "tpa.TensorProductAttention", ("head_dim", "tpa_rank", "tpa_q_rank"), "tpa"),
+        VariantSpec("gla2", "GLA-2", _LATENT, LATENT_FIELDS, "gla_2", latent_layout=(2, 1)),
+        VariantSpec("gla4", "GLA-4", _LATENT, LATENT_FIELDS, "gla_4", latent_layout=(4, 1)),
+        VariantSpec(
+            "gta",
+            "GTA",
+            "gta.GroupedTiedAttention",
+            ("head_dim", "group_size"),
+            "gta",
+            kv_heads=_GROUPED,
+            half_rope=True,
+        ),
+        VariantSpec("mlra2", "MLRA-2", _LATENT, LATENT_FIELDS, "mlra_2", latent_layout=(4, 2)),
+        VariantSpec("mlra4", "MLRA-4", _LATENT, LATENT_FIELDS, "mlra_4", latent_layout=(4, 4)),
+    )
+}
 
 VARIANTS = tuple(SPECS)  # in the paper's order
 LATENT_VARIANTS = tuple(name for name, spec in SPECS.items() if spec.latent_layout)

@@ -35,12 +35,11 @@ def task_names(spec: str) -> list[str]:
     """Comma-separated task names, `paper` standing for the paper's seven; duplicates dropped."""
     names: list[str] = []
     for name in (part.strip() for part in spec.split(",")):
-        for task in ([t.task for t in PAPER_TASKS] if name == PAPER_SUITE else [name] if name else []):
+        for task in [t.task for t in PAPER_TASKS] if name == PAPER_SUITE else [name] if name else []:
             if task not in names:
                 names.append(task)
     if not names:
-        raise ConfigError(f"--tasks {spec!r} names no task; give lm-eval task names (arc_easy,piqa) or "
-                          f"{PAPER_SUITE!r}")
+        raise ConfigError(f"--tasks {spec!r} names no task; give lm-eval task names (arc_easy,piqa) or {PAPER_SUITE!r}")
     return names
 
 
@@ -53,9 +52,11 @@ def check_known(names: Iterable[str], known: list[str], matches: Callable[[str],
         for name in unknown:
             close = difflib.get_close_matches(name, known, n=5, cutoff=0.6)
             hints.append(f"{name!r}" + (f" (close: {', '.join(close)})" if close else ""))
-        raise ConfigError(f"lm-eval does not know the task{'s' if len(unknown) > 1 else ''} {'; '.join(hints)}. "
-                          f"List its tasks with `python -m lm_eval ls tasks`; a task of your own goes in a folder "
-                          f"given with --include_path")
+        raise ConfigError(
+            f"lm-eval does not know the task{'s' if len(unknown) > 1 else ''} {'; '.join(hints)}. "
+            f"List its tasks with `python -m lm_eval ls tasks`; a task of your own goes in a folder "
+            f"given with --include_path"
+        )
 
 
 def metric_value(results: dict[str, Any], task: str, metric: str) -> float | None:

@@ -19,11 +19,15 @@ LOG2E = math.log2(math.e)
 def check_page_table(k_rope: jax.Array, latent: jax.Array, page_table: jax.Array, batch: int) -> int:
     """The page size of a paged cache, or a ValueError that names the mismatch."""
     if k_rope.ndim != 3 or latent.ndim != 4 or k_rope.shape[:2] != latent.shape[:2]:
-        raise ValueError(f"a paged cache is k_rope [pages, page, Dr] and latent [pages, page, N, R] with the same "
-                         f"pages; got {k_rope.shape} and {latent.shape}")
+        raise ValueError(
+            f"a paged cache is k_rope [pages, page, Dr] and latent [pages, page, N, R] with the same "
+            f"pages; got {k_rope.shape} and {latent.shape}"
+        )
     if page_table.ndim != 2 or page_table.shape[0] != batch or not jnp.issubdtype(page_table.dtype, jnp.integer):
-        raise ValueError(f"the page table must be integer [batch={batch}, pages per sequence]; got "
-                         f"{page_table.dtype} {page_table.shape}")
+        raise ValueError(
+            f"the page table must be integer [batch={batch}, pages per sequence]; got "
+            f"{page_table.dtype} {page_table.shape}"
+        )
     return k_rope.shape[1]
 
 
@@ -43,7 +47,10 @@ def combine(partial_out: jax.Array, partial_lse2: jax.Array, dtype: jnp.dtype) -
     weights = jnp.exp2(lse2 - jnp.where(jnp.isfinite(top), top, 0.0))[..., None]  # empty splits weigh 0
     weighted, total = jax.lax.reduce(
         (weights * partial_out.astype(f32), jnp.broadcast_to(weights, partial_out.shape)),
-        (jnp.array(0.0, f32), jnp.array(0.0, f32)), lambda a, b: (a[0] + b[0], a[1] + b[1]), (axis,))
+        (jnp.array(0.0, f32), jnp.array(0.0, f32)),
+        lambda a, b: (a[0] + b[0], a[1] + b[1]),
+        (axis,),
+    )
     return (weighted / jnp.where(total > 0, total, 1.0)).astype(dtype)
 
 

@@ -33,7 +33,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-
 from mlra_jax.pallas_kernels.latent_decode_common import LOG2E, check_page_table, choose_splits, combine
 
 CHUNK = 64  # columns per SMEM tile and per wgmma N
@@ -66,21 +65,42 @@ def _plan(dr: int, r: int, itemsize: int, block_kv: int | None = None) -> tuple[
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "block_kv"))
-def latent_decode_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array,
-                      starts: jax.Array, ends: jax.Array, *, scale: float, splits: int | None = None,
-                      block_kv: int | None = None, page_table: jax.Array | None = None) -> jax.Array:
+def latent_decode_gpu(
+    q_rope: jax.Array,
+    q_latent: jax.Array,
+    k_rope: jax.Array,
+    latent: jax.Array,
+    starts: jax.Array,
+    ends: jax.Array,
+    *,
+    scale: float,
+    splits: int | None = None,
+    block_kv: int | None = None,
+    page_table: jax.Array | None = None,
+) -> jax.Array:
     """q_rope [B, N, H, Dr], q_latent [B, N, H, R], k_rope [B, S, Dr], latent [B, S, N, R] -> [B, N, H, R];
     or a paged cache k_rope [P, page, Dr], latent [P, page, N, R] with page_table [B, S / page]."""
-    out, lse = latent_partials_gpu(q_rope, q_latent, k_rope, latent, starts, ends, scale=scale, splits=splits,
-                                   block_kv=block_kv, page_table=page_table)
+    out, lse = latent_partials_gpu(
+        q_rope,
+        q_latent,
+        k_rope,
+        latent,
+        starts,
+        ends,
+        scale=scale,
+        splits=splits,
+        block_kv=block_kv,
+        page_table=page_table,
+    )
     heads = q_rope.shape[2]
     if out.shape[2] == 1 or out.shape[-1] % COMBINE_COLUMNS:  # one split: a slice; odd widths: XLA's combine
         return combine(out, lse, latent.dtype)[:, :, :heads]
     return combine_gpu(out, lse, latent.dtype, heads)
 
 
-def combine_gpu(partial_out: jax.Array, partial_lse: jax.Array, dtype: jnp.dtype, heads: int, *,
-                interpret: bool = False) -> jax.Array:
+def combine_gpu(
+    partial_out: jax.Array, partial_lse: jax.Array, dtype: jnp.dtype, heads: int, *, interpret: bool = False
+) -> jax.Array:
     """latent_decode_common.combine as one Mosaic GPU kernel (the same result; XLA takes four kernels, launch-bound
     at batch 1): partials out [B, N, P, H', R] and lse [B, N, P, H'] -> [B, N, heads, R]. A CTA merges one
     head's row of COMBINE_COLUMNS values over the P splits: the weights are scalars, the rows 128-wide
@@ -101,9 +121,13 @@ def combine_gpu(partial_out: jax.Array, partial_lse: jax.Array, dtype: jnp.dtype
             total = total + weight
         merged_ref[bi, ni, head, cols] = (acc * (1.0 / jnp.maximum(total, 1e-30))).astype(dtype)
 
-    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((b, n, heads, r), dtype),
-                        grid=(r // COMBINE_COLUMNS, heads, b * n), grid_names=("column", "head", "bn"),
-                        interpret=_gpu_interpret_params() if interpret else None)(partial_out, partial_lse)
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((b, n, heads, r), dtype),
+        grid=(r // COMBINE_COLUMNS, heads, b * n),
+        grid_names=("column", "head", "bn"),
+        interpret=_gpu_interpret_params() if interpret else None,
+    )(partial_out, partial_lse)
 
 
 def _gpu_interpret_params():
@@ -116,30 +140,45 @@ def _gpu_interpret_params():
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "block_kv"))
-def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array,
-                        starts: jax.Array, ends: jax.Array, *, scale: float, splits: int | None = None,
-                        block_kv: int | None = None,
-                        page_table: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def latent_partials_gpu(
+    q_rope: jax.Array,
+    q_latent: jax.Array,
+    k_rope: jax.Array,
+    latent: jax.Array,
+    starts: jax.Array,
+    ends: jax.Array,
+    *,
+    scale: float,
+    splits: int | None = None,
+    block_kv: int | None = None,
+    page_table: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """The kernel alone: split-KV partials out [B, N, P, H', R] (normalized) and log2-sum-exp [B, N, P, H']
     (H' = H, or H padded to whole 64-row groups), merged by latent_decode_common.combine."""
     b, n, h, dr = q_rope.shape
     r = latent.shape[3]
     dtype = latent.dtype
     if dtype not in (jnp.bfloat16, jnp.float16) or dr % CHUNK or r % CHUNK:
-        raise ValueError(f"the Mosaic GPU latent kernel takes bf16/f16 with RoPE and latent widths that are multiples "
-                         f"of {CHUNK}; got {dtype}, {dr}, {r}")
+        raise ValueError(
+            f"the Mosaic GPU latent kernel takes bf16/f16 with RoPE and latent widths that are multiples "
+            f"of {CHUNK}; got {dtype}, {dr}, {r}"
+        )
     paged = page_table is not None
     if paged:
         page = check_page_table(k_rope, latent, page_table, b)
         s = page_table.shape[1] * page
         if page % 64:
-            raise ValueError(f"the Mosaic GPU kernel takes pages of a multiple of 64 slots (whole KV tiles); got {page}")
+            raise ValueError(
+                f"the Mosaic GPU kernel takes pages of a multiple of 64 slots (whole KV tiles); got {page}"
+            )
     else:
         s, page = latent.shape[1], 0
         page_table = jnp.zeros((1, 1), jnp.int32)  # unused
         if s % 8:
-            raise ValueError(f"the cache holds {s} slots; TMA tiles rows in 8s, so allocate a multiple of 8 "
-                             f"(the library's decode caches are)")
+            raise ValueError(
+                f"the cache holds {s} slots; TMA tiles rows in 8s, so allocate a multiple of 8 "
+                f"(the library's decode caches are)"
+            )
     groups = pl.cdiv(h, HEADS)
     # Query rows a CTA loads and stores. Fewer than 64 heads (GLA-2's 32) fill the first rows of the
     # 64-row tile (the rest are never stored); other head counts are padded to whole 64-row groups.
@@ -150,8 +189,10 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
     by_columns, block_kv, stages = _plan(dr, r, jnp.dtype(dtype).itemsize, block_kv)
     # A paged KV tile is made of whole pages (page <= tile) or lies inside one page (page > tile).
     if page and max(page, block_kv) % min(page, block_kv):
-        raise ValueError(f"pages of {page} slots do not tile into the kernel's KV tiles of {block_kv}; pass "
-                         f"block_kv=64 or use pages of a multiple of {block_kv}")
+        raise ValueError(
+            f"pages of {page} slots do not tile into the kernel's KV tiles of {block_kv}; pass "
+            f"block_kv=64 or use pages of a multiple of {block_kv}"
+        )
     tile_pages, page_rows = (block_kv // page, page) if 0 < page <= block_kv else (1, block_kv)
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
     splits = splits or choose_splits(b * n * groups, s, block_kv * COMPUTE_WGS, NUM_SMS)
@@ -182,8 +223,10 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
             plgpu.barrier_wait(q_barrier.at[0])
             m_i = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l_i = plgpu.layout_cast(jnp.full((HEADS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            accs = tuple(plgpu.layout_cast(jnp.full((HEADS, CHUNK), 0, jnp.float32), plgpu.Layout.WGMMA)
-                         for _ in range(wg_chunks))
+            accs = tuple(
+                plgpu.layout_cast(jnp.full((HEADS, CHUNK), 0, jnp.float32), plgpu.Layout.WGMMA)
+                for _ in range(wg_chunks)
+            )
 
             def kv_step(i, carry):
                 accs, m_i, l_i = carry
@@ -238,17 +281,21 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
                     lse_smem.at[wg][...] = lse
                 plgpu.commit_smem()
                 for j in range(len(outs)):
-                    plgpu.copy_smem_to_gmem(ql_smem.at[first_chunk + j, loaded],
-                                            o_ref.at[bi, ni, split, heads, pl.ds((first_column + j) * CHUNK, CHUNK)])
+                    plgpu.copy_smem_to_gmem(
+                        ql_smem.at[first_chunk + j, loaded],
+                        o_ref.at[bi, ni, split, heads, pl.ds((first_column + j) * CHUNK, CHUNK)],
+                    )
                 if store_lse:
-                    pl.when(half == 0)(lambda: plgpu.copy_smem_to_gmem(lse_smem.at[wg, loaded],
-                                                                       lse_ref.at[bi, ni, split, heads]))
+                    pl.when(half == 0)(
+                        lambda: plgpu.copy_smem_to_gmem(lse_smem.at[wg, loaded], lse_ref.at[bi, ni, split, heads])
+                    )
                 plgpu.wait_smem_to_gmem(0)
 
             if by_columns:  # disjoint value columns: both write at once, warpgroup 0 the shared lse
                 pl.when(wg == 0)(lambda: write_out(outs, lse, 0, store_lse=True))
                 pl.when(wg == 1)(lambda: write_out(outs, lse, wg_chunks, store_lse=False))
             else:  # two softmax states over disjoint tiles: warpgroup 1 hands its one to 0 through SMEM
+
                 @pl.when(wg == 1)
                 def _hand_over():
                     for j, o in enumerate(outs):
@@ -266,20 +313,25 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
                     total = mine + other  # 0 where both ranges were empty
                     inverse = 1.0 / jnp.maximum(total, 1e-30)
                     mine, other = mine * inverse, other * inverse
-                    merged = [o * lax.broadcast_in_dim(mine, o.shape, [0])
-                              + plgpu.load(ql_smem.at[j], (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-                              * lax.broadcast_in_dim(other, o.shape, [0]) for j, o in enumerate(outs)]
+                    merged = [
+                        o * lax.broadcast_in_dim(mine, o.shape, [0])
+                        + plgpu.load(ql_smem.at[j], (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                        * lax.broadcast_in_dim(other, o.shape, [0])
+                        for j, o in enumerate(outs)
+                    ]
                     write_out(merged, top + jnp.log2(total), 0, store_lse=True, first_column=half * wg_chunks)
 
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
             for c in range(rope_chunks):
-                plgpu.copy_gmem_to_smem(qr_ref.at[bi, ni, heads, pl.ds(c * CHUNK, CHUNK)], qr_smem.at[c, loaded],
-                                        q_barrier.at[0])
+                plgpu.copy_gmem_to_smem(
+                    qr_ref.at[bi, ni, heads, pl.ds(c * CHUNK, CHUNK)], qr_smem.at[c, loaded], q_barrier.at[0]
+                )
             for c in range(lat_chunks):
-                plgpu.copy_gmem_to_smem(ql_ref.at[bi, ni, heads, pl.ds(c * CHUNK, CHUNK)], ql_smem.at[c, loaded],
-                                        q_barrier.at[0])
+                plgpu.copy_gmem_to_smem(
+                    ql_ref.at[bi, ni, heads, pl.ds(c * CHUNK, CHUNK)], ql_smem.at[c, loaded], q_barrier.at[0]
+                )
 
             def locate(step):
                 """(cache row, first slot in it) of each piece of the step-th tile."""
@@ -298,11 +350,17 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
                 for j, (row, first) in enumerate(pieces):
                     rows, into = pl.ds(first, page_rows), pl.ds(j * page_rows, page_rows)
                     for c in range(rope_chunks):
-                        plgpu.copy_gmem_to_smem(kr_ref.at[row, rows, pl.ds(c * CHUNK, CHUNK)],
-                                                kr_smem.at[slot, c, into], kv_barriers.at[slot])
+                        plgpu.copy_gmem_to_smem(
+                            kr_ref.at[row, rows, pl.ds(c * CHUNK, CHUNK)],
+                            kr_smem.at[slot, c, into],
+                            kv_barriers.at[slot],
+                        )
                     for c in range(lat_chunks):
-                        plgpu.copy_gmem_to_smem(lat_ref.at[row, rows, ni, pl.ds(c * CHUNK, CHUNK)],
-                                                lat_smem.at[slot, c, into], kv_barriers.at[slot])
+                        plgpu.copy_gmem_to_smem(
+                            lat_ref.at[row, rows, ni, pl.ds(c * CHUNK, CHUNK)],
+                            lat_smem.at[slot, c, into],
+                            kv_barriers.at[slot],
+                        )
 
             first_tiles = [locate(i) for i in range(stages)]  # every page-table read before the first copy
             for i in range(stages):
@@ -316,28 +374,33 @@ def latent_partials_gpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Arra
                 fetch(pieces, slot)
 
     def entry(*refs):
-        smem = (plgpu.SMEM((rope_chunks, HEADS, CHUNK), dtype, transforms=tile_transforms),
-                plgpu.SMEM((lat_chunks, HEADS, CHUNK), dtype, transforms=tile_transforms),
-                plgpu.SMEM((stages, rope_chunks, block_kv, CHUNK), dtype, transforms=tile_transforms),
-                plgpu.SMEM((stages, lat_chunks, block_kv, CHUNK), dtype, transforms=tile_transforms),
-                plgpu.SMEM((COMPUTE_WGS, HEADS), jnp.float32))
+        smem = (
+            plgpu.SMEM((rope_chunks, HEADS, CHUNK), dtype, transforms=tile_transforms),
+            plgpu.SMEM((lat_chunks, HEADS, CHUNK), dtype, transforms=tile_transforms),
+            plgpu.SMEM((stages, rope_chunks, block_kv, CHUNK), dtype, transforms=tile_transforms),
+            plgpu.SMEM((stages, lat_chunks, block_kv, CHUNK), dtype, transforms=tile_transforms),
+            plgpu.SMEM((COMPUTE_WGS, HEADS), jnp.float32),
+        )
         copies = rope_chunks + lat_chunks
-        barriers = (plgpu.Barrier(num_arrivals=copies, num_barriers=1),
-                    plgpu.Barrier(num_arrivals=copies * tile_pages, num_barriers=stages),
-                    plgpu.Barrier(num_arrivals=COMPUTE_WGS if by_columns else 1, num_barriers=stages),
-                    plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=1),
-                    plgpu.Barrier(num_arrivals=1, num_barriers=1))
+        barriers = (
+            plgpu.Barrier(num_arrivals=copies, num_barriers=1),
+            plgpu.Barrier(num_arrivals=copies * tile_pages, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS if by_columns else 1, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=1),
+            plgpu.Barrier(num_arrivals=1, num_barriers=1),
+        )
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
 
     out, lse = plgpu.kernel(
         entry,
-        out_type=[jax.ShapeDtypeStruct((b, n, splits, groups * rows, r), dtype),
-                  jax.ShapeDtypeStruct((b, n, splits, groups * rows), jnp.float32)],
+        out_type=[
+            jax.ShapeDtypeStruct((b, n, splits, groups * rows, r), dtype),
+            jax.ShapeDtypeStruct((b, n, splits, groups * rows), jnp.float32),
+        ],
         grid=(splits, n * groups * halves, b),
         grid_names=("split", "block_head", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(starts.astype(jnp.int32), ends.astype(jnp.int32), page_table.astype(jnp.int32), q_rope, q_latent, k_rope,
-      latent)
+    )(starts.astype(jnp.int32), ends.astype(jnp.int32), page_table.astype(jnp.int32), q_rope, q_latent, k_rope, latent)
     return out, lse

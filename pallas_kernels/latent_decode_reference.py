@@ -18,12 +18,22 @@ import jax
 import jax.numpy as jnp
 
 
-def reference(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array, starts: jax.Array,
-              ends: jax.Array, *, scale: float) -> jax.Array:
+def reference(
+    q_rope: jax.Array,
+    q_latent: jax.Array,
+    k_rope: jax.Array,
+    latent: jax.Array,
+    starts: jax.Array,
+    ends: jax.Array,
+    *,
+    scale: float,
+) -> jax.Array:
     """q_rope [B, N, H, Dr], q_latent [B, N, H, R], k_rope [B, S, Dr], latent [B, S, N, R] -> [B, N, H, R]."""
     f32 = jnp.float32
-    logits = (jnp.einsum("bnhr,bsnr->bnhs", q_latent.astype(f32), latent.astype(f32))
-              + jnp.einsum("bnhk,bsk->bnhs", q_rope.astype(f32), k_rope.astype(f32))) * scale
+    logits = (
+        jnp.einsum("bnhr,bsnr->bnhs", q_latent.astype(f32), latent.astype(f32))
+        + jnp.einsum("bnhk,bsk->bnhs", q_rope.astype(f32), k_rope.astype(f32))
+    ) * scale
     slots = jnp.arange(latent.shape[1])
     valid = (slots[None] >= starts[:, None]) & (slots[None] < ends[:, None])
     logits = jnp.where(valid[:, None, None], logits, -jnp.inf)

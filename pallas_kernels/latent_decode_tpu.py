@@ -9,14 +9,23 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-
 from mlra_jax.pallas_kernels.latent_decode_common import LOG2E, check_page_table, choose_splits, combine
 
 
-def latent_decode_tpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array,
-                      starts: jax.Array, ends: jax.Array, *, scale: float, block_kv: int = 128,
-                      splits: int | None = None, page_table: jax.Array | None = None,
-                      interpret: bool = False) -> jax.Array:
+def latent_decode_tpu(
+    q_rope: jax.Array,
+    q_latent: jax.Array,
+    k_rope: jax.Array,
+    latent: jax.Array,
+    starts: jax.Array,
+    ends: jax.Array,
+    *,
+    scale: float,
+    block_kv: int = 128,
+    splits: int | None = None,
+    page_table: jax.Array | None = None,
+    interpret: bool = False,
+) -> jax.Array:
     """Pallas Mosaic TPU kernel; shapes as `reference`, or a paged cache with its `page_table` (then a KV
     block is one page). The grid walks (batch, block, split, kv block); KV blocks outside a sequence's range
     are neither fetched (their index is clamped) nor computed."""
@@ -46,8 +55,9 @@ def latent_decode_tpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array,
         block = jnp.clip(split * steps + step, first, last)
         return (pages_ref[bi, block], 0) if paged else (bi, block)
 
-    def kernel(starts_ref, ends_ref, pages_ref, q_rope_ref, q_lat_ref, k_rope_ref, lat_ref, o_ref, lse_ref, m_sc,
-               l_sc, acc_sc):
+    def kernel(
+        starts_ref, ends_ref, pages_ref, q_rope_ref, q_lat_ref, k_rope_ref, lat_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc
+    ):
         bi, split, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
         start, end = starts_ref[bi], ends_ref[bi]
         block = split * steps + step
@@ -61,16 +71,18 @@ def latent_decode_tpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array,
         @pl.when((block * block_kv < end) & ((block + 1) * block_kv > start))
         def _compute():
             dims = (((1,), (1,)), ((), ()))
-            logits = (jax.lax.dot_general(q_rope_ref[0, 0], k_rope_ref[0], dims, preferred_element_type=jnp.float32)
-                      + jax.lax.dot_general(q_lat_ref[0, 0], lat_ref[0], dims, preferred_element_type=jnp.float32))
+            logits = jax.lax.dot_general(
+                q_rope_ref[0, 0], k_rope_ref[0], dims, preferred_element_type=jnp.float32
+            ) + jax.lax.dot_general(q_lat_ref[0, 0], lat_ref[0], dims, preferred_element_type=jnp.float32)
             slots = block * block_kv + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
             logits = jnp.where((slots >= start) & (slots < end), logits * (scale * LOG2E), -jnp.inf)
             m_new = jnp.maximum(m_sc[...], logits.max(axis=1, keepdims=True))
             alpha = jnp.exp2(m_sc[...] - m_new)
             p = jnp.exp2(logits - m_new)
             l_sc[...] = alpha * l_sc[...] + p.sum(axis=1, keepdims=True)
-            acc_sc[...] = alpha * acc_sc[...] + jnp.dot(p.astype(lat_ref.dtype), lat_ref[0],
-                                                        preferred_element_type=jnp.float32)
+            acc_sc[...] = alpha * acc_sc[...] + jnp.dot(
+                p.astype(lat_ref.dtype), lat_ref[0], preferred_element_type=jnp.float32
+            )
             m_sc[...] = m_new
 
         @pl.when(step == steps - 1)
@@ -92,15 +104,21 @@ def latent_decode_tpu(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array,
             pl.BlockSpec((1, 1, 1, h, r), lambda bi, ni, sp, st, *_: (bi, ni, sp, 0, 0)),
             pl.BlockSpec((1, 1, 1, 1, h), lambda bi, ni, sp, st, *_: (bi, ni, sp, 0, 0)),
         ],
-        scratch_shapes=[pltpu.VMEM((h, 1), jnp.float32), pltpu.VMEM((h, 1), jnp.float32),
-                        pltpu.VMEM((h, r), jnp.float32)],
+        scratch_shapes=[
+            pltpu.VMEM((h, 1), jnp.float32),
+            pltpu.VMEM((h, 1), jnp.float32),
+            pltpu.VMEM((h, r), jnp.float32),
+        ],
     )
     out, lse = pl.pallas_call(
-        kernel, grid_spec=grid_spec, name="latent_decode_tpu",
-        out_shape=[jax.ShapeDtypeStruct((b, n, splits, h, r), jnp.float32),
-                   jax.ShapeDtypeStruct((b, n, splits, 1, h), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        kernel,
+        grid_spec=grid_spec,
+        name="latent_decode_tpu",
+        out_shape=[
+            jax.ShapeDtypeStruct((b, n, splits, h, r), jnp.float32),
+            jax.ShapeDtypeStruct((b, n, splits, 1, h), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
     )(starts.astype(jnp.int32), ends.astype(jnp.int32), page_table.astype(jnp.int32), q_rope, q_latent, k_rope, latent)
     return combine(out, lse[:, :, :, 0], latent.dtype)

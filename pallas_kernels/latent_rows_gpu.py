@@ -89,27 +89,40 @@ def _check_entry(entry: LatentEntry, latent_cache: jax.Array, k_rope_cache: jax.
     _, _, n, r = latent_cache.shape
     need = entry.offset + n * r + k_rope_cache.shape[-1]
     if latent_cache.shape[0] != 1 or entry.projected.shape[0] < need:
-        raise ValueError(f"the latent cache entry: one sequence's row of at least {need} values; got "
-                         f"{entry.projected.shape} and a cache of {latent_cache.shape}")
+        raise ValueError(
+            f"the latent cache entry: one sequence's row of at least {need} values; got "
+            f"{entry.projected.shape} and a cache of {latent_cache.shape}"
+        )
 
 
 def write_latent_entry_reference(entry: LatentEntry, cos, sin, latent_cache, k_rope_cache, slot):
     _, _, n, r = latent_cache.shape
-    latent = entry.projected[entry.offset:entry.offset + n * r].reshape(n, r)
+    latent = entry.projected[entry.offset : entry.offset + n * r].reshape(n, r)
     x32 = latent.astype(F32)
     normed = (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + entry.eps)).astype(latent.dtype)
     value = (normed * entry.norm_scale * entry.latent_scale).astype(latent_cache.dtype)
     start = entry.offset + n * r
-    key = _rope_reference(entry.projected[start:start + k_rope_cache.shape[-1]], cos, sin)
-    return (lax.dynamic_update_slice(latent_cache, value[None, None], (0, slot[0], 0, 0)),
-            lax.dynamic_update_slice(k_rope_cache, key.astype(k_rope_cache.dtype)[None, None, None],
-                                     (0, slot[0], 0, 0)))
+    key = _rope_reference(entry.projected[start : start + k_rope_cache.shape[-1]], cos, sin)
+    return (
+        lax.dynamic_update_slice(latent_cache, value[None, None], (0, slot[0], 0, 0)),
+        lax.dynamic_update_slice(k_rope_cache, key.astype(k_rope_cache.dtype)[None, None, None], (0, slot[0], 0, 0)),
+    )
 
 
 # -- latent_queries -----------------------------------------------------------------------------------------
-def latent_queries(q: jax.Array, kv_up: jax.Array, cos: jax.Array, sin: jax.Array, *, branches: int,
-                   ranks: int = QUERY_RANKS, entry: LatentEntry | None = None, caches: tuple[jax.Array, ...] = (),
-                   slot: jax.Array | None = None, interpret: bool = False) -> tuple[jax.Array, ...]:
+def latent_queries(
+    q: jax.Array,
+    kv_up: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    *,
+    branches: int,
+    ranks: int = QUERY_RANKS,
+    entry: LatentEntry | None = None,
+    caches: tuple[jax.Array, ...] = (),
+    slot: jax.Array | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, ...]:
     """From q [h, d_h + d_h^R] (q_up's output: each head's q_nope then q_rope): q_latent [n, H_b, R], each block's
     heads' q_nope times W_UK, and q_rope [n, H_b, d_h^R], their q_rope rotated, both in q's dtype. A program takes
     `ranks` latent ranks of one block's head. With an entry, caches (latent, k_rope) and slot, n more programs
@@ -131,8 +144,14 @@ def latent_queries(q: jax.Array, kv_up: jax.Array, cos: jax.Array, sin: jax.Arra
 
             @pl.when(program < entries)
             def _entry():
-                _write_entry(entry, (x_ref, scale_ref, latent_cache, k_rope_cache), program, slot_ref[0],
-                             cos_ref[...], sin_ref[...])
+                _write_entry(
+                    entry,
+                    (x_ref, scale_ref, latent_cache, k_rope_cache),
+                    program,
+                    slot_ref[0],
+                    cos_ref[...],
+                    sin_ref[...],
+                )
         else:
             latent_ref, rope_ref = refs
 
@@ -144,7 +163,8 @@ def latent_queries(q: jax.Array, kv_up: jax.Array, cos: jax.Array, sin: jax.Arra
             q_nope = q_ref[row, pl.ds(0, dh)].astype(F32)
             w = w_ref[0, block, head, pl.ds(pl.multiple_of(part * ranks, ranks), ranks), :].astype(F32)
             latent_ref[block, head, pl.ds(pl.multiple_of(part * ranks, ranks), ranks)] = jnp.sum(
-                w * q_nope[None, :], axis=1).astype(latent_ref.dtype)
+                w * q_nope[None, :], axis=1
+            ).astype(latent_ref.dtype)
 
             @pl.when(part == 0)
             def _rope():
@@ -160,10 +180,17 @@ def latent_queries(q: jax.Array, kv_up: jax.Array, cos: jax.Array, sin: jax.Arra
         operands += [entry.projected, entry.norm_scale, slot, *caches]
         out_shape += _like(*caches)
         aliases = {len(operands) - 2: 2, len(operands) - 1: 3}
-    return pl.pallas_call(kernel, out_shape=tuple(out_shape), grid=(entries + n * heads * parts,),
-                          in_specs=[_whole(a) for a in operands], out_specs=tuple(_whole(o) for o in out_shape),
-                          input_output_aliases=aliases, compiler_params=_PARAMS, interpret=interpret,
-                          name="latent_queries")(*operands)
+    return pl.pallas_call(
+        kernel,
+        out_shape=tuple(out_shape),
+        grid=(entries + n * heads * parts,),
+        in_specs=[_whole(a) for a in operands],
+        out_specs=tuple(_whole(o) for o in out_shape),
+        input_output_aliases=aliases,
+        compiler_params=_PARAMS,
+        interpret=interpret,
+        name="latent_queries",
+    )(*operands)
 
 
 def latent_queries_reference(q, kv_up, cos, sin, *, branches):
@@ -175,8 +202,16 @@ def latent_queries_reference(q, kv_up, cos, sin, *, branches):
 
 
 # -- latent_output ------------------------------------------------------------------------------------------
-def latent_output(z: jax.Array, kv_up: jax.Array, *, branches: int, branch_scale: float,
-                  columns: int = OUTPUT_COLUMNS, ranks: int = OUTPUT_RANKS, interpret: bool = False) -> jax.Array:
+def latent_output(
+    z: jax.Array,
+    kv_up: jax.Array,
+    *,
+    branches: int,
+    branch_scale: float,
+    columns: int = OUTPUT_COLUMNS,
+    ranks: int = OUTPUT_RANKS,
+    interpret: bool = False,
+) -> jax.Array:
     """The heads' output [h, d_h] from the attention's z [n, H_b, R]: every block's z times its W_UV, rounded to
     W's dtype, the branches summed in float32 and scaled, rounded again (LatentAttention.merge_branches). A
     program takes `columns` of one head's values and loads all of its W_UV tiles ([ranks, columns] each) at once.
@@ -191,9 +226,15 @@ def latent_output(z: jax.Array, kv_up: jax.Array, *, branches: int, branch_scale
         head, part = pl.program_id(0), pl.program_id(1)
         group, block_head = head // heads, lax.rem(head, heads)
         values = pl.ds(pl.multiple_of(part * columns, columns), columns)
-        tiles = [(branch, w_ref[1, branch * groups + group, block_head, pl.ds(r0, ranks), values],
-                  z_ref[branch * groups + group, block_head, pl.ds(r0, ranks)])
-                 for branch in range(branches) for r0 in range(0, r, ranks)]  # every load issued first
+        tiles = [
+            (
+                branch,
+                w_ref[1, branch * groups + group, block_head, pl.ds(r0, ranks), values],
+                z_ref[branch * groups + group, block_head, pl.ds(r0, ranks)],
+            )
+            for branch in range(branches)
+            for r0 in range(0, r, ranks)
+        ]  # every load issued first
         accs = [jnp.zeros((ranks, columns), F32)] * branches
         for branch, w, zs in tiles:
             accs[branch] = accs[branch] + w.astype(F32) * zs.astype(F32)[:, None]
@@ -202,10 +243,16 @@ def latent_output(z: jax.Array, kv_up: jax.Array, *, branches: int, branch_scale
             total = total + jnp.sum(acc, axis=0).astype(kv_up.dtype).astype(F32)
         out_ref[...] = (total * branch_scale).astype(out_ref.dtype)
 
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((groups * heads, dh), kv_up.dtype),
-                          grid=(groups * heads, dh // columns), in_specs=[_whole(z), _whole(kv_up)],
-                          out_specs=pl.BlockSpec((None, columns), lambda i, j: (i, j)), compiler_params=_PARAMS,
-                          interpret=interpret, name="latent_output")(z, kv_up)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((groups * heads, dh), kv_up.dtype),
+        grid=(groups * heads, dh // columns),
+        in_specs=[_whole(z), _whole(kv_up)],
+        out_specs=pl.BlockSpec((None, columns), lambda i, j: (i, j)),
+        compiler_params=_PARAMS,
+        interpret=interpret,
+        name="latent_output",
+    )(z, kv_up)
 
 
 def latent_output_reference(z, kv_up, *, branches, branch_scale):

@@ -55,8 +55,11 @@ class Tiling:
 
     def fitted(self, n: int, k: int) -> Tiling:
         """This tiling with block_rows shrunk to a power of two that divides N, and block_k to at most K."""
-        return dataclasses.replace(self, block_rows=_largest_dividing_power(n, self.block_rows),
-                                   block_k=min(self.block_k, 1 << (k.bit_length() - 1)))
+        return dataclasses.replace(
+            self,
+            block_rows=_largest_dividing_power(n, self.block_rows),
+            block_k=min(self.block_k, 1 << (k.bit_length() - 1)),
+        )
 
     def params(self) -> pltriton.CompilerParams:
         return pltriton.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -123,9 +126,18 @@ RowTile = Callable[[Sequence[Any], Any, Any, int], jax.Array]
 Finish = Callable[[Sequence[Any], list[jax.Array]], jax.Array]
 
 
-def _row_product(operands: Sequence[jax.Array], specs: Sequence[Callable[[Tiling], pl.BlockSpec]], weight: int,
-                 start: Start, row_tile: RowTile, finish: Finish, out: jax.ShapeDtypeStruct, tiling: Tiling,
-                 name: str, interpret: bool) -> jax.Array:
+def _row_product(
+    operands: Sequence[jax.Array],
+    specs: Sequence[Callable[[Tiling], pl.BlockSpec]],
+    weight: int,
+    start: Start,
+    row_tile: RowTile,
+    finish: Finish,
+    out: jax.ShapeDtypeStruct,
+    tiling: Tiling,
+    name: str,
+    interpret: bool,
+) -> jax.Array:
     """One pallas_call over the rows of operands[weight], W [G, N, K] (G weights read with the same row): each
     program reduces block_rows rows of every W against the row (row_tile) and stores finish(...) at those rows
     of the output [N]."""
@@ -134,8 +146,10 @@ def _row_product(operands: Sequence[jax.Array], specs: Sequence[Callable[[Tiling
     rows = t.block_rows
     steps, tail = _k_tiles(k, t.block_k)
     if t.engine == "dot" and (rows < 16 or jnp.dtype(operands[weight].dtype).itemsize != 2):
-        raise ValueError(f"the dot engine takes 16-bit weights (a float32 dot rounds them to TF32) and at least 16 "
-                         f"rows per block; got {operands[weight].dtype} and {rows} rows of N={n}")
+        raise ValueError(
+            f"the dot engine takes 16-bit weights (a float32 dot rounds them to TF32) and at least 16 "
+            f"rows per block; got {operands[weight].dtype} and {rows} rows of N={n}"
+        )
 
     def kernel(*refs):
         ins, out_ref = refs[:-1], refs[-1]
@@ -184,22 +198,32 @@ def _row_product(operands: Sequence[jax.Array], specs: Sequence[Callable[[Tiling
                 a = row_tile(ins, started, k0, size)
                 first = lax.broadcasted_iota(jnp.int32, (16, size), 0) == 0
                 a16 = jnp.where(first, a[None, :], 0.0).astype(w_ref.dtype)  # the row, then zeros
-                return [acc + lax.dot_general(a16, w, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-                        for acc, w in zip(accs, w_tiles(k0, size))]
+                return [
+                    acc + lax.dot_general(a16, w, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+                    for acc, w in zip(accs, w_tiles(k0, size))
+                ]
 
             accs = [jnp.zeros((16, rows), F32)] * g
             if steps:
-                accs = lax.fori_loop(0, steps, lambda i, accs: products(
-                    accs, pl.multiple_of(i * t.block_k, t.block_k), t.block_k), accs)
+                accs = lax.fori_loop(
+                    0, steps, lambda i, accs: products(accs, pl.multiple_of(i * t.block_k, t.block_k), t.block_k), accs
+                )
             for k0, size in tail:
                 accs = products(accs, k0, size)
             return [jnp.sum(acc, axis=0) for acc in accs]  # the zero rows add nothing
 
         out_ref[...] = finish(ins, (dot_sums if t.engine == "dot" else fma_sums)())
 
-    return pl.pallas_call(kernel, out_shape=out, grid=(n // rows,), in_specs=[spec(t) for spec in specs],
-                          out_specs=pl.BlockSpec((rows,), lambda i: (i,)), compiler_params=t.params(),
-                          interpret=interpret, name=name)(*operands)
+    return pl.pallas_call(
+        kernel,
+        out_shape=out,
+        grid=(n // rows,),
+        in_specs=[spec(t) for spec in specs],
+        out_specs=pl.BlockSpec((rows,), lambda i: (i,)),
+        compiler_params=t.params(),
+        interpret=interpret,
+        name=name,
+    )(*operands)
 
 
 def _whole(shape: tuple[int, ...]) -> Callable[[Tiling], pl.BlockSpec]:
@@ -225,15 +249,27 @@ def _rms_inverse(x_ref, offset: int, k: int, block_k: int, eps: float) -> jax.Ar
 
     total = jnp.float32(0)
     if steps:
-        total = jnp.sum(lax.fori_loop(0, steps, lambda i, acc: acc + squares(
-            pl.multiple_of(i * block_k, block_k), block_k), jnp.zeros((block_k,), F32)))
+        total = jnp.sum(
+            lax.fori_loop(
+                0,
+                steps,
+                lambda i, acc: acc + squares(pl.multiple_of(i * block_k, block_k), block_k),
+                jnp.zeros((block_k,), F32),
+            )
+        )
     for k0, size in tail:
         total = total + jnp.sum(squares(k0, size))
     return lax.rsqrt(total / k + eps)
 
 
-def _normed(x: jax.Array, inverse: jax.Array | None, scale: jax.Array | None, extra: float, row_dtype: jnp.dtype,
-            compute_dtype: jnp.dtype) -> jax.Array:
+def _normed(
+    x: jax.Array,
+    inverse: jax.Array | None,
+    scale: jax.Array | None,
+    extra: float,
+    row_dtype: jnp.dtype,
+    compute_dtype: jnp.dtype,
+) -> jax.Array:
     """layers.rms_norm of x's tile (x32 * inverse rounded to the row's dtype, times the float32 scale), times
     `extra`, rounded to the compute dtype; without a norm, x rounded to the compute dtype. Returned in float32."""
     x = x.astype(F32)
@@ -244,8 +280,9 @@ def _normed(x: jax.Array, inverse: jax.Array | None, scale: jax.Array | None, ex
     return x.astype(compute_dtype).astype(F32)
 
 
-def _norm_reference(x: jax.Array, scale: jax.Array | None, eps: float, extra: float,
-                    compute_dtype: jnp.dtype) -> jax.Array:
+def _norm_reference(
+    x: jax.Array, scale: jax.Array | None, eps: float, extra: float, compute_dtype: jnp.dtype
+) -> jax.Array:
     """The prologue in jnp (layers.rms_norm, times `extra`, in the compute dtype)."""
     if scale is None:
         return x.astype(compute_dtype)
@@ -255,8 +292,16 @@ def _norm_reference(x: jax.Array, scale: jax.Array | None, eps: float, extra: fl
 
 
 # -- norm_matvec --------------------------------------------------------------------------------------------
-def _norm_ends(x: jax.Array, offset: int, k: int, scale: jax.Array | None, eps: float, extra: float,
-               tiling: Tiling, compute_dtype: jnp.dtype) -> tuple[Start, RowTile]:
+def _norm_ends(
+    x: jax.Array,
+    offset: int,
+    k: int,
+    scale: jax.Array | None,
+    eps: float,
+    extra: float,
+    tiling: Tiling,
+    compute_dtype: jnp.dtype,
+) -> tuple[Start, RowTile]:
     """start and row_tile of a product whose row is x[offset: offset + k] (operand 0), normalized with scale
     (operand 1) or not. Unrolled, start loads each of the row's tiles once and returns them normalized."""
     block_k = tiling.fitted(1, k).block_k
@@ -265,6 +310,7 @@ def _norm_ends(x: jax.Array, offset: int, k: int, scale: jax.Array | None, eps: 
         return ins[0][pl.ds(offset + k0, size)], None if scale is None else ins[1][pl.ds(k0, size)]
 
     if tiling.unroll:
+
         def start(ins):
             loaded = {k0: load(ins, k0, size) for k0, size in _unrolled_tiles(k, block_k)}
             inverse = None
@@ -284,29 +330,57 @@ def _norm_ends(x: jax.Array, offset: int, k: int, scale: jax.Array | None, eps: 
     return start, row_tile
 
 
-def norm_matvec(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, eps: float = 1e-5,
-                extra: float = 1.0, offset: int = 0, out_dtype: jnp.dtype | None = None, tiling: Tiling | None = None,
-                interpret: bool = False) -> jax.Array:
+def norm_matvec(
+    x: jax.Array,
+    w: jax.Array,
+    scale: jax.Array | None = None,
+    *,
+    eps: float = 1e-5,
+    extra: float = 1.0,
+    offset: int = 0,
+    out_dtype: jnp.dtype | None = None,
+    tiling: Tiling | None = None,
+    interpret: bool = False,
+) -> jax.Array:
     """W a for W [N, K] and the row x[offset: offset + K] (x float32 or the compute dtype, possibly longer):
     a = bf16(rms_norm(row, scale) * extra), or the row in W's dtype when scale is None. Returns [N] in out_dtype
     (default W's dtype) from a float32 accumulation."""
     n, k = w.shape
     if x.ndim != 1 or x.shape[0] < offset + k or (scale is not None and scale.shape != (k,)):
-        raise ValueError(f"norm_matvec: W {w.shape} takes {k} values of the row from {offset}; got a row of "
-                         f"{x.shape} and scale {None if scale is None else scale.shape}")
+        raise ValueError(
+            f"norm_matvec: W {w.shape} takes {k} values of the row from {offset}; got a row of "
+            f"{x.shape} and scale {None if scale is None else scale.shape}"
+        )
     tiling = tiling or default_tiling(k)
     start, row_tile = _norm_ends(x, offset, k, scale, eps, extra, tiling, w.dtype)
     operands = (x, w[None]) if scale is None else (x, scale, w[None])
     specs = [_whole(a.shape) for a in operands[:-1]] + [_weight_rows(1, k)]
     out_dtype = out_dtype or w.dtype
-    return _row_product(operands, specs, len(operands) - 1, start, row_tile,
-                        lambda ins, sums: sums[0].astype(out_dtype), jax.ShapeDtypeStruct((n,), out_dtype), tiling,
-                        "norm_matvec", interpret)
+    return _row_product(
+        operands,
+        specs,
+        len(operands) - 1,
+        start,
+        row_tile,
+        lambda ins, sums: sums[0].astype(out_dtype),
+        jax.ShapeDtypeStruct((n,), out_dtype),
+        tiling,
+        "norm_matvec",
+        interpret,
+    )
 
 
-def norm_matvec_reference(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, eps: float = 1e-5,
-                          extra: float = 1.0, offset: int = 0, out_dtype: jnp.dtype | None = None) -> jax.Array:
-    a = _norm_reference(x[offset:offset + w.shape[1]], scale, eps, extra, w.dtype)
+def norm_matvec_reference(
+    x: jax.Array,
+    w: jax.Array,
+    scale: jax.Array | None = None,
+    *,
+    eps: float = 1e-5,
+    extra: float = 1.0,
+    offset: int = 0,
+    out_dtype: jnp.dtype | None = None,
+) -> jax.Array:
+    a = _norm_reference(x[offset : offset + w.shape[1]], scale, eps, extra, w.dtype)
     return jnp.einsum("k,nk->n", a, w, preferred_element_type=F32).astype(out_dtype or w.dtype)
 
 
@@ -320,8 +394,15 @@ def _swiglu(gate: jax.Array, up: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return (rounded(gate * sigmoid) * up).astype(dtype)
 
 
-def swiglu_norm_matvec(x: jax.Array, w: jax.Array, scale: jax.Array, *, eps: float = 1e-5,
-                       tiling: Tiling | None = None, interpret: bool = False) -> jax.Array:
+def swiglu_norm_matvec(
+    x: jax.Array,
+    w: jax.Array,
+    scale: jax.Array,
+    *,
+    eps: float = 1e-5,
+    tiling: Tiling | None = None,
+    interpret: bool = False,
+) -> jax.Array:
     """The SwiGLU's first half for one row x [K] float32: silu(W_gate a) * (W_up a) with a = bf16(rms_norm(x,
     scale)) and w = [2, F, K] (gate, up). Returns [F] in W's dtype."""
     (k,), (two, f, k_w) = x.shape, w.shape
@@ -329,9 +410,18 @@ def swiglu_norm_matvec(x: jax.Array, w: jax.Array, scale: jax.Array, *, eps: flo
         raise ValueError(f"swiglu_norm_matvec: W must be [2, F, {k}] (gate, up); got {w.shape}")
     tiling = tiling or swiglu_tiling(k)
     start, row_tile = _norm_ends(x, 0, k, scale, eps, 1.0, tiling, w.dtype)
-    return _row_product((x, scale, w), [_whole((k,)), _whole((k,)), _weight_rows(2, k)], 2, start, row_tile,
-                        lambda ins, sums: _swiglu(*sums, w.dtype), jax.ShapeDtypeStruct((f,), w.dtype), tiling,
-                        "swiglu_norm_matvec", interpret)
+    return _row_product(
+        (x, scale, w),
+        [_whole((k,)), _whole((k,)), _weight_rows(2, k)],
+        2,
+        start,
+        row_tile,
+        lambda ins, sums: _swiglu(*sums, w.dtype),
+        jax.ShapeDtypeStruct((f,), w.dtype),
+        tiling,
+        "swiglu_norm_matvec",
+        interpret,
+    )
 
 
 def swiglu_norm_matvec_reference(x: jax.Array, w: jax.Array, scale: jax.Array, *, eps: float = 1e-5) -> jax.Array:
@@ -341,8 +431,9 @@ def swiglu_norm_matvec_reference(x: jax.Array, w: jax.Array, scale: jax.Array, *
 
 
 # -- matvec_add ---------------------------------------------------------------------------------------------
-def matvec_add(h: jax.Array, w: jax.Array, residual: jax.Array, *, tiling: Tiling | None = None,
-               interpret: bool = False) -> jax.Array:
+def matvec_add(
+    h: jax.Array, w: jax.Array, residual: jax.Array, *, tiling: Tiling | None = None, interpret: bool = False
+) -> jax.Array:
     """residual + W h for one row h [K] in W's dtype, W [N, K] and residual [N] (float32): the product rounded
     to W's dtype, then added in the residual's dtype, as `x + project(h, W)` computes it."""
     (k,), (n, k_w) = h.shape, w.shape
@@ -356,9 +447,18 @@ def matvec_add(h: jax.Array, w: jax.Array, residual: jax.Array, *, tiling: Tilin
     def finish(ins, sums):
         return ins[2][...] + sums[0].astype(w.dtype).astype(residual.dtype)
 
-    return _row_product((h, w[None], residual), [_whole((k,)), _weight_rows(1, k), _program_rows], 1,
-                        lambda ins: None, row_tile, finish, jax.ShapeDtypeStruct((n,), residual.dtype), tiling,
-                        "matvec_add", interpret)
+    return _row_product(
+        (h, w[None], residual),
+        [_whole((k,)), _weight_rows(1, k), _program_rows],
+        1,
+        lambda ins: None,
+        row_tile,
+        finish,
+        jax.ShapeDtypeStruct((n,), residual.dtype),
+        tiling,
+        "matvec_add",
+        interpret,
+    )
 
 
 def matvec_add_reference(h: jax.Array, w: jax.Array, residual: jax.Array) -> jax.Array:

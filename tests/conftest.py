@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from xla_test_flags import IN_PROCESS
 
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {IN_PROCESS}")
@@ -33,9 +32,16 @@ def pytest_unconfigure(config) -> None:
 # Modules whose module fixtures train or export a model: xdist gives each of them whole to one worker, so
 # that the fixture runs once. (--dist loadgroup would do it, but its xdist_group marks are ignored under
 # pytest 9.2: pytest-xdist issue 1386.)
-SHARED_FIXTURE_MODULES = {"test_convert.py", "test_convert_hf.py", "test_eval_ppl.py", "test_launch_slurm.py",
-                          "test_lm_eval.py", "test_watching_a_run.py", "test_command_faults.py",
-                          "test_nonfinite_weights.py"}
+SHARED_FIXTURE_MODULES = {
+    "test_convert.py",
+    "test_convert_hf.py",
+    "test_eval_ppl.py",
+    "test_launch_slurm.py",
+    "test_lm_eval.py",
+    "test_watching_a_run.py",
+    "test_command_faults.py",
+    "test_nonfinite_weights.py",
+}
 # Handed out first (after those modules), so that no test of a minute or more starts at the end of the run
 LONG_FIRST = ["test_resume.py"]
 

@@ -35,7 +35,7 @@ def fake_gcs(root: Path, open_file=None) -> Iterator[None]:
 
     def local(path) -> str:
         path = os.fspath(path)
-        return str(root / path[len(PREFIX):]) if path.startswith(PREFIX) else path
+        return str(root / path[len(PREFIX) :]) if path.startswith(PREFIX) else path
 
     def url(path: str, was_url: bool) -> str:
         return PREFIX + str(Path(path).relative_to(root)) if was_url else path
@@ -61,10 +61,25 @@ def fake_gcs(root: Path, open_file=None) -> Iterator[None]:
     def kvstore(path: str) -> dict:
         return {"driver": "file", "path": local(path)}
 
-    with mock_epath(open=open_, exists=mapped, isdir=mapped, listdir=mapped, makedirs=mapped, mkdir=mapped,
-                    remove=mapped, rmtree=mapped, stat=mapped, glob=glob, walk=walk, rename=mapped2,
-                    replace=mapped2, copy=mapped2), \
-            mock.patch.object(gcs_utils, "get_kvstore_for_gcs", kvstore), \
-            mock.patch.object(gcs_utils, "is_hierarchical_namespace_enabled", lambda path: False), \
-            mock.patch.object(paths, "filesystem_missing", lambda scheme: None):  # gcsfs is not needed here
+    with (
+        mock_epath(
+            open=open_,
+            exists=mapped,
+            isdir=mapped,
+            listdir=mapped,
+            makedirs=mapped,
+            mkdir=mapped,
+            remove=mapped,
+            rmtree=mapped,
+            stat=mapped,
+            glob=glob,
+            walk=walk,
+            rename=mapped2,
+            replace=mapped2,
+            copy=mapped2,
+        ),
+        mock.patch.object(gcs_utils, "get_kvstore_for_gcs", kvstore),
+        mock.patch.object(gcs_utils, "is_hierarchical_namespace_enabled", lambda path: False),
+        mock.patch.object(paths, "filesystem_missing", lambda scheme: None),
+    ):  # gcsfs is not needed here
         yield

@@ -11,21 +11,35 @@ from pathlib import Path
 
 import jax
 import pytest
+from mlra_jax.experiments import get_experiment
+from xla_test_flags import SUBPROCESS
 
 from mlra_jax.cli import apply_overrides
-from xla_test_flags import SUBPROCESS
-from mlra_jax.experiments import get_experiment
 
 ROOT = Path(__file__).parent.parent
+
+
 def on_gpu(test):
     """A test that needs an NVIDIA GPU: marked `gpu` (pytest -m gpu selects them) and skipped elsewhere."""
     return pytest.mark.gpu(pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")(test))
 
+
 # A model and run small enough that a step takes milliseconds on a CPU (the vocabulary stays GPT-2's).
-MICRO = ["--model.n_layer=1", "--model.n_embd=64", "--model.intermediate_size=64", "--train.seq_len=32",
-         "--train.global_batch_size=8", "--train.total_steps=12", "--train.warmup_steps=2", "--train.peak_lr=1e-2",
-         "--train.log_every=1", "--train.eval_every=6", "--train.eval_batches=2", "--checkpoint.every=4",
-         "--checkpoint.keep=3"]
+MICRO = [
+    "--model.n_layer=1",
+    "--model.n_embd=64",
+    "--model.intermediate_size=64",
+    "--train.seq_len=32",
+    "--train.global_batch_size=8",
+    "--train.total_steps=12",
+    "--train.warmup_steps=2",
+    "--train.peak_lr=1e-2",
+    "--train.log_every=1",
+    "--train.eval_every=6",
+    "--train.eval_batches=2",
+    "--checkpoint.every=4",
+    "--checkpoint.keep=3",
+]
 
 
 def micro_experiment(name: str = "mlra4_tiny", *overrides: str):
@@ -34,22 +48,41 @@ def micro_experiment(name: str = "mlra4_tiny", *overrides: str):
 
 def train_command(workdir: Path, *overrides: str, experiment: str = "mlra4_tiny") -> list[str]:
     """[python, -m, mlra_jax.train, arguments...]."""
-    return [sys.executable, "-m", "mlra_jax.train", f"--experiment={experiment}", f"--workdir={workdir}",
-            *MICRO, *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "mlra_jax.train",
+        f"--experiment={experiment}",
+        f"--workdir={workdir}",
+        *MICRO,
+        *overrides,
+    ]
 
 
 def subprocess_env(devices: int = 1) -> dict[str, str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {SUBPROCESS}")
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONUNBUFFERED="1",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {SUBPROCESS}",
+    )
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return env
 
 
 def run_training(workdir: Path, *overrides: str, devices: int = 1, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(train_command(workdir, *overrides), env=subprocess_env(devices), cwd=ROOT,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        train_command(workdir, *overrides),
+        env=subprocess_env(devices),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if check and result.returncode != 0:
-        raise AssertionError(f"training failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        raise AssertionError(
+            f"training failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
     return result
 
 
@@ -83,7 +116,14 @@ def first_batch_loss(run_dir, experiment) -> float:
     from mlra_jax.training.step import loss_fn
 
     model, _ = load_model(run_dir)
-    first = np.asarray(train_dataset(experiment.data, experiment.train.seq_len, experiment.model.vocab_size,
-                                     experiment.train.seed, experiment.train.global_batch_size)[0])
+    first = np.asarray(
+        train_dataset(
+            experiment.data,
+            experiment.train.seq_len,
+            experiment.model.vocab_size,
+            experiment.train.seed,
+            experiment.train.global_batch_size,
+        )[0]
+    )
     graphdef, params = nnx.split(model, nnx.Param)
     return float(jax.jit(loss_fn, static_argnums=0)(graphdef, nnx.to_pure_dict(params), first))

@@ -6,21 +6,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from mlra_jax.experiments import get_experiment
+from mlra_jax.experiments.tiny import tiny_model
+from test_fused_attention import model_loss_and_grads
 
 from mlra_jax.attention import latent
 from mlra_jax.config import ConfigError, MeshConfig
-from mlra_jax.experiments import get_experiment
-from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.model import init_model
 from mlra_jax.sharding import make_mesh
 from mlra_jax.training.step import loss_fn
 from mlra_jax.variants import LATENT_VARIANTS
-from test_fused_attention import model_loss_and_grads
 
 
 def small(variant, form, **changes):
-    return tiny_model(variant, **{"n_layer": 1, "n_head": 8, "vocab_size": 128, "output_init": "normal",
-                                  "latent_form": form, **changes})
+    return tiny_model(
+        variant,
+        **{"n_layer": 1, "n_head": 8, "vocab_size": 128, "output_init": "normal", "latent_form": form, **changes},
+    )
 
 
 def loss_and_grads(cfg, tokens, mesh=None):
@@ -32,8 +34,9 @@ def assert_equal(got, want):
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=2e-6)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
         scale = float(jnp.abs(b).max())
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5 * scale + 1e-9,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(b), atol=1e-5 * scale + 1e-9, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 @pytest.mark.parametrize("variant", LATENT_VARIANTS)
@@ -46,8 +49,9 @@ def test_absorbed_equals_expanded_in_float32(variant):
 def test_absorbed_under_tensor_parallelism_equals_expanded_alone(variant, tp):
     tokens = jax.random.randint(jax.random.key(1), (8, 17), 0, 128)
     mesh = make_mesh(MeshConfig(data=-1, tensor=tp), jax.devices()[:8])
-    assert_equal(loss_and_grads(small(variant, "absorbed"), tokens, mesh),
-                 loss_and_grads(small(variant, "expanded"), tokens))
+    assert_equal(
+        loss_and_grads(small(variant, "absorbed"), tokens, mesh), loss_and_grads(small(variant, "expanded"), tokens)
+    )
 
 
 def test_absorbed_attention_is_grouped_query_attention_over_the_blocks(monkeypatch):
@@ -55,8 +59,9 @@ def test_absorbed_attention_is_grouped_query_attention_over_the_blocks(monkeypat
     is never copied per branch (no [B, T, 4, 8, d_h] array in the step)."""
     shapes = []
     original = latent.attention
-    monkeypatch.setattr(latent, "attention", lambda q, k, v, **kw: shapes.append((q.shape, k.shape, v.shape))
-                        or original(q, k, v, **kw))
+    monkeypatch.setattr(
+        latent, "attention", lambda q, k, v, **kw: shapes.append((q.shape, k.shape, v.shape)) or original(q, k, v, **kw)
+    )
     cfg = small("mlra4", "absorbed")
     model = init_model(cfg)
     graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))

@@ -24,9 +24,9 @@ def test_matches_reference_with_groups_and_unequal_widths(hq, hkv, dk, dv):
     q = jax.random.normal(keys[0], (2, 7, hq, dk))
     k = jax.random.normal(keys[1], (2, 7, hkv, dk))
     v = jax.random.normal(keys[2], (2, 7, hkv, dv))
-    out = attention(q, k, v, scale=dk ** -0.5)
+    out = attention(q, k, v, scale=dk**-0.5)
     pos = np.broadcast_to(np.arange(7), (2, 7))
-    expected = reference_attention(*map(np.asarray, (q, k, v)), dk ** -0.5, pos[:, None, :] <= pos[:, :, None])
+    expected = reference_attention(*map(np.asarray, (q, k, v)), dk**-0.5, pos[:, None, :] <= pos[:, :, None])
     np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=1e-5)
 
 

@@ -6,17 +6,21 @@ from pathlib import Path
 
 import jax
 import pytest
+from mlra_jax.experiments import benchmarks
+from mlra_jax.experiments.tiny import tiny_model
 
 from mlra_jax.benchmarks import decode, decode_throughput, latent_kernel, row_products, train
 from mlra_jax.benchmarks.common import call_times, split_calls
-from mlra_jax.experiments import benchmarks
-from mlra_jax.experiments.tiny import tiny_model
+
+pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
 
 
 @pytest.fixture
 def small_throughput_models(monkeypatch):
-    models = {v: tiny_model(v, n_layer=1, n_head=8, vocab_size=128, compute_dtype="bfloat16",
-                            param_dtype="bfloat16") for v in ("gqa", "mla", "gla2", "mlra4")}
+    models = {
+        v: tiny_model(v, n_layer=1, n_head=8, vocab_size=128, compute_dtype="bfloat16", param_dtype="bfloat16")
+        for v in ("gqa", "mla", "gla2", "mlra4")
+    }
     models["gqa"] = tiny_model("gqa", n_layer=1, n_head=8, group_size=1, vocab_size=128, compute_dtype="bfloat16")
     monkeypatch.setattr(decode_throughput, "THROUGHPUT_MODELS", models)
     monkeypatch.setattr(decode_throughput, "whole_model", lambda v: tiny_model(v, n_layer=1, n_head=8, vocab_size=128))
@@ -35,8 +39,9 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
         deployed = {r["variant"]: (r["tp"], r["dp"], r["batch"]) for r in record["results"] if r["scope"] == scope}
         assert deployed == {"gqa": (8, 1, 128), "mla": (1, 8, 128), "gla2": (2, 4, 128), "mlra4": (4, 2, 128)}
     assert all(r["tokens_per_s"] > 0 for r in record["results"])
-    decode_throughput.main(["--devices=4", "--scopes=attention", "--variants=gla2", "--contexts=64", "--repeats=1",
-                            f"--out={out}"])
+    decode_throughput.main(
+        ["--devices=4", "--scopes=attention", "--variants=gla2", "--contexts=64", "--repeats=1", f"--out={out}"]
+    )
     deployed = {r["variant"]: (r["tp"], r["dp"], r["batch"]) for r in json.loads(out.read_text())["results"]}
     assert deployed == {"gla2": (2, 2, 128)}
     # a context that fails (out of memory, say) is recorded after the ones measured before it
@@ -50,13 +55,23 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
         return time_step(run, repeats)
 
     monkeypatch.setattr(decode_throughput, "time_step", fail_second)
-    decode_throughput.main(["--devices=4", "--scopes=attention", "--variants=gla2", "--contexts=64,128",
-                            "--repeats=1", f"--out={out}"])
+    decode_throughput.main(
+        ["--devices=4", "--scopes=attention", "--variants=gla2", "--contexts=64,128", "--repeats=1", f"--out={out}"]
+    )
     results = json.loads(out.read_text())["results"]
     assert [r["context"] for r in results] == [64, 128] and "RESOURCE_EXHAUSTED" in results[1]["error"]
     # --merge measures the failed context again and keeps the one measured before
-    decode_throughput.main(["--devices=4", "--scopes=attention", "--variants=gla2", "--contexts=128", "--repeats=1",
-                            f"--out={out}", "--merge"])
+    decode_throughput.main(
+        [
+            "--devices=4",
+            "--scopes=attention",
+            "--variants=gla2",
+            "--contexts=128",
+            "--repeats=1",
+            f"--out={out}",
+            "--merge",
+        ]
+    )
     merged = json.loads(out.read_text())
     assert [(r["variant"], r["context"]) for r in merged["results"]] == [("gla2", 64), ("gla2", 128)]
     assert merged["results"][0] == results[0] and "error" not in merged["results"][1] and len(merged["runs"]) == 2
@@ -65,20 +80,51 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
 
 def test_decode_attention_and_model_modes(tmp_path):
     out = tmp_path / "attention.json"
-    decode.main(["attention", "--variants=mlra4,gqa", "--batch1_contexts=256", "--batch128_contexts=",
-                 "--repeats=1", "--copy_gb=0.01", f"--out={out}"])
+    decode.main(
+        [
+            "attention",
+            "--variants=mlra4,gqa",
+            "--batch1_contexts=256",
+            "--batch128_contexts=",
+            "--repeats=1",
+            "--copy_gb=0.01",
+            f"--out={out}",
+        ]
+    )
     record = json.loads(out.read_text())
     assert {r["variant"] for r in record["results"]} == {"mlra4", "gqa"}
     assert record["results"][0]["bytes"] == 256 * (128 + 64) * 2 and record["copy_bandwidth_bytes_per_s"] > 0
     first_mlra4 = [r for r in record["results"] if r["variant"] == "mlra4"]
-    decode.main(["attention", "--variants=gqa", "--batch1_contexts=256", "--batch128_contexts=", "--repeats=1",
-                 "--copy_gb=0.01", f"--out={out}", "--merge"])  # re-measure GQA only, keep MLRA-4
+    decode.main(
+        [
+            "attention",
+            "--variants=gqa",
+            "--batch1_contexts=256",
+            "--batch128_contexts=",
+            "--repeats=1",
+            "--copy_gb=0.01",
+            f"--out={out}",
+            "--merge",
+        ]
+    )  # re-measure GQA only, keep MLRA-4
     merged = json.loads(out.read_text())
     assert [r for r in merged["results"] if r["variant"] == "mlra4"] == first_mlra4
     assert sum(r["variant"] == "gqa" for r in merged["results"]) == 1 and len(merged["runs"]) == 2
     out = tmp_path / "model.json"
-    decode.main(["model", "--experiments=mlra4_tiny", "--batch=2", "--context=64", "--impls=xla", "--repeats=1",
-                 "--copy_gb=0.01", "--generate_tokens=24", "--timeline", f"--out={out}"])
+    decode.main(
+        [
+            "model",
+            "--experiments=mlra4_tiny",
+            "--batch=2",
+            "--context=64",
+            "--impls=xla",
+            "--repeats=1",
+            "--copy_gb=0.01",
+            "--generate_tokens=24",
+            "--timeline",
+            f"--out={out}",
+        ]
+    )
     result = json.loads(out.read_text())["results"][0]
     assert result["tokens_per_s"] > 0 and result["weight_bytes"] > 0 and result["time_over_floor"] > 0
     assert result["generate_tokens"] == 24 and result["generate_s_per_token"] > 0
@@ -133,9 +179,11 @@ def test_row_products_benchmark_reads_its_tilings_and_refuses_a_cpu(tmp_path, ca
     assert exit_info.value.code == 2 and "run on GPUs" in capsys.readouterr().err
     assert not (tmp_path / "tune.json").exists()
     (tmp_path / "other.json").write_text('{"results": [{"product": "down"}]}')
-    for argv, message in ((["--tuned", str(tmp_path / "missing.json")], "missing.json is not a result of"),
-                          (["--tuned", str(tmp_path / "other.json")], "other.json is not a result of"),
-                          (["--gate_up_tiling=wide,4,512"], "invalid parse_tiling value: 'wide,4,512'")):
+    for argv, message in (
+        (["--tuned", str(tmp_path / "missing.json")], "missing.json is not a result of"),
+        (["--tuned", str(tmp_path / "other.json")], "other.json is not a result of"),
+        (["--gate_up_tiling=wide,4,512"], "invalid parse_tiling value: 'wide,4,512'"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
             row_products.main(["chain", *argv, f"--out={tmp_path / 'chain.json'}"])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
@@ -158,21 +206,44 @@ def test_train_benchmark_puts_the_official_codes_best_batch_beside_ours(tmp_path
     monkeypatch.setitem(registry._EXPERIMENTS, "mlra4_tiny", dataclasses.replace(experiment, reference_key="mlra_4"))
     device = jax.devices()[0].device_kind
     ref = tmp_path / "ref.jsonl"
-    ref.write_text("compiling...\n" + "\n".join(json.dumps(line) for line in [
-        dict(variant="mlra_4", n_layer=1, batch=4, tokens_per_s=100.0, device=device),
-        dict(variant="mlra_4", n_layer=1, batch=8, tokens_per_s=150.0, device=device),
-        dict(variant="mlra_4", n_layer=1, batch=12, error="OOM"),
-        dict(variant="mlra_4", n_layer=8, batch=8, tokens_per_s=9e9, device=device),
-        dict(variant="mla", n_layer=1, batch=8, tokens_per_s=9e9, device=device)]) + "\n")
+    ref.write_text(
+        "compiling...\n"
+        + "\n".join(
+            json.dumps(line)
+            for line in [
+                dict(variant="mlra_4", n_layer=1, batch=4, tokens_per_s=100.0, device=device),
+                dict(variant="mlra_4", n_layer=1, batch=8, tokens_per_s=150.0, device=device),
+                dict(variant="mlra_4", n_layer=1, batch=12, error="OOM"),
+                dict(variant="mlra_4", n_layer=8, batch=8, tokens_per_s=9e9, device=device),
+                dict(variant="mla", n_layer=1, batch=8, tokens_per_s=9e9, device=device),
+            ]
+        )
+        + "\n"
+    )
     out = tmp_path / "train.json"
-    train.main(["--experiments=mlra4_tiny", "--n_layer=1", "--seq_len=16", "--steps=1", "--batch_per_device=1",
-                f"--reference={ref}", f"--out={out}"])
+    train.main(
+        [
+            "--experiments=mlra4_tiny",
+            "--n_layer=1",
+            "--seq_len=16",
+            "--steps=1",
+            "--batch_per_device=1",
+            f"--reference={ref}",
+            f"--out={out}",
+        ]
+    )
     record = json.loads(out.read_text())
     (result,) = record["results"]
     assert record["reference_file"] == str(ref)
-    assert result["reference"] == {"variant": "mlra_4", "best_batch": 8, "tokens_per_s": 150.0,
-                                   "batches": {"4": 100.0, "8": 150.0, "12": "OOM"}, "device": device,
-                                   "same_device": True, "ratio": pytest.approx(result["tokens_per_s"] / 150.0)}
+    assert result["reference"] == {
+        "variant": "mlra_4",
+        "best_batch": 8,
+        "tokens_per_s": 150.0,
+        "batches": {"4": 100.0, "8": 150.0, "12": "OOM"},
+        "device": device,
+        "same_device": True,
+        "ratio": pytest.approx(result["tokens_per_s"] / 150.0),
+    }
     assert "REF 150 (batch 8):" in capsys.readouterr().out
     empty = tmp_path / "empty.jsonl"
     empty.write_text("no figures here\n")
@@ -186,10 +257,15 @@ def test_reference_annotates_a_saved_record(tmp_path, capsys):
     """REF timed in another process on the same machine: its figures are added to a saved record."""
     from mlra_jax.benchmarks import reference
 
-    record = {"benchmark": "train", "device": "GPU X", "results": [
-        {"experiment": "mlra4_2p9b", "n_layer": 8, "batch_per_device": 12, "tokens_per_s": 60.0},
-        {"experiment": "gqa_2p9b", "n_layer": 8, "batch_per_device": 8, "tokens_per_s": 90.0},
-        {"experiment": "mla_2p9b", "error": "OOM"}]}
+    record = {
+        "benchmark": "train",
+        "device": "GPU X",
+        "results": [
+            {"experiment": "mlra4_2p9b", "n_layer": 8, "batch_per_device": 12, "tokens_per_s": 60.0},
+            {"experiment": "gqa_2p9b", "n_layer": 8, "batch_per_device": 8, "tokens_per_s": 90.0},
+            {"experiment": "mla_2p9b", "error": "OOM"},
+        ],
+    }
     results, ref = tmp_path / "train.json", tmp_path / "ref.jsonl"
     results.write_text(json.dumps(record))
     ref.write_text(json.dumps(dict(variant="mlra_4", n_layer=8, batch=8, tokens_per_s=50.0, device="GPU X")) + "\n")

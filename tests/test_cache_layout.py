@@ -3,10 +3,10 @@
 import jax
 import jax.numpy as jnp
 import pytest
-
-from mlra_jax.cache_accounting import cache_layout, kv_cache_elements
-from mlra_jax.attention.base import check_cache_entry
 from mlra_jax.experiments.tiny import tiny_model
+
+from mlra_jax.attention.base import check_cache_entry
+from mlra_jax.cache_accounting import cache_layout, kv_cache_elements
 from mlra_jax.model import init_model
 from mlra_jax.variants import VARIANTS
 

@@ -9,13 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import MICRO, ROOT, subprocess_env
+from mlra_jax.experiments import get_experiment, resolve_experiment
+
 from mlra_jax.__main__ import COMMANDS
 from mlra_jax.__main__ import main as mlra
 from mlra_jax.cli import apply_overrides, dtype_argument
 from mlra_jax.config import ConfigError
-from mlra_jax.experiments import get_experiment, resolve_experiment
 from mlra_jax.train import main as train_main
 
 
@@ -30,6 +30,7 @@ def test_mlra_lists_every_command_and_runs_them(capsys):
     assert mlra([]) == 2
 
 
+@pytest.mark.slow
 def test_python_m_mlra_jax_and_the_console_script_are_the_same_entry():
     script = Path(sys.executable).with_name("mlra")  # installed by pip install -e . (pyproject's scripts)
     for command in ([sys.executable, "-m", "mlra_jax", "info", "--list"], [str(script), "info", "--list"]):
@@ -37,13 +38,16 @@ def test_python_m_mlra_jax_and_the_console_script_are_the_same_entry():
         assert result.returncode == 0 and "mlra4_tiny" in result.stdout, result.stderr
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--dry-run"], "unknown option --dry-run (did you mean --dry_run?)"),
-    (["--dryrun", "--model.n_layer=2"], "unknown option --dryrun (did you mean --dry_run?)"),
-    (["--model.n_layr=2"], "model has no field 'n_layr' (did you mean n_layer?)"),
-    (["--modle.n_layer=2"], "unknown option --modle.n_layer (did you mean model?)"),
-    (["--model.n_layer"], "--model.n_layer needs a value"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--dry-run"], "unknown option --dry-run (did you mean --dry_run?)"),
+        (["--dryrun", "--model.n_layer=2"], "unknown option --dryrun (did you mean --dry_run?)"),
+        (["--model.n_layr=2"], "model has no field 'n_layr' (did you mean n_layer?)"),
+        (["--modle.n_layer=2"], "unknown option --modle.n_layer (did you mean model?)"),
+        (["--model.n_layer"], "--model.n_layer needs a value"),
+    ],
+)
 def test_unknown_or_misspelled_options_are_named_with_the_closest_one(argv, message, capsys):
     assert train_main(["--experiment=mlra4_tiny", *argv]) == 2
     assert message in capsys.readouterr().err
@@ -59,7 +63,9 @@ def test_help_shows_the_experiments_values_and_what_each_field_means(capsys):
     with pytest.raises(SystemExit):
         train_main(["--experiment=mlra4_2p9b", "--help"])
     out = capsys.readouterr().out
-    assert "--model.n_layer=int  value 24" in out and "--model.remat={none,full,dots,dots_attn,auto}  value 'auto'" in out
+    assert (
+        "--model.n_layer=int  value 24" in out and "--model.remat={none,full,dots,dots_attn,auto}  value 'auto'" in out
+    )
     assert "a fraction of total_steps below 1" in out  # warmup_steps' comment in config.py
     with pytest.raises(SystemExit):
         train_main(["--help"])
@@ -67,8 +73,9 @@ def test_help_shows_the_experiments_values_and_what_each_field_means(capsys):
 
 
 def test_switching_the_variant_drops_the_fields_it_does_not_use():
-    gqa = apply_overrides(get_experiment("mlra4_tiny"), ["--model.variant=gqa", "--model.head_dim=32",
-                                                         "--model.group_size=2"])
+    gqa = apply_overrides(
+        get_experiment("mlra4_tiny"), ["--model.variant=gqa", "--model.head_dim=32", "--model.group_size=2"]
+    )
     assert gqa.model.variant == "gqa" and gqa.model.kv_lora_rank is None and gqa.model.q_lora_rank is None
     with pytest.raises(ConfigError, match="variant 'gqa' needs head_dim, group_size"):
         apply_overrides(get_experiment("mlra4_tiny"), ["--model.variant=gqa"])
@@ -92,7 +99,8 @@ def test_experiments_from_a_file_a_module_or_a_run(tmp_path, monkeypatch):
         "import dataclasses\nfrom mlra_jax.experiments import get_experiment\n"
         "base = get_experiment('gqa_tiny')\n"
         "WIDE = dataclasses.replace(base, name='wide', model=dataclasses.replace(base.model, n_embd=256))\n"
-        "def small():\n    return dataclasses.replace(base, name='small')\n")
+        "def small():\n    return dataclasses.replace(base, name='small')\n"
+    )
     assert resolve_experiment(f"{tmp_path / 'mine.py'}:WIDE").model.n_embd == 256
     assert resolve_experiment(f"{tmp_path / 'mine.py'}:small").name == "small"
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -102,31 +110,41 @@ def test_experiments_from_a_file_a_module_or_a_run(tmp_path, monkeypatch):
     (run / "experiment.json").write_text(json.dumps(dataclasses.asdict(get_experiment("mla_tiny"))))
     assert resolve_experiment(str(run)).model.variant == "mla"
     assert resolve_experiment(str(run / "experiment.json")).name == "mla_tiny"
-    for spec, message in ((f"{tmp_path / 'mine.py'}:WIED", "has no 'WIED' (did you mean WIDE?)"),
-                          ("mlra4_tiyn", "unknown experiment 'mlra4_tiyn' (did you mean mlra4_tiny?)"),
-                          ("no_such_module_x:NAME", "cannot import no_such_module_x"),
-                          ("mlra_jax.config:MeshConfig", "is a MeshConfig, not an Experiment")):
+    for spec, message in (
+        (f"{tmp_path / 'mine.py'}:WIED", "has no 'WIED' (did you mean WIDE?)"),
+        ("mlra4_tiyn", "unknown experiment 'mlra4_tiyn' (did you mean mlra4_tiny?)"),
+        ("no_such_module_x:NAME", "cannot import no_such_module_x"),
+        ("mlra_jax.config:MeshConfig", "is a MeshConfig, not an Experiment"),
+    ):
         with pytest.raises(ConfigError) as error:
             resolve_experiment(spec)
         assert message in str(error.value)
 
 
 def test_one_dtype_spelling_and_one_run_option_everywhere():
-    assert [dtype_argument(d) for d in ("bf16", "BFloat16", "fp32", "float32")] == ["bfloat16", "bfloat16",
-                                                                                       "float32", "float32"]
-    from mlra_jax import convert, eval as eval_module
+    assert [dtype_argument(d) for d in ("bf16", "BFloat16", "fp32", "float32")] == [
+        "bfloat16",
+        "bfloat16",
+        "float32",
+        "float32",
+    ]
+    from mlra_jax import convert
+    from mlra_jax import eval as eval_module
 
-    for parser, argv in ((convert._parser(), ["to-hf", "--workdir", "r", "--out", "o", "--dtype", "bf16"]),
-                         (convert._parser(), ["to-hf", "--checkpoint", "r", "--out", "o"]),
-                         (eval_module._parser(), ["ppl", "--workdir", "r", "--data", "a=b", "--dtype", "fp32"])):
+    for parser, argv in (
+        (convert._parser(), ["to-hf", "--workdir", "r", "--out", "o", "--dtype", "bf16"]),
+        (convert._parser(), ["to-hf", "--checkpoint", "r", "--out", "o"]),
+        (eval_module._parser(), ["ppl", "--workdir", "r", "--data", "a=b", "--dtype", "fp32"]),
+    ):
         args = parser.parse_args(argv)
         assert args.workdir == "r" and args.dtype in ("bfloat16", "float32")
 
 
 def test_a_missing_data_folder_is_named_before_the_model_is_built(tmp_path, capsys):
     start = time.perf_counter()
-    code = train_main(["--experiment=mlra4_2p9b", f"--workdir={tmp_path / 'run'}",
-                       f"--data.dataset={tmp_path / 'nowhere'}"])
+    code = train_main(
+        ["--experiment=mlra4_2p9b", f"--workdir={tmp_path / 'run'}", f"--data.dataset={tmp_path / 'nowhere'}"]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "nowhere" in err and time.perf_counter() - start < 30  # no 2.9B state built first
     assert train_main(["--experiment=mlra4_tiny", *MICRO, "--dry_run", f"--data.dataset={tmp_path / 'nowhere'}"]) == 2

@@ -15,8 +15,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 from helpers import micro_experiment
+
 from mlra_jax import convert, guards
 from mlra_jax.data.builtin import builtin_shards
 from mlra_jax.data.shards import find_shards, write_shard
@@ -26,6 +26,8 @@ from mlra_jax.info import main as info_main
 from mlra_jax.plot import main as plot_main
 from mlra_jax.training.loop import train
 
+pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
+
 SEQ = 32
 root_can_write_anywhere = pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 
@@ -34,15 +36,27 @@ root_can_write_anywhere = pytest.mark.skipif(os.geteuid() == 0, reason="root wri
 def run(tmp_path_factory) -> Path:
     """A run of the micro experiment: experiment.json, metrics.jsonl, a checkpoint at step 2."""
     workdir = tmp_path_factory.mktemp("faults") / "run"
-    train(micro_experiment("mlra4_tiny", "--train.total_steps=2", "--train.warmup_steps=1", "--train.eval_every=0",
-                           "--checkpoint.every=2"), workdir, devices=jax.devices()[:1])
+    train(
+        micro_experiment(
+            "mlra4_tiny",
+            "--train.total_steps=2",
+            "--train.warmup_steps=1",
+            "--train.eval_every=0",
+            "--checkpoint.every=2",
+        ),
+        workdir,
+        devices=jax.devices()[:1],
+    )
     return workdir
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` (the run's own; eval/ results of other tests aside) and its bytes."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.relative_to(folder).parts[0] != "eval"}
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.relative_to(folder).parts[0] != "eval"
+    }
 
 
 def one_error(capsys) -> str:
@@ -65,8 +79,21 @@ def test_ppl_refuses_token_ids_beyond_the_vocabulary(run, tmp_path, capsys):
     tokens = np.arange(4 * SEQ + 1) % 1000
     tokens[SEQ + 5] = 60000  # fits a uint16 shard, beyond GPT-2's 50304 (padded) ids
     data, before = shard(tmp_path / "other_tokenizer.bin", tokens), snapshot(run)
-    code = eval_main(["ppl", "--checkpoint", str(run), "--data", f"x={data}", "--seq_len", str(SEQ), "--batch_size",
-                      "1", "--tokens", str(4 * SEQ)])
+    code = eval_main(
+        [
+            "ppl",
+            "--checkpoint",
+            str(run),
+            "--data",
+            f"x={data}",
+            "--seq_len",
+            str(SEQ),
+            "--batch_size",
+            "1",
+            "--tokens",
+            str(4 * SEQ),
+        ]
+    )
     message = one_error(capsys)
     assert code == 2 and str(data) in message and f"token id 60000 at position {SEQ + 5}" in message
     assert "vocabulary size 50304" in message
@@ -77,8 +104,19 @@ def test_ppl_results_hold_no_bare_nan_and_a_non_finite_loss_is_an_error(run, tmp
     import mlra_jax.eval as eval_module
 
     val = find_shards(builtin_shards(), "*_val_*.bin")[0]
-    arguments = ["ppl", "--checkpoint", str(run), "--data", f"v={val}", "--seq_len", str(SEQ), "--batch_size", "1",
-                 "--tokens", str(SEQ)]
+    arguments = [
+        "ppl",
+        "--checkpoint",
+        str(run),
+        "--data",
+        f"v={val}",
+        "--seq_len",
+        str(SEQ),
+        "--batch_size",
+        "1",
+        "--tokens",
+        str(SEQ),
+    ]
     monkeypatch.setattr(eval_module, "batch_losses", lambda model, mesh: lambda windows: 800.0)  # e**800: no float
     assert eval_main([*arguments, "--out", str(tmp_path / "huge.json")]) == 0
     text = (tmp_path / "huge.json").read_text()
@@ -95,8 +133,23 @@ def test_ppl_never_writes_over_a_run_file_or_its_input(run, tmp_path, capsys, ta
     data = shard(tmp_path / "d.bin", np.arange(2 * SEQ + 1))
     out, before = (data if target == "data" else run / target), snapshot(run)
     data_before = data.read_bytes()
-    code = eval_main(["ppl", "--checkpoint", str(run), "--data", f"d={data}", "--seq_len", str(SEQ), "--batch_size",
-                      "1", "--tokens", str(SEQ), "--out", str(out)])
+    code = eval_main(
+        [
+            "ppl",
+            "--checkpoint",
+            str(run),
+            "--data",
+            f"d={data}",
+            "--seq_len",
+            str(SEQ),
+            "--batch_size",
+            "1",
+            "--tokens",
+            str(SEQ),
+            "--out",
+            str(out),
+        ]
+    )
     message = one_error(capsys)
     assert code == 2 and ("this command's input" if target == "data" else "the run's own") in message
     assert snapshot(run) == before and data.read_bytes() == data_before
@@ -104,8 +157,19 @@ def test_ppl_never_writes_over_a_run_file_or_its_input(run, tmp_path, capsys, ta
 
 def test_repeated_ppl_says_it_replaced_the_earlier_result(run, capsys):
     val = find_shards(builtin_shards(), "*_val_*.bin")[0]
-    arguments = ["ppl", "--checkpoint", str(run), "--data", f"v={val}", "--seq_len", str(SEQ), "--batch_size", "1",
-                 "--tokens", str(SEQ)]
+    arguments = [
+        "ppl",
+        "--checkpoint",
+        str(run),
+        "--data",
+        f"v={val}",
+        "--seq_len",
+        str(SEQ),
+        "--batch_size",
+        "1",
+        "--tokens",
+        str(SEQ),
+    ]
     result = run / "eval" / "ppl_step2.json"
     result.unlink(missing_ok=True)
     assert eval_main(arguments) == 0
@@ -115,16 +179,33 @@ def test_repeated_ppl_says_it_replaced_the_earlier_result(run, capsys):
     assert capsys.readouterr().out.splitlines()[-1] == f"results: {result} (replaced the earlier result)"
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["--seq_len", "4096"], "--seq_len 4096 exceeds the model's max_seq_len 512; give --seq_len from 1 to 512"),
-    (["--tokens", "10"], "--tokens 10 is fewer than one batch"),
-    ("empty", "holds 0 tokens, fewer than one batch of 1 windows"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--seq_len", "4096"], "--seq_len 4096 exceeds the model's max_seq_len 512; give --seq_len from 1 to 512"),
+        (["--tokens", "10"], "--tokens 10 is fewer than one batch"),
+        ("empty", "holds 0 tokens, fewer than one batch of 1 windows"),
+    ],
+)
 def test_ppl_bad_values_are_named(run, tmp_path, capsys, arguments, message):
-    data = shard(tmp_path / "empty.bin" if arguments == "empty" else tmp_path / "d.bin",
-                 [] if arguments == "empty" else np.arange(2 * SEQ + 1))
-    code = eval_main(["ppl", "--checkpoint", str(run), "--data", f"d={data}", "--seq_len", str(SEQ), "--batch_size",
-                      "1", *([] if arguments == "empty" else arguments)])
+    data = shard(
+        tmp_path / "empty.bin" if arguments == "empty" else tmp_path / "d.bin",
+        [] if arguments == "empty" else np.arange(2 * SEQ + 1),
+    )
+    code = eval_main(
+        [
+            "ppl",
+            "--checkpoint",
+            str(run),
+            "--data",
+            f"d={data}",
+            "--seq_len",
+            str(SEQ),
+            "--batch_size",
+            "1",
+            *([] if arguments == "empty" else arguments),
+        ]
+    )
     error = one_error(capsys)
     assert code == 2 and message in error
     assert arguments != "empty" or str(data) in error
@@ -137,11 +218,14 @@ def test_ppl_tokens_that_are_no_count_are_refused_by_the_parser(run, capsys, val
     assert exit_.value.code == 2 and "is not a whole number of tokens >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("option, value, low", [("--max_length", "0", 1), ("--num_fewshot", "-1", 0),
-                                                 ("--max_gen_toks", "0", 1), ("--batch_size", "0", 1)])
+@pytest.mark.parametrize(
+    "option, value, low",
+    [("--max_length", "0", 1), ("--num_fewshot", "-1", 0), ("--max_gen_toks", "0", 1), ("--batch_size", "0", 1)],
+)
 def test_lm_eval_numbers_out_of_range_exit_2_naming_the_option(run, tmp_path, capsys, option, value, low):
-    code = eval_main(["lm-eval", "--checkpoint", str(run), "--tasks", "arc_easy", option, value,
-                      "--out", str(tmp_path / "r.json")])
+    code = eval_main(
+        ["lm-eval", "--checkpoint", str(run), "--tasks", "arc_easy", option, value, "--out", str(tmp_path / "r.json")]
+    )
     assert code == 2 and f"{option} {value} is out of range: give an integer >= {low}" in one_error(capsys)
     assert not (tmp_path / "r.json").exists()
 
@@ -149,12 +233,15 @@ def test_lm_eval_numbers_out_of_range_exit_2_naming_the_option(run, tmp_path, ca
 # -- generate
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["--max_len", "0"], "--max_len 0 is out of range: give 1 to the model's max_seq_len"),
-    (["--max_len", "513"], "--max_len 513 exceeds the model's max_seq_len 512"),
-    (["--max_new_tokens", "0"], "max_new_tokens=0 must be at least 1"),
-    (["--seed", str(2**64)], f"seed={2**64} is out of range: give a 64-bit integer"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--max_len", "0"], "--max_len 0 is out of range: give 1 to the model's max_seq_len"),
+        (["--max_len", "513"], "--max_len 513 exceeds the model's max_seq_len 512"),
+        (["--max_new_tokens", "0"], "max_new_tokens=0 must be at least 1"),
+        (["--seed", str(2**64)], f"seed={2**64} is out of range: give a 64-bit integer"),
+    ],
+)
 def test_generate_values_out_of_range_exit_2(run, capsys, arguments, message):
     before = snapshot(run)
     assert generate_main(["--checkpoint", str(run), "--prompt", "x", *arguments]) == 2
@@ -242,9 +329,11 @@ def test_an_out_in_a_read_only_folder_is_named(run, tmp_path, capsys):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o555)
     try:
-        for command in ([plot_main, str(run), "--out", str(locked / "x.png")],
-                        [eval_main, "ppl", "--checkpoint", str(run), "--data", "d=x.bin", "--out", str(locked / "r")],
-                        [convert.main, "to-hf", "--checkpoint", str(run), "--out", str(locked / "hf")]):
+        for command in (
+            [plot_main, str(run), "--out", str(locked / "x.png")],
+            [eval_main, "ppl", "--checkpoint", str(run), "--data", "d=x.bin", "--out", str(locked / "r")],
+            [convert.main, "to-hf", "--checkpoint", str(run), "--out", str(locked / "hf")],
+        ):
             assert command[0](command[1:]) == 2
             assert f"{locked} is not writable" in one_error(capsys)
         assert os.listdir(locked) == []
@@ -287,13 +376,16 @@ def _damage(kind: str, reference: Path, src: Path) -> None:
         shutil.copy(reference / "pytorch_model.bin", weights)
 
 
-@pytest.mark.parametrize("kind, message", [
-    ("empty", "pytorch_model.bin is empty (0 bytes)"),
-    ("garbage", "pytorch_model.bin is not a PyTorch checkpoint"),
-    ("reference_model", "config.json's reference_model is 4, not the name of an official model file"),
-    ("weight_map", "pytorch_model.bin.index.json: its weight_map is a list"),
-    ("integer", "1 tensors are not floating point: transformer.h.0.mlp.c_fc1.weight (int32)"),
-])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("empty", "pytorch_model.bin is empty (0 bytes)"),
+        ("garbage", "pytorch_model.bin is not a PyTorch checkpoint"),
+        ("reference_model", "config.json's reference_model is 4, not the name of an official model file"),
+        ("weight_map", "pytorch_model.bin.index.json: its weight_map is a list"),
+        ("integer", "1 tensors are not floating point: transformer.h.0.mlp.c_fc1.weight (int32)"),
+    ],
+)
 def test_from_reference_refuses_damaged_or_altered_files_in_one_line(reference, tmp_path, capsys, kind, message):
     src, out = tmp_path / "src", tmp_path / "out"
     _damage(kind, reference, src)
@@ -329,7 +421,8 @@ def hf_export(run, tmp_path_factory) -> Path:
 def test_an_export_follows_the_umask(hf_export):
     assert hf_export.stat().st_mode & 0o777 == 0o750  # not mkdtemp's 0700
     assert {p.name: p.stat().st_mode & 0o777 for p in hf_export.iterdir()} == {
-        p.name: 0o640 for p in hf_export.iterdir()}  # model.safetensors too (safetensors writes 0600)
+        p.name: 0o640 for p in hf_export.iterdir()
+    }  # model.safetensors too (safetensors writes 0600)
 
 
 def _dead_pid() -> int:
@@ -344,10 +437,14 @@ def test_a_killed_export_is_refused_by_init_from_and_removed_by_the_next_convert
     # what a convert killed after the weights and before the tokenizer leaves
     partial = tmp_path / f".hf.partial-{socket.gethostname()}-{_dead_pid()}-0123abcd"
     shutil.copytree(hf_export, partial, ignore=shutil.ignore_patterns("tokenizer*"))
-    experiment = micro_experiment("mlra4_tiny", "--train.total_steps=1", "--train.warmup_steps=0",
-                                  "--train.eval_every=0")
-    with pytest.raises(ConfigError, match=r"is not a complete Hugging Face folder of convert to-hf: it lacks "
-                                          r"tokenizer.json, tokenizer_config.json"):
+    experiment = micro_experiment(
+        "mlra4_tiny", "--train.total_steps=1", "--train.warmup_steps=0", "--train.eval_every=0"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"is not a complete Hugging Face folder of convert to-hf: it lacks "
+        r"tokenizer.json, tokenizer_config.json",
+    ):
         train(experiment, tmp_path / "new", devices=jax.devices()[:1], init_from=partial)
     assert not (tmp_path / "new" / "checkpoints").exists()
     legacy = tmp_path / ".hf.partial-k3j5x9q1"  # of an earlier version: no writer recorded
@@ -373,12 +470,15 @@ def test_an_export_is_renamed_into_place_only_when_complete(run, tmp_path, capsy
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("n_head", "4", "n_head='4' (not int)"),
-    ("gated", "false", "gated='false' (not bool)"),
-    ("rope_theta", None, "rope_theta=None (not float)"),
-    ("mlra_jax", {"step": "two"}, "mlra_jax.step is 'two', not a step number"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("n_head", "4", "n_head='4' (not int)"),
+        ("gated", "false", "gated='false' (not bool)"),
+        ("rope_theta", None, "rope_theta=None (not float)"),
+        ("mlra_jax", {"step": "two"}, "mlra_jax.step is 'two', not a step number"),
+    ],
+)
 def test_init_from_names_hf_config_fields_of_the_wrong_type(hf_export, tmp_path, field, value, message):
     from mlra_jax.config import ConfigError
     from mlra_jax.model import abstract_model

@@ -3,9 +3,9 @@
 import dataclasses
 
 import pytest
+from mlra_jax.experiments.tiny import tiny_model
 
 from mlra_jax.config import ConfigError, ModelConfig, TrainConfig
-from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.model import init_model
 
 
@@ -55,26 +55,36 @@ def test_missing_and_foreign_fields():
         tiny_model("mqa", group_size=2)
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("n_layer", 0, "n_layer=0 must be a positive integer"),
-    ("compute_dtype", "fp8", "compute_dtype='fp8' is not valid; allowed values: float32, bfloat16, float16"),
-    ("attention_impl", "flash", "attention_impl='flash' is not valid; allowed values: auto, xla, cudnn, splash, pallas"),
-    ("output_init", "xavier", "output_init='xavier' is not valid; allowed values: zero, normal"),
-    ("remat", "some", "remat='some' is not valid"),
-    ("rope_theta", 0.0, "rope_theta=0.0 must be a positive number"),
-    ("rope_theta", float("nan"), "rope_theta=nan must be a positive number"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("n_layer", 0, "n_layer=0 must be a positive integer"),
+        ("compute_dtype", "fp8", "compute_dtype='fp8' is not valid; allowed values: float32, bfloat16, float16"),
+        (
+            "attention_impl",
+            "flash",
+            "attention_impl='flash' is not valid; allowed values: auto, xla, cudnn, splash, pallas",
+        ),
+        ("output_init", "xavier", "output_init='xavier' is not valid; allowed values: zero, normal"),
+        ("remat", "some", "remat='some' is not valid"),
+        ("rope_theta", 0.0, "rope_theta=0.0 must be a positive number"),
+        ("rope_theta", float("nan"), "rope_theta=nan must be a positive number"),
+    ],
+)
 def test_scalar_fields(field, value, message):
     with pytest.raises(ConfigError, match=message):
         dataclasses.replace(tiny_model("mha"), **{field: value})
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("peak_lr", float("inf"), "peak_lr=inf must be a positive number"),
-    ("eps", 0.0, "eps=0.0 must be positive"),
-    ("eps", -1e-8, "eps=-1e-08 must be positive"),
-    ("weight_decay", -0.1, "weight_decay=-0.1 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("peak_lr", float("inf"), "peak_lr=inf must be a positive number"),
+        ("eps", 0.0, "eps=0.0 must be positive"),
+        ("eps", -1e-8, "eps=-1e-08 must be positive"),
+        ("weight_decay", -0.1, "weight_decay=-0.1 must be >= 0"),
+    ],
+)
 def test_optimizer_fields_must_be_finite_and_in_range(field, value, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**{field: value})

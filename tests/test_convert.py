@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from helpers import first_batch_loss, losses, micro_experiment  # noqa: E402
+
 from mlra_jax import convert, generate  # noqa: E402
 from mlra_jax.generate import load_model  # noqa: E402
 from mlra_jax.interop import reference_shapes  # noqa: E402
@@ -21,16 +22,25 @@ from mlra_jax.model import abstract_model  # noqa: E402
 from mlra_jax.params import flat_params  # noqa: E402
 from mlra_jax.training.loop import train  # noqa: E402
 
-SMALL = ("--model.n_layer=2", "--train.total_steps=2", "--train.warmup_steps=1", "--train.eval_every=0",
-         "--checkpoint.every=2")
+pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
+
+SMALL = (
+    "--model.n_layer=2",
+    "--train.total_steps=2",
+    "--train.warmup_steps=1",
+    "--train.eval_every=0",
+    "--checkpoint.every=2",
+)
 
 
 def random_run(run_dir: Path, variant: str, *overrides: str):
     """A run directory whose weights are random everywhere (no zero-initialized projection hides a transpose)."""
     experiment = micro_experiment(f"{variant}_tiny", *SMALL, *overrides)
     rng = np.random.default_rng(0)
-    flat = {k: rng.normal(0, 0.05, v.shape).astype(np.float32)
-            for k, v in flat_params(abstract_model(experiment.model)).items()}
+    flat = {
+        k: rng.normal(0, 0.05, v.shape).astype(np.float32)
+        for k, v in flat_params(abstract_model(experiment.model)).items()
+    }
     convert.write_run(run_dir, experiment, flat, "test")
     return experiment
 
@@ -51,8 +61,19 @@ def no_output(out: Path) -> bool:
     return not out.exists() and not list(out.parent.glob(f".{out.name}.partial-*"))
 
 
-CASES = [("mha", ()), ("gqa", ()), ("mqa", ()), ("mla", ()), ("mlra4", ()), ("tpa", ()), ("mfa", ()), ("gta", ()),
-         ("gla2", ()), ("mlra2", ("--model.gated=true",)), ("mla", ("--model.latent_scale=false",))]
+CASES = [
+    ("mha", ()),
+    ("gqa", ()),
+    ("mqa", ()),
+    ("mla", ()),
+    ("mlra4", ()),
+    ("tpa", ()),
+    ("mfa", ()),
+    ("gta", ()),
+    ("gla2", ()),
+    ("mlra2", ("--model.gated=true",)),
+    ("mla", ("--model.latent_scale=false",)),
+]
 
 
 @pytest.mark.parametrize("variant,options", CASES, ids=[v + "".join(o).replace("--model.", "-") for v, o in CASES])
@@ -82,20 +103,32 @@ def test_file_sources_and_detection_by_tensor_names(tmp_path):
     config = json.loads((tmp_path / "ref" / "config.json").read_text())
     plain = {k: v for k, v in config.items() if k not in ("reference_model", "mlra_jax")}  # as the released files
     (tmp_path / "ref" / "config.json").write_text(json.dumps(plain))
-    assert convert.main(["from-reference", "--src", str(tmp_path / "ref" / "pytorch_model.bin"),
-                         "--out", str(tmp_path / "from_bin")]) == 0
+    assert (
+        convert.main(
+            [
+                "from-reference",
+                "--src",
+                str(tmp_path / "ref" / "pytorch_model.bin"),
+                "--out",
+                str(tmp_path / "from_bin"),
+            ]
+        )
+        == 0
+    )
     assert_same_params(expected, params_of(tmp_path / "from_bin"))
 
     (tmp_path / "st").mkdir()
     state_dict = torch.load(tmp_path / "ref" / "pytorch_model.bin", weights_only=True)
-    save_file({k: v.to(torch.bfloat16) for k, v in state_dict.items() if k != "lm_head.weight"},
-              tmp_path / "st" / "model.safetensors")
+    save_file(
+        {k: v.to(torch.bfloat16) for k, v in state_dict.items() if k != "lm_head.weight"},
+        tmp_path / "st" / "model.safetensors",
+    )
     (tmp_path / "st" / "config.json").write_text(json.dumps(plain))
     assert convert.main(["from-reference", "--src", str(tmp_path / "st"), "--out", str(tmp_path / "from_st")]) == 0
     widened = params_of(tmp_path / "from_st")
     assert json.loads((tmp_path / "from_st" / "experiment.json").read_text())["model"]["variant"] == "mlra2"
     for k, v in expected.items():  # bfloat16 on disk: exact up to bf16 rounding
-        np.testing.assert_allclose(widened[k], v, rtol=2 ** -8, atol=0, err_msg=k)
+        np.testing.assert_allclose(widened[k], v, rtol=2**-8, atol=0, err_msg=k)
 
 
 def test_variant_asked_only_when_the_names_cannot_tell(tmp_path, capsys):
@@ -106,8 +139,12 @@ def test_variant_asked_only_when_the_names_cannot_tell(tmp_path, capsys):
     (tmp_path / "ref" / "config.json").write_text(json.dumps(dict(config, group_size=1)))  # MHA or GQA of groups of 1
     assert convert.main(["from-reference", "--src", str(tmp_path / "ref"), "--out", str(tmp_path / "a")]) == 2
     assert "pass --variant" in capsys.readouterr().err and no_output(tmp_path / "a")
-    assert convert.main(["from-reference", "--src", str(tmp_path / "ref"), "--variant", "mha",
-                         "--out", str(tmp_path / "b")]) == 0
+    assert (
+        convert.main(
+            ["from-reference", "--src", str(tmp_path / "ref"), "--variant", "mha", "--out", str(tmp_path / "b")]
+        )
+        == 0
+    )
     assert_same_params(params_of(tmp_path / "run"), params_of(tmp_path / "b"))
 
 
@@ -116,8 +153,12 @@ def exported(tmp_path_factory):
     """A run exported in shards of at most 300 kB, and imported back."""
     root = tmp_path_factory.mktemp("exported")
     experiment = random_run(root / "run", "mlra4")
-    assert convert.main(["to-reference", "--checkpoint", str(root / "run"), "--out", str(root / "ref"),
-                         "--shard_size", "300KB"]) == 0
+    assert (
+        convert.main(
+            ["to-reference", "--checkpoint", str(root / "run"), "--out", str(root / "ref"), "--shard_size", "300KB"]
+        )
+        == 0
+    )
     assert convert.main(["from-reference", "--src", str(root / "ref"), "--out", str(root / "back")]) == 0
     return experiment, root
 
@@ -133,8 +174,9 @@ def test_sharded_layout_imports_and_generates(exported, capsys):
     assert index["weight_map"]["lm_head.weight"] == index["weight_map"]["transformer.wte.weight"]
     assert_same_params(params_of(root / "run"), params_of(root / "back"))
     capsys.readouterr()
-    assert generate.main(["--checkpoint", str(root / "back"), "--prompt", "The", "--max_new_tokens", "3",
-                          "--json"]) == 0
+    assert (
+        generate.main(["--checkpoint", str(root / "back"), "--prompt", "The", "--max_new_tokens", "3", "--json"]) == 0
+    )
     record = json.loads(capsys.readouterr().out)
     assert record["step"] == 0 and len(record["tokens"]) >= 2
 
@@ -190,17 +232,22 @@ def _damaged(kind: str, root: Path, tmp: Path) -> list[str]:
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["wrong_variant", "missing_shard", "truncated", "unsafe_pickle",
-                                  "to_reference_no_run"])
+@pytest.mark.parametrize(
+    "kind", ["wrong_variant", "missing_shard", "truncated", "unsafe_pickle", "to_reference_no_run"]
+)
 def test_errors_exit_2_and_write_nothing(exported, tmp_path, kind, capsys):
     _, root = exported
     out = tmp_path / "out"
     assert convert.main([*_damaged(kind, root, tmp_path), "--out", str(out)]) == 2
     message = capsys.readouterr().err
     assert message.startswith("error: ") and no_output(out)
-    words = {"wrong_variant": "--variant mha does not fit", "missing_shard": "lacks 1 of the",
-             "truncated": "truncated or damaged", "unsafe_pickle": "weights_only=True",
-             "to_reference_no_run": "not a run directory"}
+    words = {
+        "wrong_variant": "--variant mha does not fit",
+        "missing_shard": "lacks 1 of the",
+        "truncated": "truncated or damaged",
+        "unsafe_pickle": "weights_only=True",
+        "to_reference_no_run": "not a run directory",
+    }
     assert words[kind] in message
 
 

@@ -15,10 +15,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import first_batch_loss, losses, micro_experiment  # noqa: E402
+from mlra_jax.experiments.tiny import tiny_model  # noqa: E402
+
 from mlra_jax import convert  # noqa: E402
 from mlra_jax.data.tokenizer import gpt2_tokenizer  # noqa: E402
 from mlra_jax.decode.generator import Generator, Sampling  # noqa: E402
-from mlra_jax.experiments.tiny import tiny_model  # noqa: E402
 from mlra_jax.interop import model_state_dict  # noqa: E402
 from mlra_jax.interop.files import parse_size  # noqa: E402
 from mlra_jax.interop.hf_folder import hf_fields, write_hf_folder  # noqa: E402
@@ -26,10 +27,25 @@ from mlra_jax.model import abstract_model  # noqa: E402
 from mlra_jax.params import flat_params, set_flat_params  # noqa: E402
 from mlra_jax.training.loop import train  # noqa: E402
 
+pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
+
 # every variant, the gate under both of its names (c_gated in the GQA family, gated_proj elsewhere), no-scale
-CASES = [("mha", {}), ("mqa", {}), ("gqa", {}), ("mla", {}), ("mfa", {}), ("tpa", {}), ("gla2", {}), ("gla4", {}),
-         ("gta", {}), ("mlra2", {}), ("mlra4", {}), ("gqa", {"gated": True}), ("mlra4", {"gated": True}),
-         ("mlra2", {"latent_scale": False})]
+CASES = [
+    ("mha", {}),
+    ("mqa", {}),
+    ("gqa", {}),
+    ("mla", {}),
+    ("mfa", {}),
+    ("tpa", {}),
+    ("gla2", {}),
+    ("gla4", {}),
+    ("gta", {}),
+    ("mlra2", {}),
+    ("mlra4", {}),
+    ("gqa", {"gated": True}),
+    ("mlra4", {"gated": True}),
+    ("mlra2", {"latent_scale": False}),
+]
 IDS = [v + "".join(f"-{k}={x}" for k, x in o.items()) for v, o in CASES]
 VOCAB = 512
 PROMPTS = [[5, 17, 300, 42, 7, 11], [9, 100, 3]]  # different lengths: left padding
@@ -64,8 +80,10 @@ def test_config_and_logits_equal_the_jax_model(exported):
     model, hf, folder = exported
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "mlra" and config["architectures"] == ["MLRAForCausalLM"]
-    assert config["auto_map"] == {"AutoConfig": "configuration_mlra.MLRAConfig",
-                                  "AutoModelForCausalLM": "modeling_mlra.MLRAForCausalLM"}
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_mlra.MLRAConfig",
+        "AutoModelForCausalLM": "modeling_mlra.MLRAForCausalLM",
+    }
     assert {k: config[k] for k in hf_fields(model.config)} == hf_fields(model.config)  # every field, defaults too
     assert hf.dtype == torch.float32
     bare = type(hf.config)()  # transformers builds one to diff against (logging a loaded config does)
@@ -86,8 +104,14 @@ def test_greedy_generate_with_a_cache_equals_our_generator(exported):
     ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
     with torch.no_grad():
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                          pad_token_id=0, return_dict_in_generate=True)
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+        )
     cache = out["cache"] if "cache" in out else out["past_key_values"]  # the name from transformers 5.24, before
     assert isinstance(cache, transformers.DynamicCache)
     assert cache.get_seq_length() == width + NEW_TOKENS - 1
@@ -102,7 +126,7 @@ def test_cached_steps_give_the_full_forward_logits(exported):
         full = hf(tokens, use_cache=False).logits
         cache = transformers.DynamicCache(config=hf.config)
         steps = [hf(tokens[:, :5], past_key_values=cache, use_cache=True).logits]  # the name before 5.24
-        steps += [hf(tokens[:, i:i + 1], cache=cache, use_cache=True).logits for i in range(5, 9)]
+        steps += [hf(tokens[:, i : i + 1], cache=cache, use_cache=True).logits for i in range(5, 9)]
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="not both"):
         hf(tokens[:, :1], cache=cache, past_key_values=cache)
@@ -112,8 +136,9 @@ def test_cached_steps_give_the_full_forward_logits(exported):
 def one_folder(tmp_path_factory):
     """An MLRA-4 run of the micro experiment (GPT-2's vocabulary) and its default export."""
     root = tmp_path_factory.mktemp("hf_one")
-    experiment = micro_experiment("mlra4_tiny", "--model.n_layer=2", "--train.total_steps=1",
-                                  "--train.warmup_steps=0", "--train.eval_every=0")
+    experiment = micro_experiment(
+        "mlra4_tiny", "--model.n_layer=2", "--train.total_steps=1", "--train.warmup_steps=0", "--train.eval_every=0"
+    )
     convert.write_run(root / "run", experiment, random_params(experiment.model), "test")
     assert convert.main(["to-hf", "--checkpoint", str(root / "run"), "--out", str(root / "hf")]) == 0
     return experiment, root
@@ -124,9 +149,16 @@ def test_tokenizer_encodes_as_ours(one_folder):
     assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in (root / "hf").iterdir()}
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(root / "hf"))
     ours = gpt2_tokenizer()
-    texts = ["Hello world", "  leading and trailing  ", "line\n\nbreaks\r\n x", "numbers 12345 3.14159",
-             "unicode: héllo 世界 🙂", "it's we'll they've I'M", "tabs\tand  \t spaces   \n",
-             "def f(x):\n    return x"]
+    texts = [
+        "Hello world",
+        "  leading and trailing  ",
+        "line\n\nbreaks\r\n x",
+        "numbers 12345 3.14159",
+        "unicode: héllo 世界 🙂",
+        "it's we'll they've I'M",
+        "tabs\tand  \t spaces   \n",
+        "def f(x):\n    return x",
+    ]
     for text in texts:
         ids = tokenizer(text)["input_ids"]
         assert ids == ours.encode_ordinary(text), text
@@ -141,8 +173,9 @@ def test_new_models_initialize_as_the_reference(one_folder):
     _, root = one_folder
     config = transformers.AutoConfig.from_pretrained(str(root / "hf"), trust_remote_code=True)
     latent = {"q_lora_rank": None, "kv_lora_rank": None, "qk_nope_head_dim": None, "qk_rope_head_dim": None}
-    tpa = transformers.AutoConfig.from_pretrained(str(root / "hf"), trust_remote_code=True, variant="tpa",
-                                                  head_dim=32, tpa_rank=2, tpa_q_rank=4, **latent)
+    tpa = transformers.AutoConfig.from_pretrained(
+        str(root / "hf"), trust_remote_code=True, variant="tpa", head_dim=32, tpa_rank=2, tpa_q_rank=4, **latent
+    )
     torch.manual_seed(0)
     for cfg in (config, tpa):
         weights = transformers.AutoModelForCausalLM.from_config(cfg, trust_remote_code=True).state_dict()
@@ -158,8 +191,12 @@ def test_new_models_initialize_as_the_reference(one_folder):
 def test_sharded_bfloat16_export_loads(one_folder, tmp_path):
     experiment, root = one_folder
     out = tmp_path / "sharded"
-    assert convert.main(["to-hf", "--checkpoint", str(root / "run"), "--out", str(out), "--dtype", "bf16",
-                         "--shard_size", "1MB"]) == 0
+    assert (
+        convert.main(
+            ["to-hf", "--checkpoint", str(root / "run"), "--out", str(out), "--dtype", "bf16", "--shard_size", "1MB"]
+        )
+        == 0
+    )
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and not (out / "model.safetensors").exists()
@@ -208,8 +245,12 @@ def test_errors_exit_2_and_write_nothing(one_folder, tmp_path, capsys, kind):
     else:
         assert convert.main(args) == 2
         message = capsys.readouterr().err
-        assert {"no_run": "is not a run directory", "existing_out": "exists; choose another --out",
-                "bad_shard_size": "--shard_size", "bad_push": "is not a Hub repository id"}[kind] in message
+        assert {
+            "no_run": "is not a run directory",
+            "existing_out": "exists; choose another --out",
+            "bad_shard_size": "--shard_size",
+            "bad_push": "is not a Hub repository id",
+        }[kind] in message
     if kind == "existing_out":
         assert list(out.iterdir()) == []
     else:

@@ -5,8 +5,8 @@ import json
 
 import numpy as np
 import pytest
-
 from helpers import micro_experiment
+
 from mlra_jax.config import DataConfig
 from mlra_jax.data.builtin import builtin_shards
 from mlra_jax.data.pipeline import TokenWindows, train_dataset, train_iterator, validation_batches
@@ -63,9 +63,21 @@ def test_token_ids_beyond_vocab_stop_training(tmp_path, capsys):
     tokens[1234::16] = 50400  # in every window: the first batch already fails
     write_shard(tmp_path / "d_train_000001.bin", tokens)
     write_shard(tmp_path / "d_val_000000.bin", np.arange(4000) % 1000)
-    assert train_main(["--experiment=mlra4_tiny", f"--workdir={tmp_path / 'run'}", f"--data.dataset={tmp_path}",
-                       "--train.seq_len=32", "--train.global_batch_size=8", "--train.total_steps=20", "--train.warmup_steps=2",
-                       "--train.eval_every=0"]) == 2
+    assert (
+        train_main(
+            [
+                "--experiment=mlra4_tiny",
+                f"--workdir={tmp_path / 'run'}",
+                f"--data.dataset={tmp_path}",
+                "--train.seq_len=32",
+                "--train.global_batch_size=8",
+                "--train.total_steps=20",
+                "--train.warmup_steps=2",
+                "--train.eval_every=0",
+            ]
+        )
+        == 2
+    )
     error = capsys.readouterr().err
     assert "d_train_000001.bin: token id 50400 at position" in error and "is >= the model's vocab_size 50304" in error
     position = int(error.split("at position ")[1].split()[0])
@@ -106,13 +118,30 @@ def test_prepare_from_txt_jsonl_and_parquet(tmp_path):
         f.write(json.dumps({"body": "second doc"}) + "\n" + json.dumps({"body": "third"}) + "\n")
     pq.write_table(pa.table({"body": ["fourth", "fifth"]}), source / "c.parquet")
     # a .txt file is one document; the others read --text_field
-    assert prepare_main(["--input", str(source), "--output", str(tmp_path / "out"), "--prefix", "t",
-                         "--val_documents", "1", "--text_field", "body"]) == 0
+    assert (
+        prepare_main(
+            [
+                "--input",
+                str(source),
+                "--output",
+                str(tmp_path / "out"),
+                "--prefix",
+                "t",
+                "--val_documents",
+                "1",
+                "--text_field",
+                "body",
+            ]
+        )
+        == 0
+    )
     val, train = open_shard(tmp_path / "out" / "t_val_000000.bin"), open_shard(tmp_path / "out" / "t_train_000001.bin")
     tokenizer = gpt2_tokenizer()
     assert val.tolist() == [EOT, 15496, 995]
-    assert tokenizer.decode(train.tolist()) == "<|endoftext|>second doc<|endoftext|>third<|endoftext|>fourth" \
-                                               "<|endoftext|>fifth"
+    assert (
+        tokenizer.decode(train.tolist()) == "<|endoftext|>second doc<|endoftext|>third<|endoftext|>fourth"
+        "<|endoftext|>fifth"
+    )
 
 
 def test_prepare_errors(tmp_path, capsys):
@@ -124,8 +153,21 @@ def test_prepare_errors(tmp_path, capsys):
 
 def test_prepare_splits_long_streams_into_shards(tmp_path):
     (tmp_path / "big.txt").write_text("word " * 3000)
-    assert prepare_main(["--input", str(tmp_path / "big.txt"), "--output", str(tmp_path / "o"), "--val_documents",
-                         "0", "--shard_tokens", "1000"]) == 0
+    assert (
+        prepare_main(
+            [
+                "--input",
+                str(tmp_path / "big.txt"),
+                "--output",
+                str(tmp_path / "o"),
+                "--val_documents",
+                "0",
+                "--shard_tokens",
+                "1000",
+            ]
+        )
+        == 0
+    )
     shards = sorted((tmp_path / "o").glob("data_train_*.bin"))
     sizes = [open_shard(p).size for p in shards]
     expected = 1 + len(gpt2_tokenizer().encode_ordinary("word " * 3000))

@@ -46,6 +46,7 @@ def limited_input(monkeypatch):
 
         monkeypatch.setattr(prepare_module, "iter_documents", documents)
         return read
+
     return install
 
 
@@ -68,8 +69,21 @@ def test_max_tokens_reads_in_batches_far_from_the_limit(tmp_path, limited_input,
         return real(tokenizer, texts)
 
     monkeypatch.setattr(prepare_module, "encode_documents", counted)
-    assert prepare_main(["--input", "hf:unused", "--output", str(tmp_path / "out"), "--val_documents", "100",
-                         "--max_tokens", "12e3"]) == 0
+    assert (
+        prepare_main(
+            [
+                "--input",
+                "hf:unused",
+                "--output",
+                str(tmp_path / "out"),
+                "--val_documents",
+                "100",
+                "--max_tokens",
+                "12e3",
+            ]
+        )
+        == 0
+    )
     assert len(read) == 2400 and len(calls) < 25 and max(calls) == 1024  # not one document at a time
     record = marker(tmp_path / "out")
     assert record["documents"] == {"val": 100, "train": 2300} and record["tokens"] == {"val": 500, "train": 11_500}
@@ -84,11 +98,14 @@ def test_skip_every_and_max_tokens_on_local_files(tmp_path):
     assert (record["skip_documents"], record["every"], record["split"]) == (1, 3, None)
 
 
-@pytest.mark.parametrize("options, message", [
-    (["--every", "0"], "argument --every: '0' is not a whole number >= 1"),
-    (["--max_tokens", "1.5"], "'1.5' is not a whole number"),
-    (["--skip_documents", "-1"], "'-1' is not a whole number >= 0"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--every", "0"], "argument --every: '0' is not a whole number >= 1"),
+        (["--max_tokens", "1.5"], "'1.5' is not a whole number"),
+        (["--skip_documents", "-1"], "'-1' is not a whole number >= 0"),
+    ],
+)
 def test_option_errors(tmp_path, capsys, options, message):
     (tmp_path / "a.txt").write_text("text")
     with pytest.raises(SystemExit) as exit_:
@@ -104,15 +121,36 @@ def saved_dataset(tmp_path):
     """A DatasetDict saved with save_to_disk: the local form of an hf: dataset."""
     datasets = pytest.importorskip("datasets")  # in the test extra
     splits = {"train": [f"training text {i}" for i in range(8)], "validation": [f"held out {i}" for i in range(6)]}
-    datasets.DatasetDict({name: datasets.Dataset.from_dict({"text": texts, "id": list(range(len(texts)))})
-                          for name, texts in splits.items()}).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict(
+        {
+            name: datasets.Dataset.from_dict({"text": texts, "id": list(range(len(texts)))})
+            for name, texts in splits.items()
+        }
+    ).save_to_disk(str(tmp_path / "saved"))
     return tmp_path / "saved", splits
 
 
 def test_hf_saved_folder_with_split_and_sample(tmp_path, saved_dataset):
     folder, splits = saved_dataset
-    assert prepare_main(["--input", f"hf:{folder}", "--output", str(tmp_path / "out"), "--val_documents", "1",
-                         "--split", "validation", "--skip_documents", "1", "--every", "2"]) == 0
+    assert (
+        prepare_main(
+            [
+                "--input",
+                f"hf:{folder}",
+                "--output",
+                str(tmp_path / "out"),
+                "--val_documents",
+                "1",
+                "--split",
+                "validation",
+                "--skip_documents",
+                "1",
+                "--every",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert shards(tmp_path / "out", "val") == stream(["held out 1"])
     assert shards(tmp_path / "out") == stream(["held out 3", "held out 5"])
     record = marker(tmp_path / "out")
@@ -128,8 +166,10 @@ def test_hf_folder_of_data_files_is_streamed(tmp_path):
     (tmp_path / "corpus").mkdir()
     texts = [f"line {i}" for i in range(6)]
     (tmp_path / "corpus" / "part.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
-    assert run(f"hf:{tmp_path / 'corpus'}", tmp_path / "out", "--text_field", "body", "--every", "2",
-               "--max_tokens", "5") == 0
+    assert (
+        run(f"hf:{tmp_path / 'corpus'}", tmp_path / "out", "--text_field", "body", "--every", "2", "--max_tokens", "5")
+        == 0
+    )
     assert shards(tmp_path / "out") == stream(texts[::2])[:5]
 
 
@@ -153,8 +193,19 @@ def test_tfds_mock_data_with_config_split_and_sample(tmp_path, capsys):
     tfds = pytest.importorskip("tensorflow_datasets")  # the data extra; no TensorFlow needed (array record)
     with tfds.testing.mock_data(num_examples=7):
         texts = [record["text"] for record in tfds.data_source("imdb_reviews/plain_text", split="test")]
-        assert run("tfds:imdb_reviews:plain_text", tmp_path / "out", "--split", "test", "--skip_documents", "2",
-                   "--every", "2") == 0
+        assert (
+            run(
+                "tfds:imdb_reviews:plain_text",
+                tmp_path / "out",
+                "--split",
+                "test",
+                "--skip_documents",
+                "2",
+                "--every",
+                "2",
+            )
+            == 0
+        )
         assert run("tfds:imdb_reviews", tmp_path / "cut", "--split", "test", "--max_tokens", "9") == 0
         assert run("tfds:imdb_reviews", tmp_path / "bad", "--split", "test", "--text_field", "review") == 2
     assert len(texts) == 7 and all(isinstance(t, str) for t in texts)

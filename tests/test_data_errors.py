@@ -8,8 +8,8 @@ import re
 
 import numpy as np
 import pytest
-
 from helpers import MICRO
+
 from mlra_jax.data import prepare as prepare_module
 from mlra_jax.data.prepare import main as prepare_main
 from mlra_jax.data.shards import DataError, find_shards, open_shard, write_shard
@@ -18,8 +18,9 @@ from mlra_jax.train import main as train_main
 
 def prepared(tmp_path, text="one two three", *extra):
     (tmp_path / "in.txt").write_text(text)
-    return prepare_main(["--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "out"), "--val_documents",
-                         "0", *extra])
+    return prepare_main(
+        ["--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "out"), "--val_documents", "0", *extra]
+    )
 
 
 def test_prepare_records_a_marker_and_refuses_a_used_folder_without_overwrite(tmp_path, capsys):
@@ -67,16 +68,27 @@ def test_shards_not_listed_in_the_marker_are_not_mixed_in(tmp_path):
         find_shards(tmp_path / "out", "*_train_*.bin")
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("bad.txt", b"caf\xe9 au lait", r"bad.txt: not UTF-8 text \(byte 3: invalid continuation byte\); convert it"),
-    ("blob.txt", b"\x7fELF\x00\x01\x02", "blob.txt: holds NUL bytes, so it is binary"),
-    ("docs.jsonl", b'{"text": "ok"}\n{"text": "broken\n', r"docs.jsonl:2: not valid JSON \(Invalid control character at, column 17\)"),
-    ("docs.jsonl", b'{"text": "ok"}\n\n["a list"]\n', r"docs.jsonl:3: a JSON list, not an object"),
-    ("docs.jsonl", b'{"text": 7}\n', r"docs.jsonl:1: field 'text' is a int, not text"),
-    ("docs.jsonl", b'{"text": "ok"}\n{"text": "\xff"}\n', r"docs.jsonl:2: not UTF-8"),
-    ("docs.jsonl.gz", b"not gzip at all", "docs.jsonl.gz: not a complete gzip file"),
-    ("cut.jsonl.gz", gzip.compress(b"{\"text\": \"a long enough document\"}\n" * 50, mtime=0)[:40], "not a complete gzip file"),
-])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("bad.txt", b"caf\xe9 au lait", r"bad.txt: not UTF-8 text \(byte 3: invalid continuation byte\); convert it"),
+        ("blob.txt", b"\x7fELF\x00\x01\x02", "blob.txt: holds NUL bytes, so it is binary"),
+        (
+            "docs.jsonl",
+            b'{"text": "ok"}\n{"text": "broken\n',
+            r"docs.jsonl:2: not valid JSON \(Invalid control character at, column 17\)",
+        ),
+        ("docs.jsonl", b'{"text": "ok"}\n\n["a list"]\n', r"docs.jsonl:3: a JSON list, not an object"),
+        ("docs.jsonl", b'{"text": 7}\n', r"docs.jsonl:1: field 'text' is a int, not text"),
+        ("docs.jsonl", b'{"text": "ok"}\n{"text": "\xff"}\n', r"docs.jsonl:2: not UTF-8"),
+        ("docs.jsonl.gz", b"not gzip at all", "docs.jsonl.gz: not a complete gzip file"),
+        (
+            "cut.jsonl.gz",
+            gzip.compress(b'{"text": "a long enough document"}\n' * 50, mtime=0)[:40],
+            "not a complete gzip file",
+        ),
+    ],
+)
 def test_prepare_names_the_file_and_line_of_bad_input(tmp_path, capsys, name, content, message):
     (tmp_path / name).write_bytes(content)
     assert prepare_main(["--input", str(tmp_path / name), "--output", str(tmp_path / "out")]) == 2
@@ -122,8 +134,9 @@ def test_a_full_disk_during_training_is_one_clear_line(tmp_path, monkeypatch, ca
             raise RuntimeError("the async writer failed") from err  # as libraries wrap it
 
     monkeypatch.setattr(checkpoint.Checkpointer, "save", full)
-    code = train_main(["--experiment=mlra4_tiny", f"--workdir={tmp_path}", *MICRO, "--train.total_steps=4",
-                       "--train.eval_every=0"])
+    code = train_main(
+        ["--experiment=mlra4_tiny", f"--workdir={tmp_path}", *MICRO, "--train.total_steps=4", "--train.eval_every=0"]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert "no space left on the device while writing" in err and "checkpoints/4" in err

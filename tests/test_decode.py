@@ -7,17 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from helpers import micro_experiment
-from mlra_jax.decode.generator import GenerationError, Generator, Sampling, sample
 from mlra_jax.experiments.paper_tables import TABLE_VARIANTS, analysis_config
 from mlra_jax.experiments.tiny import tiny_model
+from test_info import TABLE1
+
+from mlra_jax.decode.generator import GenerationError, Generator, Sampling, sample
 from mlra_jax.generate import main as generate_main
 from mlra_jax.kv_cache import init_cache
 from mlra_jax.model import init_model
 from mlra_jax.training.loop import train
 from mlra_jax.variants import LATENT_VARIANTS, VARIANTS
-from test_info import TABLE1
 
 
 def small(variant):
@@ -33,7 +33,7 @@ def test_token_by_token_equals_full_forward(variant):
     logits, state = generator.prefill(np.asarray(tokens[:, :1]).tolist())
     outputs = [logits]
     for i in range(1, 9):
-        logits, state = generator.step(tokens[:, i:i + 1], state)
+        logits, state = generator.step(tokens[:, i : i + 1], state)
         outputs.append(logits)
     np.testing.assert_allclose(np.asarray(jnp.concatenate(outputs, axis=1)), full, atol=2e-5)
     assert int(state.index) == 9 and state.lengths.tolist() == [9, 9]
@@ -47,9 +47,9 @@ def test_left_padded_batch_equals_each_sequence_alone(variant):
     follow = rng.integers(0, 128, (3, 3))
     generator = Generator(model, max_len=12)
     logits, state = generator.prefill(prompts)
-    batch_steps = [np.asarray(generator.step(jnp.asarray(follow[:, i:i + 1]), state)[0]) for i in range(1)]
+    batch_steps = [np.asarray(generator.step(jnp.asarray(follow[:, i : i + 1]), state)[0]) for i in range(1)]
     for i in range(3):
-        step_logits, state = generator.step(jnp.asarray(follow[:, i:i + 1]), state)
+        step_logits, state = generator.step(jnp.asarray(follow[:, i : i + 1]), state)
         batch_steps.append(np.asarray(step_logits))
     for row, prompt in enumerate(prompts):
         alone = np.asarray(model(jnp.asarray([prompt + follow[row].tolist()])))[0]
@@ -65,7 +65,7 @@ def shapes_in(jaxpr):
         for var in eqn.outvars:
             yield tuple(getattr(var.aval, "shape", ()))
         for param in eqn.params.values():
-            for sub in (param if isinstance(param, (list, tuple)) else [param]):
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
                     yield from shapes_in(inner)
@@ -80,7 +80,8 @@ def test_absorbed_decode_never_builds_per_head_keys_or_values(variant):
 
     def per_head_kv(absorbed):
         jaxpr = jax.make_jaxpr(lambda p, t, s: nnx.merge(graphdef, p).forward_cached(t, s, absorbed))(
-            params, jnp.zeros((2, 1), jnp.int32), state).jaxpr
+            params, jnp.zeros((2, 1), jnp.int32), state
+        ).jaxpr
         return [s for s in shapes_in(jaxpr) if 56 in s and 40 in s]
 
     assert per_head_kv(absorbed=True) == []
@@ -115,9 +116,12 @@ def test_generation_stops_at_eos_and_errors():
     first_seen = [i for i, token in enumerate(greedy) if token not in greedy[:i]]
     k = first_seen[-1]  # the latest position whose token appears there first
     stopped = generator.generate([[1, 2, 3]], Sampling(max_new_tokens=5, eos_id=greedy[k]))[0]
-    assert stopped == greedy[:k + 1]
-    with pytest.raises(GenerationError, match=r"longest prompt \(12 tokens\) plus max_new_tokens=5 exceeds the "
-                                              r"cache length max_len=16"):
+    assert stopped == greedy[: k + 1]
+    with pytest.raises(
+        GenerationError,
+        match=r"longest prompt \(12 tokens\) plus max_new_tokens=5 exceeds the "
+        r"cache length max_len=16",
+    ):
         generator.generate([list(range(12))], Sampling(max_new_tokens=5))
     with pytest.raises(GenerationError, match="prompt 1 is empty"):
         generator.generate([[1], []], Sampling())
@@ -125,11 +129,26 @@ def test_generation_stops_at_eos_and_errors():
         generator.generate([[1, 128]], Sampling())
 
 
+@pytest.mark.slow
 def test_generate_command_from_a_training_run(tmp_path, capsys):
     experiment = micro_experiment("mlra4_tiny", "--train.total_steps=4", "--train.eval_every=0")
     train(experiment, tmp_path, devices=jax.devices()[:1])
-    assert generate_main(["--checkpoint", str(tmp_path), "--prompt", "Hello", "--prompt", "A longer prompt here",
-                          "--max_new_tokens", "4", "--json"]) == 0
+    assert (
+        generate_main(
+            [
+                "--checkpoint",
+                str(tmp_path),
+                "--prompt",
+                "Hello",
+                "--prompt",
+                "A longer prompt here",
+                "--max_new_tokens",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["prompt"] for r in records] == ["Hello", "A longer prompt here"]
     assert all(r["step"] == 4 and 1 <= len(r["tokens"]) <= 4 for r in records)

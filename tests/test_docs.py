@@ -40,7 +40,9 @@ def test_readme_fits_one_screen():
 
 def test_readme_states_current_facts():
     text = README.read_text()
-    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), "a date in README.md: history goes in experiments/results/LOG.md"
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), (
+        "a date in README.md: history goes in experiments/results/LOG.md"
+    )
     for word in ("was ", "earlier", "tried", "issue"):
         assert not re.search(rf"\b{word}", text, re.IGNORECASE), f"history word {word.strip()!r} in README.md"
 
@@ -66,10 +68,21 @@ def test_configuration_page_lists_every_field():
 
     generator = _config_reference_module()
     page = generator.config_reference()
-    classes = [obj for obj in vars(config).values() if isinstance(obj, type) and dataclasses.is_dataclass(obj)
-               and obj.__module__ == config.__name__]
-    assert {cls.__name__ for cls in classes} >= {"ModelConfig", "TrainConfig", "DataConfig", "MeshConfig",
-                                                  "CheckpointConfig", "MetricsConfig", "ProfileConfig", "Experiment"}
+    classes = [
+        obj
+        for obj in vars(config).values()
+        if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == config.__name__
+    ]
+    assert {cls.__name__ for cls in classes} >= {
+        "ModelConfig",
+        "TrainConfig",
+        "DataConfig",
+        "MeshConfig",
+        "CheckpointConfig",
+        "MetricsConfig",
+        "ProfileConfig",
+        "Experiment",
+    }
     for cls in classes:
         assert cls.__name__ in page, f"no table for {cls.__name__}"
         for field in dataclasses.fields(cls):

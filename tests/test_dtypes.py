@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import GOLDEN_FILES, load_golden
+
 from mlra_jax.interop import load_state_dict
 from mlra_jax.model import init_model
 

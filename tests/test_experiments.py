@@ -6,10 +6,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
-from mlra_jax.config import ConfigError
 from mlra_jax.experiments import all_experiments, experiment_names, get_experiment
 from mlra_jax.experiments.tiny import tiny_model
+
+from mlra_jax.config import ConfigError
 from mlra_jax.interop import convert_from_reference, from_state_dict, reference_shapes, to_state_dict
 from mlra_jax.interop.reference_config import reference_config
 from mlra_jax.model import abstract_model, count_params
@@ -22,9 +22,17 @@ BY_REFERENCE = {e.reference_key: e for e in all_experiments() if e.reference_key
 def test_every_paper_run_is_registered_once():
     assert len(PAPER) == 30
     assert set(BY_REFERENCE) == set(PAPER)
-    assert all(name in experiment_names() for name in ("mlra4_2p9b", "gqa_2p9b", "mla_gated_2p9b",
-                                                      "gqa_normal_init_2p9b", "mla_double_heads_2p9b",
-                                                      "mlra2_no_scale_2p9b"))
+    assert all(
+        name in experiment_names()
+        for name in (
+            "mlra4_2p9b",
+            "gqa_2p9b",
+            "mla_gated_2p9b",
+            "gqa_normal_init_2p9b",
+            "mla_double_heads_2p9b",
+            "mlra2_no_scale_2p9b",
+        )
+    )
 
 
 def test_every_variant_has_a_tiny_run():
@@ -42,12 +50,21 @@ def test_config_params_and_names_match_reference(key):
     assert count_params(abstract_model(cfg)) == spec["num_params"]
     shapes = reference_shapes(cfg)
     assert len(shapes) == spec["num_state_dict_entries"]
-    layer0_and_top = {k: list(v) for k, v in shapes.items() if not k.startswith("transformer.h.") or
-                      k.startswith("transformer.h.0.")}
+    layer0_and_top = {
+        k: list(v) for k, v in shapes.items() if not k.startswith("transformer.h.") or k.startswith("transformer.h.0.")
+    }
     assert layer0_and_top == spec["state_dict_layer0_and_top"]
     train = experiment.train
-    assert (train.peak_lr, train.warmup_steps, train.total_steps, train.global_batch_size, train.seq_len,
-            train.weight_decay, train.grad_clip, train.seed) == (1.6e-4, 2000, 100_000, 480, 2048, 0.1, 1.0, 5000)
+    assert (
+        train.peak_lr,
+        train.warmup_steps,
+        train.total_steps,
+        train.global_batch_size,
+        train.seq_len,
+        train.weight_decay,
+        train.grad_clip,
+        train.seed,
+    ) == (1.6e-4, 2000, 100_000, 480, 2048, 0.1, 1.0, 5000)
 
 
 @pytest.mark.parametrize("key", sorted(PAPER))
@@ -64,8 +81,15 @@ def small_version(cfg):
     heads = {}
     if cfg.n_head == 48:  # the double-heads ablation keeps twice the heads on the same KV cache
         heads = {"n_head": 8} | ({"group_size": 4} if cfg.variant == "gqa" else {})
-    return tiny_model(cfg.variant, n_layer=2, vocab_size=64, gated=cfg.gated, latent_scale=cfg.latent_scale,
-                      output_init=cfg.output_init, **heads)
+    return tiny_model(
+        cfg.variant,
+        n_layer=2,
+        vocab_size=64,
+        gated=cfg.gated,
+        latent_scale=cfg.latent_scale,
+        output_init=cfg.output_init,
+        **heads,
+    )
 
 
 @pytest.mark.parametrize("key", sorted(PAPER))

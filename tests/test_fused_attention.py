@@ -8,25 +8,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import on_gpu
+from mlra_jax.experiments.tiny import tiny_model
 
 from mlra_jax.attention import fused
 from mlra_jax.attention.core import attention
 from mlra_jax.config import MeshConfig
-from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.model import init_model
 from mlra_jax.params import logical_axes
 from mlra_jax.sharding import batch_sharding, make_mesh, tree_shardings
 from mlra_jax.training.step import loss_fn
 from mlra_jax.variants import VARIANTS
-from helpers import on_gpu
 
 
 def qkv(hq, hkv, dk, dv, length=256, batch=2, dtype=jnp.float32, seed=0):
     keys = jax.random.split(jax.random.key(seed), 4)
-    return (jax.random.normal(keys[0], (batch, length, hq, dk), dtype),
-            jax.random.normal(keys[1], (batch, length, hkv, dk), dtype),
-            jax.random.normal(keys[2], (batch, length, hkv, dv), dtype),
-            jax.random.normal(keys[3], (batch, length, hq, dv), dtype))
+    return (
+        jax.random.normal(keys[0], (batch, length, hq, dk), dtype),
+        jax.random.normal(keys[1], (batch, length, hkv, dk), dtype),
+        jax.random.normal(keys[2], (batch, length, hkv, dv), dtype),
+        jax.random.normal(keys[3], (batch, length, hq, dv), dtype),
+    )
 
 
 def value_and_grads(impl, q, k, v, weights):
@@ -41,8 +43,10 @@ def relative_error(got, want):
 
 
 # MHA, GQA, MQA, the latent family's 192/128-like unequal widths (here 48/32), and a 128-position sequence
-@pytest.mark.parametrize("hq,hkv,dk,dv,length", [(4, 4, 32, 32, 256), (4, 2, 64, 64, 256), (4, 1, 32, 32, 256),
-                                                 (6, 6, 48, 32, 256), (2, 2, 32, 32, 128)])
+@pytest.mark.parametrize(
+    "hq,hkv,dk,dv,length",
+    [(4, 4, 32, 32, 256), (4, 2, 64, 64, 256), (4, 1, 32, 32, 256), (6, 6, 48, 32, 256), (2, 2, 32, 32, 128)],
+)
 def test_splash_in_interpret_mode_matches_xla(hq, hkv, dk, dv, length):
     q, k, v, weights = qkv(hq, hkv, dk, dv, length)
     loss, grads = value_and_grads("splash", q, k, v, weights)
@@ -55,8 +59,9 @@ def test_splash_in_interpret_mode_matches_xla(hq, hkv, dk, dv, length):
 def test_auto_on_cpu_is_xla_and_forced_kernels_explain_themselves():
     q, k, v, _ = qkv(4, 2, 32, 32, length=100)
     fused.CHOSEN.clear()
-    np.testing.assert_array_equal(np.asarray(attention(q, k, v, scale=0.2, impl="auto")),
-                                  np.asarray(attention(q, k, v, scale=0.2, impl="xla")))
+    np.testing.assert_array_equal(
+        np.asarray(attention(q, k, v, scale=0.2, impl="auto")), np.asarray(attention(q, k, v, scale=0.2, impl="xla"))
+    )
     assert fused.CHOSEN == {"xla": 1}
     with pytest.raises(fused.KernelUnavailable, match="cuDNN needs an NVIDIA GPU"):
         attention(q, k, v, scale=0.2, impl="cudnn")
@@ -80,8 +85,10 @@ def test_auto_falls_back_to_xla_with_one_logged_reason(monkeypatch, caplog):
 
 def tiny(variant, **changes):
     """One layer, heads wide enough for the kernels, output projections live so gradients reach attention."""
-    return tiny_model(variant, **{"n_layer": 1, "n_head": 4, "vocab_size": 256, "max_seq_len": 256,
-                                  "output_init": "normal", **changes})
+    return tiny_model(
+        variant,
+        **{"n_layer": 1, "n_head": 4, "vocab_size": 256, "max_seq_len": 256, "output_init": "normal", **changes},
+    )
 
 
 def model_loss_and_grads(cfg, impl, tokens, mesh=None):
@@ -111,10 +118,15 @@ def test_every_variant_trains_through_splash_in_interpret_mode(variant):
     assert_model_matches(tiny(variant), "splash", tokens, loss_rtol=1e-5, grad_rtol=1e-4)
 
 
-@pytest.mark.parametrize("variant,mesh_config", [("mlra4", MeshConfig(data=-1, tensor=4)),
-                                                 ("gla2", MeshConfig(data=-1, tensor=2)),
-                                                 ("gqa", MeshConfig(data=-1, tensor=2)),
-                                                 ("mla", MeshConfig(data=1, fsdp=-1))])
+@pytest.mark.parametrize(
+    "variant,mesh_config",
+    [
+        ("mlra4", MeshConfig(data=-1, tensor=4)),
+        ("gla2", MeshConfig(data=-1, tensor=2)),
+        ("gqa", MeshConfig(data=-1, tensor=2)),
+        ("mla", MeshConfig(data=1, fsdp=-1)),
+    ],
+)
 def test_splash_inside_tensor_data_and_fsdp_meshes(variant, mesh_config):
     """The latent family's shard_map region (tensor manual, data automatic), GSPMD heads over tensor, and
     FSDP (parameters split along any dimension: the kernel still sees whole heads of its batch shard)."""

@@ -4,8 +4,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-
 from conftest import GOLDEN_FILES, load_golden
+
 from mlra_jax.interop import load_state_dict, model_state_dict
 from mlra_jax.model import init_model
 
@@ -41,8 +41,7 @@ def test_reference_weights_round_trip(path):
     np.testing.assert_array_equal(exported["lm_head.weight"], exported["transformer.wte.weight"])
 
 
-@pytest.mark.parametrize("path", [p for p in GOLDEN_FILES if p.stem in ("mlra_4", "gqa", "tpa")],
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [p for p in GOLDEN_FILES if p.stem in ("mlra_4", "gqa", "tpa")], ids=lambda p: p.stem)
 def test_unrolled_and_rematerialized_layers_match_scan(path):
     cfg, state_dict, tokens, expected = load_golden(path)
     for changes in (dict(scan_layers=False), dict(remat="full"), dict(remat="dots", scan_layers=False)):

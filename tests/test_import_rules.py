@@ -20,8 +20,18 @@ LAYERS = (
     ("kernels", ("mlra_jax.pallas_kernels",)),
     ("library", ("mlra_jax",)),
     ("experiments", ("mlra_jax.experiments",)),
-    ("entry points", ("mlra_jax.train", "mlra_jax.info", "mlra_jax.generate", "mlra_jax.eval", "mlra_jax.benchmarks",
-                      "mlra_jax.convert", "mlra_jax.plot")),
+    (
+        "entry points",
+        (
+            "mlra_jax.train",
+            "mlra_jax.info",
+            "mlra_jax.generate",
+            "mlra_jax.eval",
+            "mlra_jax.benchmarks",
+            "mlra_jax.convert",
+            "mlra_jax.plot",
+        ),
+    ),
 )
 SELF_CONTAINED = ("kernels",)  # layers that import nothing of the other layers
 # Top-level names the installed code must never import: the tests, and the folders' generic names.
@@ -123,8 +133,12 @@ def rooms_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 
 def layer_of(module: str) -> int:
-    matches = [(len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
-               if module == prefix or module.startswith(prefix + ".")]
+    matches = [
+        (len(prefix), i)
+        for i, (_, prefixes) in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
     return max(matches)[1]
 
 
@@ -141,8 +155,14 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
 
 def test_every_installed_module_is_seen():
     files = module_files()
-    assert {"mlra_jax.variants", "mlra_jax.config", "mlra_jax.experiments.paper", "mlra_jax.kv_cache",
-            "mlra_jax.pallas_kernels.latent_decode_gpu", "mlra_jax.attention.latent"} <= set(files)
+    assert {
+        "mlra_jax.variants",
+        "mlra_jax.config",
+        "mlra_jax.experiments.paper",
+        "mlra_jax.kv_cache",
+        "mlra_jax.pallas_kernels.latent_decode_gpu",
+        "mlra_jax.attention.latent",
+    } <= set(files)
     on_disk = {p for folder in ("mlra_jax", "experiments", "pallas_kernels") for p in (ROOT / folder).rglob("*.py")}
     assert on_disk == set(files.values()), "a package folder is missing from pyproject's packages"
 
@@ -170,21 +190,32 @@ def test_hf_remote_code_stands_alone():
     import nothing of mlra_jax, and the library never imports them (they need torch and transformers)."""
     graph = import_graph()[0]
     config, modeling = "mlra_jax.hf_remote_code.configuration_mlra", "mlra_jax.hf_remote_code.modeling_mlra"
-    assert {m: graph[m] for m in graph if m.startswith("mlra_jax.hf_remote_code.")} == {config: set(),
-                                                                                        modeling: {config}}
+    assert {m: graph[m] for m in graph if m.startswith("mlra_jax.hf_remote_code.")} == {
+        config: set(),
+        modeling: {config},
+    }
     assert sorted(m for m, targets in graph.items() if targets & {config, modeling} and m != modeling) == []
 
 
 def test_the_checks_catch_what_they_should():
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
-    assert rooms_graph({"mlra_jax.model": {"mlra_jax.decode.cache"}, "mlra_jax.decode.generator": {"mlra_jax.model"},
-                        "mlra_jax.decode.cache": set()}) == {"mlra_jax.model": {"mlra_jax.decode"},
-                                                             "mlra_jax.decode": {"mlra_jax.model"}}
-    assert layer_violations({"mlra_jax.config": {"mlra_jax.attention"},
-                             "mlra_jax.pallas_kernels.x": {"mlra_jax.config"},
-                             "mlra_jax.model": {"mlra_jax.benchmarks.common", "mlra_jax.config"},
-                             "mlra_jax.info": {"mlra_jax.experiments"}}) == [
+    assert rooms_graph(
+        {
+            "mlra_jax.model": {"mlra_jax.decode.cache"},
+            "mlra_jax.decode.generator": {"mlra_jax.model"},
+            "mlra_jax.decode.cache": set(),
+        }
+    ) == {"mlra_jax.model": {"mlra_jax.decode"}, "mlra_jax.decode": {"mlra_jax.model"}}
+    assert layer_violations(
+        {
+            "mlra_jax.config": {"mlra_jax.attention"},
+            "mlra_jax.pallas_kernels.x": {"mlra_jax.config"},
+            "mlra_jax.model": {"mlra_jax.benchmarks.common", "mlra_jax.config"},
+            "mlra_jax.info": {"mlra_jax.experiments"},
+        }
+    ) == [
         "mlra_jax.config (config) imports mlra_jax.attention (library)",
         "mlra_jax.model (library) imports mlra_jax.benchmarks.common (entry points)",
-        "mlra_jax.pallas_kernels.x (kernels) imports mlra_jax.config (config)"]
+        "mlra_jax.pallas_kernels.x (kernels) imports mlra_jax.config (config)",
+    ]

@@ -3,10 +3,10 @@
 import json
 
 import pytest
+from mlra_jax.experiments.paper_tables import TABLE_VARIANTS, analysis_config
 
 from mlra_jax import info
 from mlra_jax.cache_accounting import cache_report, per_device_kv_elements
-from mlra_jax.experiments.paper_tables import TABLE_VARIANTS, analysis_config
 from mlra_jax.model import abstract_model
 from mlra_jax.params import flat_params
 

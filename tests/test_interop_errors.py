@@ -4,8 +4,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-
 from conftest import GOLDEN_DIR, load_golden
+
 from mlra_jax.interop import StateDictError, load_state_dict
 from mlra_jax.model import init_model
 from mlra_jax.params import flat_params
@@ -38,8 +38,11 @@ def test_wrong_shape():
 
 
 def test_wrong_layer_count():
-    assert_fails_and_keeps_model(STATE_DICT, "state_dict has 2 layers but the config has n_layer=3; set n_layer=2",
-                                 cfg=dataclasses.replace(CFG, n_layer=3))
+    assert_fails_and_keeps_model(
+        STATE_DICT,
+        "state_dict has 2 layers but the config has n_layer=3; set n_layer=2",
+        cfg=dataclasses.replace(CFG, n_layer=3),
+    )
 
 
 def test_untied_head():
@@ -50,8 +53,9 @@ def test_untied_head():
 def test_non_finite_values():
     poisoned = STATE_DICT["transformer.h.0.mlp.c_fc1.weight"].copy()
     poisoned[3, 4] = np.nan
-    assert_fails_and_keeps_model(dict(STATE_DICT, **{"transformer.h.0.mlp.c_fc1.weight": poisoned}),
-                                 "NaN or inf.*c_fc1")
+    assert_fails_and_keeps_model(
+        dict(STATE_DICT, **{"transformer.h.0.mlp.c_fc1.weight": poisoned}), "NaN or inf.*c_fc1"
+    )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
@@ -61,20 +65,24 @@ def test_non_finite_values_in_every_float_dtype(dtype):
 
     poisoned = STATE_DICT["transformer.h.0.mlp.c_proj.weight"].astype(getattr(ml_dtypes, dtype, dtype))
     poisoned[1, 2] = -np.inf if dtype == "float16" else np.nan
-    assert_fails_and_keeps_model(dict(STATE_DICT, **{"transformer.h.0.mlp.c_proj.weight": poisoned}),
-                                 "NaN or inf.*c_proj")
+    assert_fails_and_keeps_model(
+        dict(STATE_DICT, **{"transformer.h.0.mlp.c_proj.weight": poisoned}), "NaN or inf.*c_proj"
+    )
 
 
 def test_values_that_overflow_the_parameter_dtype():
     big = STATE_DICT["transformer.h.1.attn.c_proj.weight"].astype(np.float64)
     big[0, 0] = 1e39  # finite in float64, inf in float32
-    assert_fails_and_keeps_model(dict(STATE_DICT, **{"transformer.h.1.attn.c_proj.weight": big}),
-                                 r"beyond the largest float32 .*c_proj.weight \(\|x\| up to 1e\+39\)")
+    assert_fails_and_keeps_model(
+        dict(STATE_DICT, **{"transformer.h.1.attn.c_proj.weight": big}),
+        r"beyond the largest float32 .*c_proj.weight \(\|x\| up to 1e\+39\)",
+    )
     half = dataclasses.replace(CFG, param_dtype="float16")
     large = STATE_DICT["transformer.h.1.attn.c_proj.weight"].astype(np.float32)
     large[0, 0] = 7e4
-    assert_fails_and_keeps_model(dict(STATE_DICT, **{"transformer.h.1.attn.c_proj.weight": large}),
-                                 "beyond the largest float16", cfg=half)
+    assert_fails_and_keeps_model(
+        dict(STATE_DICT, **{"transformer.h.1.attn.c_proj.weight": large}), "beyond the largest float16", cfg=half
+    )
 
 
 def test_tied_head_and_torch_style_inputs_are_accepted():

@@ -9,15 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-from mlra_jax.attention.latent_kernels import ranges_from_mask
-from mlra_jax.decode.generator import Generator, left_pad
+from helpers import on_gpu
 from mlra_jax.experiments.tiny import tiny_model
-from mlra_jax.model import init_model
 from mlra_jax.pallas_kernels.latent_decode_common import combine
 from mlra_jax.pallas_kernels.latent_decode_reference import gather_pages, reference
 from mlra_jax.pallas_kernels.latent_decode_tpu import latent_decode_tpu
-from helpers import on_gpu
+
+from mlra_jax.attention.latent_kernels import ranges_from_mask
+from mlra_jax.decode.generator import Generator, left_pad
+from mlra_jax.model import init_model
 
 # Widths of the paper's per-device decode: MLRA-4 (64 heads, 128 latent), GLA-2 (32, 256), MLA (64, 512).
 SHAPES = [(64, 64, 128, 1), (32, 64, 256, 1), (64, 64, 512, 1), (64, 64, 128, 2)]
@@ -25,10 +25,12 @@ SHAPES = [(64, 64, 128, 1), (32, 64, 256, 1), (64, 64, 512, 1), (64, 64, 128, 2)
 
 def inputs(heads, dr, r, blocks, slots, dtype=jnp.bfloat16, seed=0):
     keys = jax.random.split(jax.random.key(seed), 4)
-    return (jax.random.normal(keys[0], (3, blocks, heads, dr), dtype),
-            jax.random.normal(keys[1], (3, blocks, heads, r), dtype),
-            jax.random.normal(keys[2], (3, slots, dr), dtype),
-            jax.random.normal(keys[3], (3, slots, blocks, r), dtype))
+    return (
+        jax.random.normal(keys[0], (3, blocks, heads, dr), dtype),
+        jax.random.normal(keys[1], (3, blocks, heads, r), dtype),
+        jax.random.normal(keys[2], (3, slots, dr), dtype),
+        jax.random.normal(keys[3], (3, slots, blocks, r), dtype),
+    )
 
 
 @pytest.mark.parametrize("heads,dr,r,blocks", SHAPES)
@@ -48,10 +50,16 @@ def to_pages(k_rope, latent, page, seed=0):
     b, s = k_rope.shape[:2]
     count = b * s // page
     order = np.random.default_rng(seed).permutation(count + 2)[:count]  # pool slot of each contiguous page
-    pool_k = jnp.zeros((count + 2, page, *k_rope.shape[2:]), k_rope.dtype).at[order].set(
-        k_rope.reshape(count, page, *k_rope.shape[2:]))
-    pool_l = jnp.zeros((count + 2, page, *latent.shape[2:]), latent.dtype).at[order].set(
-        latent.reshape(count, page, *latent.shape[2:]))
+    pool_k = (
+        jnp.zeros((count + 2, page, *k_rope.shape[2:]), k_rope.dtype)
+        .at[order]
+        .set(k_rope.reshape(count, page, *k_rope.shape[2:]))
+    )
+    pool_l = (
+        jnp.zeros((count + 2, page, *latent.shape[2:]), latent.dtype)
+        .at[order]
+        .set(latent.reshape(count, page, *latent.shape[2:]))
+    )
     table = jnp.asarray(order.reshape(b, s // page), jnp.int32)
     np.testing.assert_array_equal(np.asarray(gather_pages(pool_l, table)), np.asarray(latent))
     return pool_k, pool_l, table
@@ -64,8 +72,9 @@ def test_tpu_kernel_on_a_paged_cache(heads, dr, r, blocks):
     pool_k, pool_l, table = to_pages(k_rope, latent, 64)
     starts, ends = jnp.array([0, 37, 150]), jnp.array([256, 120, 151])
     scale = (dr + r) ** -0.5
-    got = latent_decode_tpu(q_rope, q_latent, pool_k, pool_l, starts, ends, scale=scale, splits=2,
-                            page_table=table, interpret=True)
+    got = latent_decode_tpu(
+        q_rope, q_latent, pool_k, pool_l, starts, ends, scale=scale, splits=2, page_table=table, interpret=True
+    )
     want = reference(q_rope, q_latent, k_rope, latent, starts, ends, scale=scale)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
 
@@ -152,16 +161,28 @@ def test_mosaic_gpu_kernel_on_a_paged_cache(heads, dr, r, blocks, page):
     scale = (dr + r) ** -0.5
     want = reference(q_rope, q_latent, k_rope, latent, starts, ends, scale=scale)
     for splits in (1, None):
-        got = latent_decode_gpu(q_rope, q_latent, pool_k, pool_l, starts, ends, scale=scale, splits=splits,
-                                page_table=table)
+        got = latent_decode_gpu(
+            q_rope, q_latent, pool_k, pool_l, starts, ends, scale=scale, splits=splits, page_table=table
+        )
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
 
 
 @on_gpu
 @pytest.mark.parametrize("variant", ["mla", "gla2", "mlra4"])
 def test_model_decode_with_the_pallas_kernel(variant):
-    cfg = tiny_model(variant, n_layer=2, n_head=4, n_embd=256, vocab_size=256, q_lora_rank=128, kv_lora_rank=256,
-                     qk_nope_head_dim=64, qk_rope_head_dim=64, compute_dtype="bfloat16", output_init="normal")
+    cfg = tiny_model(
+        variant,
+        n_layer=2,
+        n_head=4,
+        n_embd=256,
+        vocab_size=256,
+        q_lora_rank=128,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        compute_dtype="bfloat16",
+        output_init="normal",
+    )
     prompts = [[1, 2, 3, 4, 5], [7, 8]]
     outputs = {}
     for impl in ("xla", "pallas"):
@@ -173,6 +194,7 @@ def test_model_decode_with_the_pallas_kernel(variant):
     np.testing.assert_allclose(outputs["pallas"], outputs["xla"], atol=0.05 * np.abs(outputs["xla"]).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,mesh_shape", [("mla", (8, 1)), ("mlra4", (2, 4)), ("gla2", (4, 2))])
 def test_pallas_decode_under_data_and_tensor_parallelism(monkeypatch, variant, mesh_shape):
     """The TPU kernel in Pallas interpret mode under a (data, tensor) mesh of 8 CPU devices: one shard_map with
@@ -212,6 +234,9 @@ def test_pallas_decode_under_data_and_tensor_parallelism(monkeypatch, variant, m
     with jax.set_mesh(mesh):
         step = serving.compiled(True, (8, 1))
         hlo = step.lower(serving.weights, jnp.arange(8)[:, None], session.caches).compile().as_text()
-    gathered = [line for line in hlo.splitlines() if re.search(r"= \S+ all-gather\(", line)
-                and re.search(r"\[[\d,]*\b40\b[\d,]*\]", line.split("all-gather(")[0])]
+    gathered = [
+        line
+        for line in hlo.splitlines()
+        if re.search(r"= \S+ all-gather\(", line) and re.search(r"\[[\d,]*\b40\b[\d,]*\]", line.split("all-gather(")[0])
+    ]
     assert session.caches.max_len == 40 and not gathered, gathered  # nothing with the cache's slots is gathered

@@ -12,9 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import MICRO, ROOT, losses, subprocess_env
 
-from helpers import ROOT, MICRO, losses, subprocess_env
 from mlra_jax.distributed import expand_tasks_per_node, first_host, slurm_task
+
+pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
 
 # srun as SLURM runs it: SLURM_NNODES x SLURM_NTASKS_PER_NODE tasks, each with the step's variables, the
 # output merged, signals forwarded, and --kill-on-bad-exit (the other tasks killed when one fails).
@@ -63,11 +65,23 @@ def sbatch_env(tmp_path: Path, nodes: int = 2, per_node: int = 1) -> dict[str, s
         (bin_dir / name).chmod(0o755)
     job_id = str(random.randrange(10_000, 1_000_000))  # the coordinator port follows from it, as under SLURM
     nodelist = "localhost" if nodes == 1 else f"localhost,node[2-{nodes}]"  # the first node is this machine
-    return dict(subprocess_env(devices=4), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHON=sys.executable,
-                SLURM_JOB_ID=job_id, SLURM_JOB_NODELIST=nodelist, SLURM_NODELIST=nodelist, SLURM_NNODES=str(nodes),
-                SLURM_NTASKS=str(nodes * per_node), SLURM_NTASKS_PER_NODE=str(per_node), SLURM_PROCID="0",
-                SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_SUBMIT_DIR=str(ROOT),
-                FAKE_SCONTROL_LOG=str(tmp_path / "scontrol.log"), FAKE_SRUN_PIDS=str(tmp_path / "pids"))
+    return dict(
+        subprocess_env(devices=4),
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        PYTHON=sys.executable,
+        SLURM_JOB_ID=job_id,
+        SLURM_JOB_NODELIST=nodelist,
+        SLURM_NODELIST=nodelist,
+        SLURM_NNODES=str(nodes),
+        SLURM_NTASKS=str(nodes * per_node),
+        SLURM_NTASKS_PER_NODE=str(per_node),
+        SLURM_PROCID="0",
+        SLURM_LOCALID="0",
+        SLURM_NODEID="0",
+        SLURM_SUBMIT_DIR=str(ROOT),
+        FAKE_SCONTROL_LOG=str(tmp_path / "scontrol.log"),
+        FAKE_SRUN_PIDS=str(tmp_path / "pids"),
+    )
 
 
 def sbatch(workdir: Path, *args: str) -> list[str]:
@@ -75,16 +89,16 @@ def sbatch(workdir: Path, *args: str) -> list[str]:
 
 
 def run_sbatch(workdir: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(sbatch(workdir, *args), env=env, cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(sbatch(workdir, *args), env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
 
 
 def start_sbatch(workdir: Path, env: dict[str, str], min_step: int, *args: str) -> subprocess.Popen:
     """Start the batch script and return it once training has logged `min_step` steps (still running)."""
-    process = subprocess.Popen(sbatch(workdir, *args), env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        sbatch(workdir, *args), env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     metrics, deadline = workdir / "metrics.jsonl", time.time() + 240
     while time.time() < deadline and process.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= min_step:
@@ -104,8 +118,11 @@ def uninterrupted(tmp_path_factory):
 def test_one_task_per_node_drives_every_local_device(uninterrupted):
     """2 nodes x 4 devices: each task sees its node's 4 devices (no GPU restriction), the mesh spans 8."""
     output, run_losses = uninterrupted
-    lines = re.findall(r"distributed: process (\d) of 2 \(SLURM, 1 task per node, all its GPUs\), coordinator "
-                       r"localhost:(\d+), (\d) local devices \(GPUs visible: (\w+)\), (\d) devices in all", output)
+    lines = re.findall(
+        r"distributed: process (\d) of 2 \(SLURM, 1 task per node, all its GPUs\), coordinator "
+        r"localhost:(\d+), (\d) local devices \(GPUs visible: (\w+)\), (\d) devices in all",
+        output,
+    )
     assert sorted(line[0] for line in lines) == ["0", "1"], output[-4000:]
     assert all(line[2:] == ("4", "all", "8") for line in lines), lines
     assert re.search(r"mesh \{.*\} over 8 devices", output), output[-4000:]
@@ -116,8 +133,9 @@ def test_one_task_per_gpu_gets_its_own_gpu(tmp_path):
     """--ntasks-per-node=2: task LOCALID is given GPU LOCALID (a dry run: no training)."""
     env = sbatch_env(tmp_path, nodes=1, per_node=2)
     result = run_sbatch(tmp_path / "run", env, "--dry_run")
-    visible = dict(re.findall(r"process (\d) of 2 \(SLURM, 2 tasks per node, 1 GPU each\).*GPUs visible: (\w+)",
-                              result.stdout))
+    visible = dict(
+        re.findall(r"process (\d) of 2 \(SLURM, 2 tasks per node, 1 GPU each\).*GPUs visible: (\w+)", result.stdout)
+    )
     assert visible == {"0": "0", "1": "1"}, result.stdout[-4000:]
 
 
@@ -154,13 +172,30 @@ def test_slurm_settings_from_the_environment():
     assert first_host("node[001,007-015],host2") == "node001"
     assert first_host("a7,b9") == "a7"
     assert expand_tasks_per_node("8(x2),1") == [8, 8, 1]
-    step = dict(SLURM_JOB_ID="12345", SLURM_STEP_NODELIST="gpu[001-004]", SLURM_NTASKS="4", SLURM_PROCID="2",
-                SLURM_LOCALID="0", SLURM_STEP_TASKS_PER_NODE="1(x4)", SLURM_NODEID="2")
+    step = dict(
+        SLURM_JOB_ID="12345",
+        SLURM_STEP_NODELIST="gpu[001-004]",
+        SLURM_NTASKS="4",
+        SLURM_PROCID="2",
+        SLURM_LOCALID="0",
+        SLURM_STEP_TASKS_PER_NODE="1(x4)",
+        SLURM_NODEID="2",
+    )
     task = slurm_task(step)
-    assert (task.coordinator, task.num_processes, task.process_id, task.local_device_ids) == \
-        ("gpu001:61497", 4, 2, None)  # JAX alone would say local_device_ids=[0]: GPU 0 only
-    per_gpu = dict(step, SLURM_NTASKS="32", SLURM_PROCID="13", SLURM_LOCALID="5", SLURM_STEP_TASKS_PER_NODE="8(x4)",
-                   SLURM_NODEID="1")
+    assert (task.coordinator, task.num_processes, task.process_id, task.local_device_ids) == (
+        "gpu001:61497",
+        4,
+        2,
+        None,
+    )  # JAX alone would say local_device_ids=[0]: GPU 0 only
+    per_gpu = dict(
+        step,
+        SLURM_NTASKS="32",
+        SLURM_PROCID="13",
+        SLURM_LOCALID="5",
+        SLURM_STEP_TASKS_PER_NODE="8(x4)",
+        SLURM_NODEID="1",
+    )
     assert slurm_task(per_gpu).local_device_ids == [5]
     assert slurm_task(dict(per_gpu, CUDA_VISIBLE_DEVICES="5")).local_device_ids is None  # bound by SLURM already
     assert slurm_task(dict(per_gpu, JAX_COORDINATOR_PORT="1234")).coordinator == "gpu001:1234"

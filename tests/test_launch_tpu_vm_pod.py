@@ -12,11 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import ROOT
+
+pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
 
 FAKE_GCLOUD = f"""#!{sys.executable}
 import json, os, signal, subprocess, sys
+
 args = sys.argv[1:]
 with open(os.environ["FAKE_GCLOUD_LOG"], "a") as f:
     f.write(json.dumps(args) + "\\n")
@@ -83,8 +85,14 @@ def pod(tmp_path):
     for name, text in (("gcloud", FAKE_GCLOUD), ("uv", FAKE_UV)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", TPU="pod1", ZONE="us-east5-a",
-               FAKE_GCLOUD_LOG=str(tmp_path / "gcloud.log"), FAKE_WORKERS=os.pathsep.join(map(str, workers)))
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        TPU="pod1",
+        ZONE="us-east5-a",
+        FAKE_GCLOUD_LOG=str(tmp_path / "gcloud.log"),
+        FAKE_WORKERS=os.pathsep.join(map(str, workers)),
+    )
     for name in ("REPO", "COMMIT", "PROJECT", "PYTHON_VERSION"):
         env.pop(name, None)
     yield checkout, workers, env
@@ -95,8 +103,13 @@ def pod(tmp_path):
 
 
 def launcher(checkout: Path, env: dict[str, str], *args: str, **changes: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(checkout / "launch" / "tpu_vm_pod.sh"), *args], env=dict(env, **changes),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        ["bash", str(checkout / "launch" / "tpu_vm_pod.sh"), *args],
+        env=dict(env, **changes),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def calls(env: dict[str, str]) -> list[list[str]]:
@@ -111,8 +124,23 @@ def test_create_setup_run_logs_stop_delete(pod):
     where = ["--zone", "us-east5-a", "--project", "proj"]
     result = launcher(checkout, env, "create", "--spot", ACCELERATOR="v5p-16", VERSION="v2-alpha-tpuv5", PROJECT="proj")
     assert result.returncode == 0, result.stderr
-    assert calls(env) == [["compute", "tpus", "queued-resources", "create", "pod1", "--node-id", "pod1", *where,
-                           "--accelerator-type", "v5p-16", "--runtime-version", "v2-alpha-tpuv5", "--spot"]]
+    assert calls(env) == [
+        [
+            "compute",
+            "tpus",
+            "queued-resources",
+            "create",
+            "pod1",
+            "--node-id",
+            "pod1",
+            *where,
+            "--accelerator-type",
+            "v5p-16",
+            "--runtime-version",
+            "v2-alpha-tpuv5",
+            "--spot",
+        ]
+    ]
 
     result = launcher(checkout, env, "setup")  # every worker cloned from origin, at HEAD, Python 3.12 by uv
     assert result.returncode == 0, result.stdout + result.stderr
@@ -136,8 +164,9 @@ def test_create_setup_run_logs_stop_delete(pod):
         assert git(worker / "mlra_jax", "status", "--porcelain", "--untracked-files=no") == ""
 
     # the pre-flight compile for the slice's type (from gcloud) on worker 0 refuses a run that does not fit
-    result = launcher(checkout, env, "run", "--experiment=mlra4_2p9b", FAKE_ACCELERATOR="v5p-16",
-                      FAKE_PREFLIGHT_EXIT="2")
+    result = launcher(
+        checkout, env, "run", "--experiment=mlra4_2p9b", FAKE_ACCELERATOR="v5p-16", FAKE_PREFLIGHT_EXIT="2"
+    )
     assert result.returncode == 2 and "refused this run" in result.stderr and "nothing was started" in result.stderr
     assert "compiled with: -m mlra_jax.train --compile_for=v5p-16 --experiment=mlra4_2p9b" in result.stdout
     assert [c[3] for c in calls(env)] == ["describe", "ssh"]
@@ -147,8 +176,9 @@ def test_create_setup_run_logs_stop_delete(pod):
     calls(env)
 
     start = time.time()
-    result = launcher(checkout, env, "run", "--experiment=mlra4_2p9b", "--workdir=/mnt/shared/runs/a b",
-                      ACCELERATOR="v5p-16")
+    result = launcher(
+        checkout, env, "run", "--experiment=mlra4_2p9b", "--workdir=/mnt/shared/runs/a b", ACCELERATOR="v5p-16"
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "compiled with: -m mlra_jax.train --compile_for=v5p-16 --experiment=mlra4_2p9b" in result.stdout
     assert time.time() - start < 30  # detached: the ssh session ends at once, training goes on
@@ -158,8 +188,10 @@ def test_create_setup_run_logs_stop_delete(pod):
     for worker, pid in zip(workers, pids):
         os.kill(pid, 0)  # alive after the session ended
         assert os.getsid(pid) != os.getsid(0)  # in its own session: a hang-up does not reach it
-        assert "training with: -m mlra_jax.train --distributed --experiment=mlra4_2p9b --workdir=/mnt/shared/runs/a b" \
+        assert (
+            "training with: -m mlra_jax.train --distributed --experiment=mlra4_2p9b --workdir=/mnt/shared/runs/a b"
             in (worker / "mlra_jax_train.log").read_text()
+        )
     again = launcher(checkout, env, "run", "--experiment=mlra4_2p9b", PREFLIGHT="0")
     assert again.returncode != 0 and "already training" in again.stderr
     calls(env)
@@ -173,15 +205,17 @@ def test_create_setup_run_logs_stop_delete(pod):
     assert result.returncode == 0 and result.stdout.count("SIGTERM sent") == 2, result.stdout + result.stderr
     calls(env)
     deadline = time.time() + 10
-    while time.time() < deadline and any(subprocess.run(["kill", "-0", str(p)], capture_output=True).returncode == 0
-                                         for p in pids):
+    while time.time() < deadline and any(
+        subprocess.run(["kill", "-0", str(p)], capture_output=True).returncode == 0 for p in pids
+    ):
         time.sleep(0.1)
     for worker in workers:
         assert "SIGTERM: saving a checkpoint" in (worker / "mlra_jax_train.log").read_text()
 
     assert launcher(checkout, env, "delete").returncode == 0
-    assert calls(env) == [["compute", "tpus", "queued-resources", "delete", "pod1", "--zone", "us-east5-a",
-                           "--force", "--quiet"]]
+    assert calls(env) == [
+        ["compute", "tpus", "queued-resources", "delete", "pod1", "--zone", "us-east5-a", "--force", "--quiet"]
+    ]
 
 
 def test_usage_errors_name_the_fix(pod):

@@ -15,18 +15,21 @@ import lm_eval
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import micro_experiment
 from lm_eval.api.instance import Instance
 
-from helpers import micro_experiment
 from mlra_jax import convert
 from mlra_jax.data.tokenizer import EOT, gpt2_tokenizer
 from mlra_jax.decode.generator import Sampling
-from mlra_jax.eval import main as eval_main, task_manager
+from mlra_jax.eval import main as eval_main
+from mlra_jax.eval import task_manager
 from mlra_jax.generate import load_model
 from mlra_jax.lm_eval_model import MlraLM
 from mlra_jax.model import abstract_model
 from mlra_jax.params import flat_params
 from mlra_jax.zero_shot import PAPER_TASKS, paper_table, task_names
+
+pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"
 MAX_LEN = 64  # the model's context: the long documents and questions need several windows or truncation
@@ -39,8 +42,10 @@ def run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("lm_eval") / "run"
     experiment = micro_experiment("mlra4_tiny", f"--model.max_seq_len={MAX_LEN}")
     rng = np.random.default_rng(0)
-    flat = {k: rng.normal(0, 0.05, v.shape).astype(np.float32)
-            for k, v in flat_params(abstract_model(experiment.model)).items()}
+    flat = {
+        k: rng.normal(0, 0.05, v.shape).astype(np.float32)
+        for k, v in flat_params(abstract_model(experiment.model)).items()
+    }
     convert.write_run(run_dir, experiment, flat, "test")
     return run_dir
 
@@ -53,8 +58,9 @@ def lm(run) -> MlraLM:
 
 @pytest.fixture(scope="module")
 def evaluated(lm) -> dict:
-    return lm_eval.simple_evaluate(model=lm, tasks=["tiny_choice", "tiny_rolling"], task_manager=task_manager(str(TASKS)),
-                                   log_samples=True)
+    return lm_eval.simple_evaluate(
+        model=lm, tasks=["tiny_choice", "tiny_rolling"], task_manager=task_manager(str(TASKS)), log_samples=True
+    )
 
 
 @functools.cache
@@ -67,8 +73,8 @@ def log_probs(lm: MlraLM, tokens: list[int]) -> np.ndarray:
     """log p(next token | tokens[:t + 1]) over the vocabulary, [T, V] in float64, from the model's logits
     (one row of MAX_LEN, right-padded: the model is causal)."""
     padded = np.zeros((1, MAX_LEN), np.int32)
-    padded[0, :len(tokens)] = tokens
-    logits = np.asarray(_forward(lm)(padded)[0, :len(tokens)], np.float64)
+    padded[0, : len(tokens)] = tokens
+    logits = np.asarray(_forward(lm)(padded)[0, : len(tokens)], np.float64)
     logits -= logits.max(-1, keepdims=True)
     return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
 
@@ -76,10 +82,11 @@ def log_probs(lm: MlraLM, tokens: list[int]) -> np.ndarray:
 def score(lm: MlraLM, context: list[int], continuation: list[int]) -> tuple[float, bool]:
     """Sum of the continuation's log-probabilities and whether each of its tokens is the argmax, with the
     sequence cut to its last MAX_LEN + 1 tokens."""
-    sequence = (context + continuation)[-(MAX_LEN + 1):]
-    table = log_probs(lm, sequence[:-1])[-len(continuation):]
+    sequence = (context + continuation)[-(MAX_LEN + 1) :]
+    table = log_probs(lm, sequence[:-1])[-len(continuation) :]
     return float(table[np.arange(len(continuation)), continuation].sum()), bool(
-        (table.argmax(-1) == continuation).all())
+        (table.argmax(-1) == continuation).all()
+    )
 
 
 def hf_style_tokens(context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -88,9 +95,9 @@ def hf_style_tokens(context: str, continuation: str) -> tuple[list[int], list[in
     if not context:
         return [EOT], TOKENIZER.encode_ordinary(continuation)
     stripped = context.rstrip()
-    continuation = context[len(stripped):] + continuation
+    continuation = context[len(stripped) :] + continuation
     whole, head = TOKENIZER.encode_ordinary(stripped + continuation), TOKENIZER.encode_ordinary(stripped)
-    return head, whole[len(head):]
+    return head, whole[len(head) :]
 
 
 def rolling_log_likelihood(lm: MlraLM, text: str) -> float:
@@ -101,8 +108,8 @@ def rolling_log_likelihood(lm: MlraLM, text: str) -> float:
     total = 0.0
     for start in range(0, len(tokens), MAX_LEN):
         end = min(start + MAX_LEN, len(tokens))
-        inputs = stream[max(0, end - MAX_LEN): end]
-        table = log_probs(lm, inputs)[-(end - start):]
+        inputs = stream[max(0, end - MAX_LEN) : end]
+        table = log_probs(lm, inputs)[-(end - start) :]
         total += table[np.arange(end - start), tokens[start:end]].sum()
     return float(total)
 
@@ -123,7 +130,8 @@ def test_multiple_choice_log_likelihoods_are_the_models_own(lm, evaluated):
         correct_norm += int(np.argmax([s / len(c) for s, c in zip(scores, choices)])) == sample["target"]
     results = evaluated["results"]["tiny_choice"]
     assert results["acc,none"] == pytest.approx(correct / 6) and results["acc_norm,none"] == pytest.approx(
-        correct_norm / 6)
+        correct_norm / 6
+    )
     # the cases that the encoding rules are about: an empty context, a context ending in a space, one too long
     contexts = {s["arguments"][0][0] for s in samples}
     assert "" in contexts and "The capital of France is " in contexts
@@ -168,8 +176,9 @@ def test_generate_until_stops_at_a_stop_sequence(lm):
     texts = [lm.tok_decode(tokens) for tokens in free]
     stop = lm.tok_decode(free[0][3:5])  # reached with the fifth token of the first prompt
     assert stop and texts[0].index(stop) > 0
-    requests = [Instance("generate_until", {}, (c, {"until": [stop], "max_gen_toks": 16}), i)
-                for i, c in enumerate(contexts)]
+    requests = [
+        Instance("generate_until", {}, (c, {"until": [stop], "max_gen_toks": 16}), i) for i, c in enumerate(contexts)
+    ]
     assert lm.generate_until(requests) == [t.split(stop)[0] for t in texts]
 
     steps = []
@@ -184,8 +193,19 @@ def test_generate_until_stops_at_a_stop_sequence(lm):
 
 def test_cli_writes_lm_evals_results_json(run, tmp_path, capsys):
     out, before = tmp_path / "results.json", sorted(run.rglob("*"))
-    arguments = ["lm-eval", "--checkpoint", str(run), "--tasks", "tiny_choice,tiny_rolling", "--include_path",
-                 str(TASKS), "--batch_size", "4", "--limit", "3"]
+    arguments = [
+        "lm-eval",
+        "--checkpoint",
+        str(run),
+        "--tasks",
+        "tiny_choice,tiny_rolling",
+        "--include_path",
+        str(TASKS),
+        "--batch_size",
+        "4",
+        "--limit",
+        "3",
+    ]
     assert eval_main([*arguments, "--out", str(out)]) == 0
     assert sorted(run.rglob("*")) == before  # --out: nothing in the run
     assert eval_main(arguments) == 0
@@ -201,23 +221,45 @@ def test_cli_writes_lm_evals_results_json(run, tmp_path, capsys):
 
 def test_an_unknown_task_exits_2_naming_it(run, tmp_path, capsys):
     out, before = tmp_path / "results.json", sorted(run.rglob("*"))
-    code = eval_main(["lm-eval", "--checkpoint", str(run), "--tasks", "tiny_choise,paper", "--include_path",
-                      str(TASKS), "--out", str(out)])
+    code = eval_main(
+        [
+            "lm-eval",
+            "--checkpoint",
+            str(run),
+            "--tasks",
+            "tiny_choise,paper",
+            "--include_path",
+            str(TASKS),
+            "--out",
+            str(out),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "does not know the task 'tiny_choise' (close: tiny_choice" in err
     assert not out.exists() and sorted(run.rglob("*")) == before
-    code = eval_main(["lm-eval", "--checkpoint", str(run), "--tasks", "tiny_choice", "--include_path",
-                      str(tmp_path / "missing")])
+    code = eval_main(
+        ["lm-eval", "--checkpoint", str(run), "--tasks", "tiny_choice", "--include_path", str(tmp_path / "missing")]
+    )
     assert code == 2 and "missing is not a folder of task YAML files" in capsys.readouterr().err
 
 
 def test_paper_suite_and_table():
     assert task_names("paper,arc_easy, piqa,mmlu") == [t.task for t in PAPER_TASKS] + ["mmlu"]
-    values = {"arc_easy": 0.6763, "arc_challenge": 0.4138, "openbookqa": 0.43, "boolq": 0.6174,
-              "hellaswag": 0.6216, "winogrande": 0.6148, "piqa": 0.7448}  # the paper's MLRA-4 row
+    values = {
+        "arc_easy": 0.6763,
+        "arc_challenge": 0.4138,
+        "openbookqa": 0.43,
+        "boolq": 0.6174,
+        "hellaswag": 0.6216,
+        "winogrande": 0.6148,
+        "piqa": 0.7448,
+    }  # the paper's MLRA-4 row
     # the other metric is present too (as lm-eval reports both) and must not be taken
-    results = {"results": {t.task: {"acc,none": 0.0, "acc_norm,none": 0.0, f"{t.metric},none": values[t.task]}
-                           for t in PAPER_TASKS}}
+    results = {
+        "results": {
+            t.task: {"acc,none": 0.0, "acc_norm,none": 0.0, f"{t.metric},none": values[t.task]} for t in PAPER_TASKS
+        }
+    }
     table = paper_table(results, "MLRA-4").splitlines()
     assert table[0] == "| Method | ARC-E | ARC-C | OpenBookQA | BoolQ | HellaSwag | Winogrande | PIQA | Avg |"
     assert table[2] == "| MLRA-4 | 67.63 | 41.38 | 43.00 | 61.74 | 62.16 | 61.48 | 74.48 | 58.84 |"
@@ -236,9 +278,14 @@ def test_lm_evals_hf_model_on_the_exported_folder_gives_the_same_numbers(run, ev
     folder = tmp_path / "hf"
     assert convert.main(["to-hf", "--checkpoint", str(run), "--out", str(folder), "--dtype", "float32"]) == 0
     through_hf = lm_eval.simple_evaluate(
-        model="hf", model_args=f"pretrained={folder},trust_remote_code=True,dtype=float32,max_length={MAX_LEN}",
-        tasks=["tiny_choice", "tiny_rolling"], task_manager=task_manager(str(TASKS)), log_samples=True,
-        batch_size=4, device="cpu")
+        model="hf",
+        model_args=f"pretrained={folder},trust_remote_code=True,dtype=float32,max_length={MAX_LEN}",
+        tasks=["tiny_choice", "tiny_rolling"],
+        task_manager=task_manager(str(TASKS)),
+        log_samples=True,
+        batch_size=4,
+        device="cpu",
+    )
     for task in ("tiny_choice", "tiny_rolling"):
         ours = sorted(evaluated["samples"][task], key=lambda s: s["doc_id"])
         theirs = sorted(through_hf["samples"][task], key=lambda s: s["doc_id"])

@@ -13,8 +13,11 @@ B, T, D, V = 2, 96, 16, 300
 
 def inputs(seed=0):
     keys = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(keys[0], (B, T, D)), 0.3 * jax.random.normal(keys[1], (V, D)),
-            jax.random.randint(keys[2], (B, T), 0, V))
+    return (
+        jax.random.normal(keys[0], (B, T, D)),
+        0.3 * jax.random.normal(keys[1], (V, D)),
+        jax.random.randint(keys[2], (B, T), 0, V),
+    )
 
 
 def plain_loss(hidden, embedding, targets, dtype):
@@ -38,7 +41,8 @@ def test_float32_value_and_gradients_equal_the_whole_loss(chunk):
 def test_bfloat16_chunks_equal_the_whole_bfloat16_loss_and_track_float32():
     hidden, embedding, targets = inputs(1)
     grad = lambda chunk: jax.value_and_grad(
-        lambda h, w: chunked_next_token_loss(h, w, targets, jnp.bfloat16, chunk), argnums=(0, 1))(hidden, embedding)
+        lambda h, w: chunked_next_token_loss(h, w, targets, jnp.bfloat16, chunk), argnums=(0, 1)
+    )(hidden, embedding)
     (loss, grads), (whole, whole_grads) = grad(24), grad(0)
     np.testing.assert_allclose(float(loss), float(whole), rtol=1e-6)
     for got, expected in zip(grads, whole_grads):
@@ -46,7 +50,8 @@ def test_bfloat16_chunks_equal_the_whole_bfloat16_loss_and_track_float32():
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-4, atol=1e-6)
     # the bf16 products (cotangent rounded to bf16, as under torch autocast) stay close to float32
     want, want_grads = jax.value_and_grad(lambda h, w: plain_loss(h, w, targets, jnp.float32), argnums=(0, 1))(
-        hidden, embedding)
+        hidden, embedding
+    )
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-2)
     for got, expected in zip(grads, want_grads):
         assert np.linalg.norm(got - expected) / np.linalg.norm(expected) < 2e-2
@@ -54,8 +59,9 @@ def test_bfloat16_chunks_equal_the_whole_bfloat16_loss_and_track_float32():
 
 def test_no_array_holds_the_whole_logits():
     hidden, embedding, targets = inputs()
-    jaxpr = jax.make_jaxpr(jax.grad(lambda h, w: chunked_next_token_loss(h, w, targets, jnp.bfloat16, 32),
-                                    argnums=(0, 1)))(hidden, embedding)
+    jaxpr = jax.make_jaxpr(
+        jax.grad(lambda h, w: chunked_next_token_loss(h, w, targets, jnp.bfloat16, 32), argnums=(0, 1))
+    )(hidden, embedding)
 
     def shapes(jaxpr):
         for eqn in jaxpr.eqns:
@@ -80,8 +86,9 @@ def test_gradients_come_from_the_forward_pass_and_scale_with_the_cotangent():
     def autodiff(h, w):
         return next_token_loss(head_logits(h, w, jnp.bfloat16), targets)
 
-    (loss, grads), (want, want_grads) = (jax.value_and_grad(f, argnums=(0, 1))(hidden, embedding)
-                                         for f in (fused, autodiff))
+    (loss, grads), (want, want_grads) = (
+        jax.value_and_grad(f, argnums=(0, 1))(hidden, embedding) for f in (fused, autodiff)
+    )
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
     for got, expected in zip(grads, want_grads):
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-3, atol=1e-6)

@@ -21,5 +21,7 @@ def test_non_finite_values_are_written_as_null(tmp_path):
     writer = MetricWriter(tmp_path, enabled=True)
     writer.write(1, {"loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3})
     writer.close()
-    record = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=lambda c: c)  # NaN would read back as the string "NaN"
+    record = json.loads(
+        (tmp_path / "metrics.jsonl").read_text(), parse_constant=lambda c: c
+    )  # NaN would read back as the string "NaN"
     assert record == {"step": 1, "loss": None, "grad_norm": None, "lr": 1e-3}

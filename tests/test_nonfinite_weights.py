@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import MICRO, micro_experiment
+from test_run_safety import listing
+
 from mlra_jax.checkpoint import Checkpointer
 from mlra_jax.config import CheckpointConfig
 from mlra_jax.convert import main as convert_main
@@ -16,7 +17,8 @@ from mlra_jax.generate import main as generate_main
 from mlra_jax.train import main as train_main
 from mlra_jax.training.loop import train
 from mlra_jax.training.state import build_setup
-from test_run_safety import listing
+
+pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +44,23 @@ def test_read_only_commands_refuse_nan_weights_naming_tensor_and_step(poisoned_r
     header = np.zeros(256, np.int32)
     header[:3] = (20240520, 1, 5000)
     data.write_bytes(header.tobytes() + np.arange(5000, dtype=np.uint16).tobytes())
-    commands = [(generate_main, ["--checkpoint", str(poisoned_run), "--prompt", "x", "--max_new_tokens", "2"]),
-                (convert_main, ["to-hf", "--checkpoint", str(poisoned_run), "--out", str(tmp_path / "hf")]),
-                (convert_main, ["to-reference", "--checkpoint", str(poisoned_run), "--out", str(tmp_path / "ref")]),
-                (eval_main, ["ppl", "--checkpoint", str(poisoned_run), f"--data=val={data}", "--tokens=512",
-                             "--seq_len=32", "--batch_size=2"])]
+    commands = [
+        (generate_main, ["--checkpoint", str(poisoned_run), "--prompt", "x", "--max_new_tokens", "2"]),
+        (convert_main, ["to-hf", "--checkpoint", str(poisoned_run), "--out", str(tmp_path / "hf")]),
+        (convert_main, ["to-reference", "--checkpoint", str(poisoned_run), "--out", str(tmp_path / "ref")]),
+        (
+            eval_main,
+            [
+                "ppl",
+                "--checkpoint",
+                str(poisoned_run),
+                f"--data=val={data}",
+                "--tokens=512",
+                "--seq_len=32",
+                "--batch_size=2",
+            ],
+        ),
+    ]
     for main, argv in commands:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
@@ -54,20 +68,21 @@ def test_read_only_commands_refuse_nan_weights_naming_tensor_and_step(poisoned_r
         assert "pass --step with an earlier checkpoint (4)" in err
     assert not (tmp_path / "hf").exists() and not (tmp_path / "ref").exists()
     assert listing(poisoned_run) == before
-    assert generate_main(["--checkpoint", str(poisoned_run), "--step", "4", "--prompt", "x",
-                          "--max_new_tokens", "2"]) == 0  # the earlier step serves
+    assert (
+        generate_main(["--checkpoint", str(poisoned_run), "--step", "4", "--prompt", "x", "--max_new_tokens", "2"]) == 0
+    )  # the earlier step serves
 
 
 def test_init_from_nan_weights_is_refused(poisoned_run, tmp_path, capsys):
-    code = train_main(["--experiment=mlra4_tiny", f"--workdir={tmp_path / 'new'}", *MICRO,
-                       f"--init_from={poisoned_run}"])
+    code = train_main(
+        ["--experiment=mlra4_tiny", f"--workdir={tmp_path / 'new'}", *MICRO, f"--init_from={poisoned_run}"]
+    )
     err = capsys.readouterr().err
     assert code == 2 and f"--init_from={poisoned_run}, step 8 are not finite: blocks.attn.kv_up" in err
     assert not (tmp_path / "new" / "experiment.json").exists()
 
 
-def test_a_resumed_run_sets_a_nan_checkpoint_aside_and_continues_from_the_one_before(poisoned_run, tmp_path,
-                                                                                   caplog):
+def test_a_resumed_run_sets_a_nan_checkpoint_aside_and_continues_from_the_one_before(poisoned_run, tmp_path, caplog):
     import shutil
 
     workdir = tmp_path / "copy"

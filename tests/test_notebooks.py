@@ -7,14 +7,18 @@ import os
 
 import nbformat
 import pytest
+from helpers import ROOT, subprocess_env
 from nbclient import NotebookClient
 
-from helpers import ROOT, subprocess_env
+pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # What each notebook must leave in RUNS (the quickstart's plot cell writes its image)
-IMAGES = {"quickstart": ["quickstart_curves.png"], "tpu_vm_pod": ["pod_rehearsal_curves.png"],
-          "decode_kernels": ["paper_tables.png"]}
+IMAGES = {
+    "quickstart": ["quickstart_curves.png"],
+    "tpu_vm_pod": ["pod_rehearsal_curves.png"],
+    "decode_kernels": ["paper_tables.png"],
+}
 
 
 def test_the_three_notebooks_are_there():
@@ -35,12 +39,18 @@ def test_stored_valid_without_outputs_each_cell_saying_what_it_does(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
 def test_runs_top_to_bottom_on_a_cpu(path, tmp_path, monkeypatch):
-    for key, value in {**subprocess_env(), "MLRA_JAX_SMOKE": "1", "MLRA_JAX_RUNS": str(tmp_path),
-                       "TPU": "", "ZONE": ""}.items():
+    for key, value in {
+        **subprocess_env(),
+        "MLRA_JAX_SMOKE": "1",
+        "MLRA_JAX_RUNS": str(tmp_path),
+        "TPU": "",
+        "ZONE": "",
+    }.items():
         monkeypatch.setenv(key, value)  # the kernel inherits this environment
     notebook = nbformat.read(path, as_version=4)
-    client = NotebookClient(notebook, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
+    client = NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    )
     client.execute()  # raises CellExecutionError, naming the cell, on any error
     for image in IMAGES[path.stem]:
         assert (tmp_path / image).read_bytes().startswith(b"\x89PNG"), image
@@ -50,8 +60,9 @@ def test_runs_top_to_bottom_on_a_cpu(path, tmp_path, monkeypatch):
         assert "step 8/8  loss" in text and "[step 8] The return value" in text
         gap = float(text.split("max |transformers - JAX| logits: ")[1].split()[0])  # the Hugging Face export
         assert gap <= 1e-4 and "transformers, greedy:" in text
-        assert any("image/png" in output.get("data", {}) for cell in notebook.cells
-                   for output in cell.get("outputs", []))  # the curves inline
+        assert any(
+            "image/png" in output.get("data", {}) for cell in notebook.cells for output in cell.get("outputs", [])
+        )  # the curves inline
     if path.stem == "tpu_vm_pod":
         assert "stop signal received: saving a checkpoint" in text and "complete checkpoints at steps [" in text
         assert "resumed from" in text and "finished at step 8" in text

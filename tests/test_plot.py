@@ -28,8 +28,10 @@ def write_run(folder, losses, held_out=False):
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("plot")
-    return [write_run(root / "mla_tiny", [10.9, 9.0, 7.5, 6.8]),
-            write_run(root / "mlra4_tiny", [10.9, 8.8, 7.2, 6.5], held_out=True)]
+    return [
+        write_run(root / "mla_tiny", [10.9, 9.0, 7.5, 6.8]),
+        write_run(root / "mlra4_tiny", [10.9, 8.8, 7.2, 6.5], held_out=True),
+    ]
 
 
 def test_two_runs_give_one_png_with_a_curve_per_run_and_panel(tmp_path, two_runs, capsys):
@@ -39,8 +41,12 @@ def test_two_runs_give_one_png_with_a_curve_per_run_and_panel(tmp_path, two_runs
     assert f"wrote {out} (2 runs)" in capsys.readouterr().out
     fig = plot_runs(two_runs)
     loss, held_out, throughput = fig.axes
-    assert [line.get_label() for line in loss.lines] == ["mla_tiny train", "mla_tiny validation", "mlra4_tiny train",
-                                                         "mlra4_tiny validation"]
+    assert [line.get_label() for line in loss.lines] == [
+        "mla_tiny train",
+        "mla_tiny validation",
+        "mlra4_tiny train",
+        "mlra4_tiny validation",
+    ]
     assert list(loss.lines[3].get_xdata()) == [2, 4] and list(loss.lines[3].get_ydata()) == pytest.approx([8.9, 6.6])
     assert "val/c4/loss" in held_out.get_title() and [line.get_label() for line in held_out.lines] == ["mlra4_tiny"]
     assert len(throughput.lines) == 2
@@ -54,13 +60,15 @@ def test_a_torn_last_line_is_skipped(tmp_path, two_runs):
     assert [len(line.get_xdata()) for line in plot_runs([run]).axes[0].lines] == [2, 1]
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda run: run.mkdir(), "metrics.jsonl does not exist: give a run directory"),
-    (lambda run: (run.mkdir(), (run / "metrics.jsonl").write_text("")), "metrics.jsonl holds no metrics records"),
-    (lambda run: (run.mkdir(), (run / "metrics.jsonl").write_text("not json\n")), "holds no metrics records"),
-])
-def test_bad_input_exits_2_naming_the_file_and_writes_nothing(tmp_path, two_runs, capsys, monkeypatch, make,
-                                                              message):
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda run: run.mkdir(), "metrics.jsonl does not exist: give a run directory"),
+        (lambda run: (run.mkdir(), (run / "metrics.jsonl").write_text("")), "metrics.jsonl holds no metrics records"),
+        (lambda run: (run.mkdir(), (run / "metrics.jsonl").write_text("not json\n")), "holds no metrics records"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_file_and_writes_nothing(tmp_path, two_runs, capsys, monkeypatch, make, message):
     monkeypatch.chdir(tmp_path)
     bad = tmp_path / "bad_run"
     make(bad)

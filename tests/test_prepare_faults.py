@@ -67,8 +67,14 @@ def test_a_second_prepare_into_the_same_output_is_refused_while_the_first_runs(t
     try:
         lock = tmp_path / ".out.lock"
         wait_for(lambda: lock.exists() and f"pid {first.pid}" in lock.read_text())
-        second = subprocess.run([*command, "--input", str(other), "--overwrite"], cwd=ROOT, env=env,
-                                capture_output=True, text=True, timeout=60)
+        second = subprocess.run(
+            [*command, "--input", str(other), "--overwrite"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
         holder = f"host {os.uname().nodename} pid {first.pid}"
         assert f"another prepare ({holder}) is writing --output {out}" in second.stderr
@@ -92,8 +98,10 @@ def test_a_second_prepare_into_the_same_output_is_refused_while_the_first_runs(t
         first.communicate()
     assert text_of(out) == "<|endoftext|>the first input"
     marker = json.loads((out / "prepare.json").read_text())
-    assert marker["inputs"] == [str(fifo)] and sorted(p.name for p in out.iterdir()) == [*marker["shards"],
-                                                                                         "prepare.json"]
+    assert marker["inputs"] == [str(fifo)] and sorted(p.name for p in out.iterdir()) == [
+        *marker["shards"],
+        "prepare.json",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "out"]  # no staging or lock left
 
     assert run(other, out, "--overwrite") == 0  # afterwards it replaces the folder whole
@@ -149,12 +157,15 @@ def test_prepares_on_a_bucket_stage_under_names_of_their_own(tmp_path, monkeypat
 # 2. and 5. Options that would loop forever or raise
 
 
-@pytest.mark.parametrize("options, message", [
-    (["--shard_tokens", "0"], "argument --shard_tokens: '0' is not a whole number >= 1"),
-    (["--shard_tokens", "-5"], "argument --shard_tokens: '-5' is not a whole number >= 1"),
-    (["--val_documents", "-1"], "argument --val_documents: '-1' is not a whole number >= 0"),
-    (["--max_tokens", "1e999"], "argument --max_tokens: '1e999' is not a whole number >= 1"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--shard_tokens", "0"], "argument --shard_tokens: '0' is not a whole number >= 1"),
+        (["--shard_tokens", "-5"], "argument --shard_tokens: '-5' is not a whole number >= 1"),
+        (["--val_documents", "-1"], "argument --val_documents: '-1' is not a whole number >= 0"),
+        (["--max_tokens", "1e999"], "argument --max_tokens: '1e999' is not a whole number >= 1"),
+    ],
+)
 def test_bad_counts_are_refused_before_anything_is_written(tmp_path, capsys, options, message):
     (tmp_path / "in.txt").write_text("some text")
     with pytest.raises(SystemExit) as exit_:
@@ -184,15 +195,23 @@ def _parquet(path: Path, texts: list) -> None:
     pq.write_table(pa.table({"text": texts}), path)
 
 
-@pytest.mark.parametrize("name, content, options, message", [
-    ("empty.txt", "", [], "empty.txt: its only document has no text"),
-    ("blank.txt", " \n\t\n", [], "blank.txt: its only document has no text"),
-    ("empty.jsonl", "", [], "holds no documents"),
-    ("blank.jsonl", "\n  \n\n", [], "holds no documents"),
-    ("fields.jsonl", '{"text": ""}\n{"text": "   "}\n{"text": null}\n', [], "all 3 documents read have no text"),
-    ("nulls.parquet", [None, None], [], "all 2 documents read have no text"),
-    ("two.jsonl", '{"text": "a"}\n{"text": "b"}\n', ["--skip_documents", "2"], "--skip_documents 2 is past the end"),
-])
+@pytest.mark.parametrize(
+    "name, content, options, message",
+    [
+        ("empty.txt", "", [], "empty.txt: its only document has no text"),
+        ("blank.txt", " \n\t\n", [], "blank.txt: its only document has no text"),
+        ("empty.jsonl", "", [], "holds no documents"),
+        ("blank.jsonl", "\n  \n\n", [], "holds no documents"),
+        ("fields.jsonl", '{"text": ""}\n{"text": "   "}\n{"text": null}\n', [], "all 3 documents read have no text"),
+        ("nulls.parquet", [None, None], [], "all 2 documents read have no text"),
+        (
+            "two.jsonl",
+            '{"text": "a"}\n{"text": "b"}\n',
+            ["--skip_documents", "2"],
+            "--skip_documents 2 is past the end",
+        ),
+    ],
+)
 def test_an_input_with_no_text_is_an_error_and_writes_nothing(tmp_path, capsys, name, content, options, message):
     source = tmp_path / "in" / name
     source.parent.mkdir()
@@ -212,8 +231,10 @@ def test_an_input_with_no_text_is_an_error_and_writes_nothing(tmp_path, capsys, 
 def test_documents_with_no_text_are_skipped_and_counted(tmp_path, capsys):
     lines = ['{"text": "first"}', '{"text": ""}', '{"text": null}', '{"text": " \\n "}', '{"text": "second"}']
     (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
-    assert prepare_main(["--input", str(tmp_path / "d.jsonl"), "--output", str(tmp_path / "out"),
-                         "--val_documents", "1"]) == 0
+    assert (
+        prepare_main(["--input", str(tmp_path / "d.jsonl"), "--output", str(tmp_path / "out"), "--val_documents", "1"])
+        == 0
+    )
     assert "1 validation and 1 training documents (3 with no text skipped)" in capsys.readouterr().out
     assert text_of(tmp_path / "out", "val") == "<|endoftext|>first"
     assert text_of(tmp_path / "out") == "<|endoftext|>second"
@@ -249,10 +270,24 @@ def test_parquet_null_texts_are_skipped_and_other_types_named(tmp_path, capsys):
 
 @pytest.fixture
 def prepared(tmp_path) -> Path:
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": f"document number {i} " * 20}) + "\n"
-                                               for i in range(12)))
-    assert prepare_main(["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"),
-                         "--val_documents", "4", "--shard_tokens", "200"]) == 0
+    (tmp_path / "in.jsonl").write_text(
+        "".join(json.dumps({"text": f"document number {i} " * 20}) + "\n" for i in range(12))
+    )
+    assert (
+        prepare_main(
+            [
+                "--input",
+                str(tmp_path / "in.jsonl"),
+                "--output",
+                str(tmp_path / "out"),
+                "--val_documents",
+                "4",
+                "--shard_tokens",
+                "200",
+            ]
+        )
+        == 0
+    )
     return tmp_path / "out"
 
 
@@ -268,10 +303,15 @@ def test_prepare_records_each_shards_bytes_and_sha256(prepared):
 def test_a_shard_replaced_by_one_of_another_size_is_refused(prepared):
     write_shard(prepared / "data_train_000002.bin", np.arange(150))  # the same name, other tokens
     cfg = DataConfig(dataset=str(prepared))
-    for load in (lambda: train_dataset(cfg, 16, 50304, seed=0, local_batch=2),
-                 lambda: find_shards(prepared, "*_train_*.bin")):
-        with pytest.raises(DataError, match=r"data_train_000002.bin: 1,324 bytes, but prepare wrote 1,424 bytes under "
-                                            r"this name .*prepare.json\); the shard was replaced or damaged since"):
+    for load in (
+        lambda: train_dataset(cfg, 16, 50304, seed=0, local_batch=2),
+        lambda: find_shards(prepared, "*_train_*.bin"),
+    ):
+        with pytest.raises(
+            DataError,
+            match=r"data_train_000002.bin: 1,324 bytes, but prepare wrote 1,424 bytes under "
+            r"this name .*prepare.json\); the shard was replaced or damaged since",
+        ):
             load()
     write_shard(prepared / "data_val_000000.bin", np.arange(300))
     with pytest.raises(DataError, match="data_val_000000.bin: 1,624 bytes, but prepare wrote"):
@@ -296,8 +336,11 @@ def test_a_same_size_replacement_is_found_by_the_checksum_on_request(prepared, m
 
 def test_a_deleted_shard_and_folders_without_checksums(prepared, tmp_path, capsys):
     (prepared / "data_train_000003.bin").unlink()
-    with pytest.raises(DataError, match=r"data_train_000003.bin listed in prepare.json \(matching '\*_train_\*.bin'\) "
-                                        r"are missing"):
+    with pytest.raises(
+        DataError,
+        match=r"data_train_000003.bin listed in prepare.json \(matching '\*_train_\*.bin'\) "
+        r"are missing",
+    ):
         find_shards(prepared, "*_train_*.bin")
     assert prepare_main(["--verify", str(prepared)]) == 2
     assert "data_train_000003.bin listed in prepare.json are missing" in one_error_line(capsys)

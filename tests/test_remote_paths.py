@@ -10,21 +10,23 @@ import jax
 import numpy as np
 import pytest
 from etils import epath
-from fsspec.implementations.local import LocalFileSystem
-
 from fake_bucket import fake_gcs
+from fsspec.implementations.local import LocalFileSystem
 from helpers import MICRO, losses, micro_experiment
+
+from mlra_jax import paths
 from mlra_jax.data.builtin import read_corpus
 from mlra_jax.data.pipeline import TokenWindows
 from mlra_jax.data.prepare import prepare
 from mlra_jax.data.shards import HEADER_BYTES, write_shard
 from mlra_jax.generate import load_model
-from mlra_jax import paths
 from mlra_jax.metrics import MetricWriter
 from mlra_jax.paths import as_path
 from mlra_jax.train import main as train_main
 from mlra_jax.training import loop
 from mlra_jax.training.loop import TrainResult, train
+
+pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
 
 ONE_DEVICE = jax.devices()[:1]
 
@@ -45,12 +47,17 @@ def test_a_run_on_a_bucket_trains_resumes_and_writes_nothing_locally(tmp_path, m
     data = ["--data.dataset=gs://bucket/data"]
     with fake_gcs(tmp_path / "bucket_root"), caplog.at_level(logging.INFO, logger="mlra_jax"):
         prepare(str(source), "gs://bucket/data", "corpus", val_documents=40, shard_tokens=20_000)
-        first = train(micro_experiment("mlra4_tiny", "--train.total_steps=8", *data), "gs://bucket/run",
-                      devices=ONE_DEVICE)
+        first = train(
+            micro_experiment("mlra4_tiny", "--train.total_steps=8", *data), "gs://bucket/run", devices=ONE_DEVICE
+        )
         assert first.step == 8
         assert "one job per workdir is your responsibility" in caplog.text  # no flock on an object store
-        resumed = train(micro_experiment("mlra4_tiny", *data), "gs://bucket/run", devices=ONE_DEVICE,
-                        allow_changed=("train.total_steps",))
+        resumed = train(
+            micro_experiment("mlra4_tiny", *data),
+            "gs://bucket/run",
+            devices=ONE_DEVICE,
+            allow_changed=("train.total_steps",),
+        )
         assert resumed.step == 12
         assert load_model("gs://bucket/run")[1] == 12  # generate reads it back
     assert "resumed from gs://bucket/run/checkpoints/8 at step 8" in caplog.text
@@ -64,8 +71,11 @@ def test_a_run_on_a_bucket_trains_resumes_and_writes_nothing_locally(tmp_path, m
     assert json.loads((bucket / "data" / "prepare.json").read_text())["tokens"]["train"] > 8 * 33 * 12
 
     # the same steps on the local copy of the data: the byte-range reads fed the same batches
-    local = train(micro_experiment("mlra4_tiny", "--train.total_steps=8", f"--data.dataset={bucket / 'data'}"),
-                  tmp_path / "local_run", devices=ONE_DEVICE)
+    local = train(
+        micro_experiment("mlra4_tiny", "--train.total_steps=8", f"--data.dataset={bucket / 'data'}"),
+        tmp_path / "local_run",
+        devices=ONE_DEVICE,
+    )
     assert local.step == 8
     remote = {step: loss for step, loss in losses(run).items() if step <= 8}
     assert losses(tmp_path / "local_run") == remote

@@ -2,17 +2,18 @@
 
 import random
 import shutil
-import sys
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-
 from helpers import ROOT, losses, records, run_training, subprocess_env, train_command
 from xla_test_flags import SUBPROCESS
+
+pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
 
 LONG = ["--train.total_steps=36", "--checkpoint.every=4", "--train.eval_every=18"]
 
@@ -26,8 +27,14 @@ def uninterrupted(tmp_path_factory):
 
 def start_and_wait(workdir, min_step):
     """Start a run and return it once it has logged `min_step` steps (still running)."""
-    process = subprocess.Popen(train_command(workdir, *LONG), env=subprocess_env(), cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        train_command(workdir, *LONG),
+        env=subprocess_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     metrics, deadline = workdir / "metrics.jsonl", time.time() + 300
     while time.time() < deadline:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= min_step:
@@ -56,8 +63,13 @@ def kill_at_a_random_moment(workdir, rng, mid_save):
     """Run until a checkpoint newer than the resumed one exists, then SIGKILL at once while a save is in
     flight (mid_save) or after a random pause. True if the kill landed in a save."""
     resumed_from = max(saved_steps(workdir), default=0)
-    process = subprocess.Popen(train_command(workdir, *MANY), env=subprocess_env(), cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        train_command(workdir, *MANY),
+        env=subprocess_env(),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 300
     while max(saved_steps(workdir), default=0) <= resumed_from and time.time() < deadline:
         assert process.poll() is None, "the run ended before it could be killed"
@@ -137,8 +149,14 @@ def test_two_processes_train_like_one(tmp_path):
     run_training(tmp_path / "one", *run, devices=8)
     env = dict(subprocess_env(), DEVICES_PER_PROCESS="4", PYTHON=sys.executable)
     env["XLA_FLAGS"] = SUBPROCESS  # launch/local.sh adds the device count
-    result = subprocess.run(["bash", "launch/local.sh", "2", *train_command(tmp_path / "two", *run)[3:]], env=env,
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        ["bash", "launch/local.sh", "2", *train_command(tmp_path / "two", *run)[3:]],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(two) == list(range(1, 7))

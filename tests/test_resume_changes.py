@@ -7,15 +7,17 @@ import shutil
 import jax
 import numpy as np
 import pytest
-
 from helpers import MICRO, micro_experiment, records
-from mlra_jax.cli import apply_overrides
 from mlra_jax.experiments import get_experiment
+
+from mlra_jax.cli import apply_overrides
 from mlra_jax.config import DataConfig
 from mlra_jax.data.pipeline import train_dataset
 from mlra_jax.train import main as train_main
 from mlra_jax.training.loop import train
 from mlra_jax.training.resume_check import record_experiment
+
+pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
 
 ONE_DEVICE = jax.devices()[:1]
 
@@ -43,22 +45,34 @@ def test_a_changed_batch_size_is_refused_then_resumes_at_the_next_example_when_a
 def test_the_stream_from_an_example_is_the_same_whatever_the_batch_size():
     data = DataConfig(dataset="builtin")
     small = train_dataset(data, 32, 50304, seed=1, local_batch=4, process_index=1, process_count=2)
-    large = train_dataset(data, 32, 50304, seed=1, local_batch=8, process_index=1, process_count=2,
-                          start_example=3 * 8)  # after 3 global batches of 8
+    large = train_dataset(
+        data, 32, 50304, seed=1, local_batch=8, process_index=1, process_count=2, start_example=3 * 8
+    )  # after 3 global batches of 8
     np.testing.assert_array_equal(large[0], np.concatenate([small[3], small[4]]))
 
 
 def test_settings_that_keep_the_trajectory_resume_freely(tmp_path, caplog):
     experiment = micro_experiment("mlra4_tiny", "--train.total_steps=4", "--train.eval_every=0")
     train(experiment, tmp_path, devices=ONE_DEVICE)
-    more = micro_experiment("mlra4_tiny", "--train.total_steps=6", "--train.eval_every=2", "--train.log_every=2",
-                            "--model.remat=full", "--model.compute_dtype=bfloat16", "--train.micro_batch_size=4",
-                            "--model.attention_impl=xla")
+    more = micro_experiment(
+        "mlra4_tiny",
+        "--train.total_steps=6",
+        "--train.eval_every=2",
+        "--train.log_every=2",
+        "--model.remat=full",
+        "--model.compute_dtype=bfloat16",
+        "--train.micro_batch_size=4",
+        "--model.attention_impl=xla",
+    )
     with caplog.at_level("WARNING"):
         assert train(more, tmp_path, devices=ONE_DEVICE, allow_changed=("train.total_steps",)).step == 6
-    for field, old, new in [("train.log_every", 1, 2), ("model.remat", "'none'", "'full'"),
-                            ("model.compute_dtype", "'float32'", "'bfloat16'"), ("train.micro_batch_size", None, 4),
-                            ("model.attention_impl", "'auto'", "'xla'")]:
+    for field, old, new in [
+        ("train.log_every", 1, 2),
+        ("model.remat", "'none'", "'full'"),
+        ("model.compute_dtype", "'float32'", "'bfloat16'"),
+        ("train.micro_batch_size", None, 4),
+        ("model.attention_impl", "'auto'", "'xla'"),
+    ]:
         assert f"with {field} changed from {old} to {new}" in caplog.text
     assert sorted(records(tmp_path)) == list(range(1, 5)) + [6]  # log_every=2 after the resume
 

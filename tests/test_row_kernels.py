@@ -5,26 +5,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
+from helpers import on_gpu
 from mlra_jax.pallas_kernels import latent_rows_gpu as latent_rows
 from mlra_jax.pallas_kernels import row_products_gpu as rows
 from mlra_jax.pallas_kernels.row_products_gpu import Tiling
-from helpers import on_gpu
 
 BF16 = jnp.bfloat16
 # (N, K, tiling): each engine and option over whole K tiles and over a K tail (1408 = 5 x 256 + 128, or unrolled
 # 1024 + 256 + 128; 208 = 128 + 64 + 16 below a 256-wide tile)
-CASES = [(96, 384, Tiling("fma", 8, 128)), (64, 1408, Tiling("fma", 4, 256, prefetch=2)),
-         (32, 208, Tiling("fma", 2, 256, unroll=True)), (16, 1408, Tiling("fma", 1, 1024, num_warps=8, unroll=True)),
-         (96, 384, Tiling("dot", 16, 128)),
-         (64, 1408, Tiling("dot", 32, 256)), (32, 208, Tiling("dot", 16, 256))]
+CASES = [
+    (96, 384, Tiling("fma", 8, 128)),
+    (64, 1408, Tiling("fma", 4, 256, prefetch=2)),
+    (32, 208, Tiling("fma", 2, 256, unroll=True)),
+    (16, 1408, Tiling("fma", 1, 1024, num_warps=8, unroll=True)),
+    (96, 384, Tiling("dot", 16, 128)),
+    (64, 1408, Tiling("dot", 32, 256)),
+    (32, 208, Tiling("dot", 16, 256)),
+]
 
 
 def assert_close(got, expected, dtype):
     """Equal up to one rounding of `dtype` (the kernels and XLA sum in different orders)."""
     got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
     assert got.shape == expected.shape and np.all(np.isfinite(got))
-    ulp = 2.0 ** -7 if dtype == BF16 else 1e-5
+    ulp = 2.0**-7 if dtype == BF16 else 1e-5
     np.testing.assert_allclose(got, expected, rtol=ulp, atol=ulp * np.abs(expected).max())
 
 
@@ -35,34 +39,56 @@ def assert_added(got, expected, residual):
 
 def inputs(n, k, seed, dtype=BF16):
     keys = jax.random.split(jax.random.key(seed), 5)
-    return (3 * jax.random.normal(keys[0], (k,), jnp.float32),  # a residual row (float32)
-            1 + 0.1 * jax.random.normal(keys[1], (k,), jnp.float32),  # norm scale
-            (0.05 * jax.random.normal(keys[2], (n, k))).astype(dtype),
-            (0.05 * jax.random.normal(keys[3], (2, n, k))).astype(dtype),
-            jax.random.normal(keys[4], (n,), jnp.float32))
+    return (
+        3 * jax.random.normal(keys[0], (k,), jnp.float32),  # a residual row (float32)
+        1 + 0.1 * jax.random.normal(keys[1], (k,), jnp.float32),  # norm scale
+        (0.05 * jax.random.normal(keys[2], (n, k))).astype(dtype),
+        (0.05 * jax.random.normal(keys[3], (2, n, k))).astype(dtype),
+        jax.random.normal(keys[4], (n,), jnp.float32),
+    )
 
 
-@pytest.mark.parametrize("n, k, tiling", CASES, ids=lambda c: f"{c.engine}{c.block_rows}x{c.block_k}p{c.prefetch}"
-                         f"u{int(c.unroll)}" if isinstance(c, Tiling) else str(c))
+@pytest.mark.parametrize(
+    "n, k, tiling",
+    CASES,
+    ids=lambda c: (
+        f"{c.engine}{c.block_rows}x{c.block_k}p{c.prefetch}u{int(c.unroll)}" if isinstance(c, Tiling) else str(c)
+    ),
+)
 def test_row_products_in_interpret_mode(n, k, tiling):
     x, scale, w, w2, residual = inputs(n, k, n + k)
-    assert_close(rows.norm_matvec(x, w, scale, extra=1.3, tiling=tiling, interpret=True),
-                 rows.norm_matvec_reference(x, w, scale, extra=1.3), BF16)
-    assert_close(rows.swiglu_norm_matvec(x, w2, scale, tiling=tiling, interpret=True),
-                 rows.swiglu_norm_matvec_reference(x, w2, scale), BF16)
+    assert_close(
+        rows.norm_matvec(x, w, scale, extra=1.3, tiling=tiling, interpret=True),
+        rows.norm_matvec_reference(x, w, scale, extra=1.3),
+        BF16,
+    )
+    assert_close(
+        rows.swiglu_norm_matvec(x, w2, scale, tiling=tiling, interpret=True),
+        rows.swiglu_norm_matvec_reference(x, w2, scale),
+        BF16,
+    )
     h = x.astype(BF16)
-    assert_added(rows.matvec_add(h, w, residual, tiling=tiling, interpret=True),
-                 rows.matvec_add_reference(h, w, residual), residual)
+    assert_added(
+        rows.matvec_add(h, w, residual, tiling=tiling, interpret=True),
+        rows.matvec_add_reference(h, w, residual),
+        residual,
+    )
 
 
 def test_norm_matvec_reads_its_row_at_an_offset_without_a_norm_and_returns_float32_logits():
     x, scale, w, _, _ = inputs(64, 128, 0)
     longer = jnp.concatenate([jnp.full((48,), 100.0), x, jnp.full((16,), -7.0)]).astype(BF16)
     for tiling in (Tiling("fma", 4, 64), Tiling("fma", 2, 64, unroll=True)):  # a loop, and unrolled
-        assert_close(rows.norm_matvec(longer, w, scale, offset=48, tiling=tiling, interpret=True),
-                     rows.norm_matvec_reference(longer, w, scale, offset=48), BF16)
-    assert_close(rows.norm_matvec(longer, w, None, offset=48, interpret=True),
-                 rows.norm_matvec_reference(longer[48:176], w), BF16)
+        assert_close(
+            rows.norm_matvec(longer, w, scale, offset=48, tiling=tiling, interpret=True),
+            rows.norm_matvec_reference(longer, w, scale, offset=48),
+            BF16,
+        )
+    assert_close(
+        rows.norm_matvec(longer, w, None, offset=48, interpret=True),
+        rows.norm_matvec_reference(longer[48:176], w),
+        BF16,
+    )
     logits = rows.norm_matvec(x, w, scale, out_dtype=jnp.float32, interpret=True)
     assert logits.dtype == jnp.float32
     # float32 sums of a bf16 row, whose roundings a GPU's approximate rsqrt may flip: up to one bf16 rounding
@@ -71,8 +97,11 @@ def test_norm_matvec_reads_its_row_at_an_offset_without_a_norm_and_returns_float
 
 def test_float32_weights_and_the_dot_engine_that_refuses_them():
     x, scale, _, w2, _ = inputs(32, 128, 1, jnp.float32)
-    assert_close(rows.swiglu_norm_matvec(x, w2, scale, interpret=True), rows.swiglu_norm_matvec_reference(x, w2, scale),
-                 jnp.float32)
+    assert_close(
+        rows.swiglu_norm_matvec(x, w2, scale, interpret=True),
+        rows.swiglu_norm_matvec_reference(x, w2, scale),
+        jnp.float32,
+    )
     with pytest.raises(ValueError, match="16-bit weights"):
         rows.swiglu_norm_matvec(x, w2, scale, tiling=Tiling("dot", 16, 128), interpret=True)
     with pytest.raises(ValueError, match="takes 200 values of the row from 0"):
@@ -95,14 +124,17 @@ def latent_inputs(n, branches, heads, r, dh, dr, seed=0):
     keys = jax.random.split(jax.random.key(seed), 7)
     h = n // branches * heads
     angles = jnp.arange(dr // 2) * 0.37 + 1.1
-    return dict(q=jax.random.normal(keys[0], (h, dh + dr)).astype(BF16),
-                kv_up=(0.1 * jax.random.normal(keys[1], (2, n, heads, r, dh))).astype(BF16),
-                cos=jnp.cos(angles), sin=jnp.sin(angles),
-                z=jax.random.normal(keys[2], (n, heads, r)).astype(BF16),
-                projected=jax.random.normal(keys[3], (48 + n * r + dr + 16,)).astype(BF16),
-                norm_scale=1 + 0.1 * jax.random.normal(keys[4], (n, r)),
-                latent_cache=jax.random.normal(keys[5], (1, 40, n, r)).astype(BF16),
-                k_rope_cache=jax.random.normal(keys[6], (1, 40, 1, dr)).astype(BF16))
+    return dict(
+        q=jax.random.normal(keys[0], (h, dh + dr)).astype(BF16),
+        kv_up=(0.1 * jax.random.normal(keys[1], (2, n, heads, r, dh))).astype(BF16),
+        cos=jnp.cos(angles),
+        sin=jnp.sin(angles),
+        z=jax.random.normal(keys[2], (n, heads, r)).astype(BF16),
+        projected=jax.random.normal(keys[3], (48 + n * r + dr + 16,)).astype(BF16),
+        norm_scale=1 + 0.1 * jax.random.normal(keys[4], (n, r)),
+        latent_cache=jax.random.normal(keys[5], (1, 40, n, r)).astype(BF16),
+        k_rope_cache=jax.random.normal(keys[6], (1, 40, 1, dr)).astype(BF16),
+    )
 
 
 def check_latent_kernels(layout, interpret):
@@ -111,19 +143,26 @@ def check_latent_kernels(layout, interpret):
     a = latent_inputs(*layout)
     entry = latent_rows.LatentEntry(a["projected"], a["norm_scale"], offset=48, eps=1e-5, latent_scale=1.7)
     caches, slot = (a["latent_cache"], a["k_rope_cache"]), jnp.array([17], jnp.int32)
-    got = jax.jit(lambda *args: latent_rows.latent_queries(*args, branches=branches, entry=entry, caches=caches,
-                                                           slot=slot, interpret=interpret))(
-        a["q"], a["kv_up"], a["cos"], a["sin"])
-    expected = (*latent_rows.latent_queries_reference(a["q"], a["kv_up"], a["cos"], a["sin"], branches=branches),
-                *latent_rows.write_latent_entry_reference(entry, a["cos"], a["sin"], *caches, slot))
+    got = jax.jit(
+        lambda *args: latent_rows.latent_queries(
+            *args, branches=branches, entry=entry, caches=caches, slot=slot, interpret=interpret
+        )
+    )(a["q"], a["kv_up"], a["cos"], a["sin"])
+    expected = (
+        *latent_rows.latent_queries_reference(a["q"], a["kv_up"], a["cos"], a["sin"], branches=branches),
+        *latent_rows.write_latent_entry_reference(entry, a["cos"], a["sin"], *caches, slot),
+    )
     for g, e in zip(got, expected):
         assert_close(g, e, BF16)
     for g, before in zip(got[2:], caches):  # the slot was written, no other
         assert not np.array_equal(np.asarray(g[:, 17]), np.asarray(before[:, 17]))
         np.testing.assert_array_equal(np.delete(np.asarray(g), 17, axis=1), np.delete(np.asarray(before), 17, axis=1))
-    options = dict(branches=branches, branch_scale=branches ** -0.5)
-    assert_close(latent_rows.latent_output(a["z"], a["kv_up"], **options, interpret=interpret),
-                 latent_rows.latent_output_reference(a["z"], a["kv_up"], **options), BF16)
+    options = dict(branches=branches, branch_scale=branches**-0.5)
+    assert_close(
+        latent_rows.latent_output(a["z"], a["kv_up"], **options, interpret=interpret),
+        latent_rows.latent_output_reference(a["z"], a["kv_up"], **options),
+        BF16,
+    )
 
 
 @pytest.mark.parametrize("layout", LATENT_LAYOUTS, ids=["mlra4", "mla", "gla2", "mlra2"])
@@ -140,8 +179,17 @@ def test_latent_shapes_the_kernels_refuse():
 
 
 @on_gpu
-@pytest.mark.parametrize("n, k, kind", [(1600, 3072, "norm"), (4608, 1024, "norm"), (3072, 3072, "add"),
-                                        (9984, 3072, "swiglu"), (3072, 9984, "add"), (50304, 3072, "head")])
+@pytest.mark.parametrize(
+    "n, k, kind",
+    [
+        (1600, 3072, "norm"),
+        (4608, 1024, "norm"),
+        (3072, 3072, "add"),
+        (9984, 3072, "swiglu"),
+        (3072, 9984, "add"),
+        (50304, 3072, "head"),
+    ],
+)
 def test_row_products_on_gpu_at_the_2p9b_shapes(n, k, kind):
     x, scale, w, w2, residual = inputs(n, k, 7)
     if kind == "swiglu":
@@ -151,12 +199,16 @@ def test_row_products_on_gpu_at_the_2p9b_shapes(n, k, kind):
         assert_added(rows.matvec_add(h, w, residual), rows.matvec_add_reference(h, w, residual), residual)
     else:
         out = jnp.float32 if kind == "head" else None
-        assert_close(rows.norm_matvec(x, w, scale, out_dtype=out), rows.norm_matvec_reference(x, w, scale,
-                                                                                              out_dtype=out), BF16)
+        assert_close(
+            rows.norm_matvec(x, w, scale, out_dtype=out), rows.norm_matvec_reference(x, w, scale, out_dtype=out), BF16
+        )
 
 
 @on_gpu
-@pytest.mark.parametrize("layout", [(4, 4, 24, 128, 128, 64), (1, 1, 24, 512, 128, 64), (2, 1, 12, 256, 128, 64)],
-                         ids=["mlra4", "mla", "gla2"])
+@pytest.mark.parametrize(
+    "layout",
+    [(4, 4, 24, 128, 128, 64), (1, 1, 24, 512, 128, 64), (2, 1, 12, 256, 128, 64)],
+    ids=["mlra4", "mla", "gla2"],
+)
 def test_latent_row_kernels_on_gpu_at_the_2p9b_shapes(layout):
     check_latent_kernels(layout, interpret=False)

@@ -12,16 +12,19 @@ import time
 import jax
 import numpy as np
 import pytest
-
 from helpers import MICRO, ROOT, micro_experiment, subprocess_env
+from test_run_safety import listing
+
 from mlra_jax import guards
 from mlra_jax.train import main as train_main
 from mlra_jax.training.loop import train
-from test_run_safety import listing
+
+pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
 
 WRITER = """
 import sys
 from mlra_jax.guards import atomic_write_text
+
 path, size = sys.argv[1], int(sys.argv[2])
 print("ready", flush=True)
 for i in range(10**6):
@@ -36,8 +39,13 @@ def test_a_kill_at_any_moment_of_a_rewrite_leaves_a_whole_file(tmp_path):
     target.write_text("x" * size)
     rng = np.random.default_rng(0)
     for _ in range(10):
-        process = subprocess.Popen([sys.executable, "-c", WRITER, str(target), str(size)], stdout=subprocess.PIPE,
-                                   env=subprocess_env(), cwd=ROOT, text=True)
+        process = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(target), str(size)],
+            stdout=subprocess.PIPE,
+            env=subprocess_env(),
+            cwd=ROOT,
+            text=True,
+        )
         assert process.stdout.readline().strip() == "ready"
         time.sleep(rng.uniform(0.0, 0.3))
         process.send_signal(signal.SIGKILL)
@@ -58,8 +66,11 @@ def test_an_interrupted_rewrite_keeps_the_old_content_and_no_temporary(tmp_path,
 
 
 def trained(tmp_path, steps=8):
-    train(micro_experiment("mlra4_tiny", f"--train.total_steps={steps}", "--train.eval_every=0"), tmp_path,
-          devices=jax.devices()[:1])
+    train(
+        micro_experiment("mlra4_tiny", f"--train.total_steps={steps}", "--train.eval_every=0"),
+        tmp_path,
+        devices=jax.devices()[:1],
+    )
     return (tmp_path / "experiment.json").read_bytes()
 
 
@@ -88,15 +99,25 @@ def test_a_changed_model_without_experiment_json_writes_none(tmp_path, capsys):
     assert not (tmp_path / "experiment.json").exists()  # the wrong model was not recorded
 
 
-@pytest.mark.parametrize("layout,message", [
-    ({"run": "file"}, "cannot be a folder: {run} is a file"),
-    ({"parent": "file"}, "cannot be a folder: {parent} is a file"),
-    ({"run/metrics.jsonl": "folder"}, "metrics.jsonl is a folder, where the run keeps its metrics.jsonl file"),
-    ({"run/lock": "folder"}, "lock is a folder, where the run keeps its lock file"),
-    ({"run/checkpoints": "file"}, "checkpoints is a file, where the run keeps its checkpoints folder"),
-    ({"run/experiment.json": "folder"}, "experiment.json is a folder"),
-], ids=["workdir-is-a-file", "workdir-under-a-file", "metrics-folder", "lock-folder", "checkpoints-file",
-        "experiment-folder"])
+@pytest.mark.parametrize(
+    "layout,message",
+    [
+        ({"run": "file"}, "cannot be a folder: {run} is a file"),
+        ({"parent": "file"}, "cannot be a folder: {parent} is a file"),
+        ({"run/metrics.jsonl": "folder"}, "metrics.jsonl is a folder, where the run keeps its metrics.jsonl file"),
+        ({"run/lock": "folder"}, "lock is a folder, where the run keeps its lock file"),
+        ({"run/checkpoints": "file"}, "checkpoints is a file, where the run keeps its checkpoints folder"),
+        ({"run/experiment.json": "folder"}, "experiment.json is a folder"),
+    ],
+    ids=[
+        "workdir-is-a-file",
+        "workdir-under-a-file",
+        "metrics-folder",
+        "lock-folder",
+        "checkpoints-file",
+        "experiment-folder",
+    ],
+)
 def test_a_run_directory_that_cannot_be_used_exits_2_before_anything(tmp_path, capsys, layout, message):
     places = {"run": tmp_path / "run", "parent": tmp_path / "parent"}
     for name, kind in layout.items():
@@ -113,6 +134,7 @@ def test_a_run_directory_that_cannot_be_used_exits_2_before_anything(tmp_path, c
 
 def test_an_unwritable_run_directory_is_found_before_the_first_step(tmp_path, capsys, monkeypatch):
     """(Checked with a refused probe file: the tests may run as root, whom permissions do not stop.)"""
+
     def refuse(**kwargs):
         raise PermissionError(13, "Permission denied")
 
@@ -127,8 +149,15 @@ def test_binary_bytes_in_metrics_jsonl_are_dropped_on_resume(tmp_path, caplog):
     with open(tmp_path / "metrics.jsonl", "ab") as f:
         f.write(b"\xff\xfe\x00garbage\n")
     with caplog.at_level("WARNING"):
-        assert train(micro_experiment("mlra4_tiny", "--train.total_steps=8", "--train.eval_every=0"), tmp_path,
-                     devices=jax.devices()[:1], allow_changed=("train.total_steps",)).step == 8
+        assert (
+            train(
+                micro_experiment("mlra4_tiny", "--train.total_steps=8", "--train.eval_every=0"),
+                tmp_path,
+                devices=jax.devices()[:1],
+                allow_changed=("train.total_steps",),
+            ).step
+            == 8
+        )
     assert "is not a metrics record" in caplog.text
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 9))
@@ -140,8 +169,9 @@ def test_unexpected_errors_are_one_line_unless_debugging(tmp_path, capsys, monke
 
     monkeypatch.setattr(train_module, "apply_overrides", lambda *a: (_ for _ in ()).throw(ZeroDivisionError("x")))
     assert train_main(["--experiment=mlra4_tiny"]) == 1
-    assert capsys.readouterr().err.strip() == ("error: unexpected ZeroDivisionError: x (run with --debug or "
-                                               "MLRA_JAX_DEBUG=1 for the traceback)")
+    assert capsys.readouterr().err.strip() == (
+        "error: unexpected ZeroDivisionError: x (run with --debug or MLRA_JAX_DEBUG=1 for the traceback)"
+    )
     with pytest.raises(ZeroDivisionError):
         train_main(["--experiment=mlra4_tiny", "--debug"])
     monkeypatch.setenv("MLRA_JAX_DEBUG", "1")
@@ -159,8 +189,9 @@ def test_a_full_disk_exits_2_with_one_message_and_resumes_identically(tmp_path, 
     original = checkpoint.Checkpointer.save
 
     def full(self, step, state, metadata):
-        raise RuntimeError("async save failed") from OSError(errno.ENOSPC, "No space left on device",
-                                                             str(tmp_path / "checkpoints" / "4"))
+        raise RuntimeError("async save failed") from OSError(
+            errno.ENOSPC, "No space left on device", str(tmp_path / "checkpoints" / "4")
+        )
 
     monkeypatch.setattr(checkpoint.Checkpointer, "save", full)
     run = ["--experiment=mlra4_tiny", f"--workdir={tmp_path}", *MICRO, "--train.eval_every=0"]

@@ -6,11 +6,13 @@ import json
 
 import jax
 import pytest
-
 from helpers import MICRO, micro_experiment
+
 from mlra_jax.generate import main as generate_main
 from mlra_jax.train import main as train_main
 from mlra_jax.training.loop import TrainingDiverged, train
+
+pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
 
 
 def listing(path):
@@ -18,8 +20,11 @@ def listing(path):
 
 
 def trained_run(tmp_path):
-    train(micro_experiment("mlra4_tiny", "--train.total_steps=8", "--train.eval_every=0"), tmp_path,
-          devices=jax.devices()[:1])
+    train(
+        micro_experiment("mlra4_tiny", "--train.total_steps=8", "--train.eval_every=0"),
+        tmp_path,
+        devices=jax.devices()[:1],
+    )
     return listing(tmp_path / "checkpoints"), (tmp_path / "metrics.jsonl").read_text()
 
 
@@ -36,8 +41,9 @@ def test_generate_on_a_run_of_another_model_changes_nothing(tmp_path, capsys):
 def test_training_a_changed_model_stops_without_touching_the_run(tmp_path, capsys):
     checkpoints, metrics = trained_run(tmp_path)
     (tmp_path / "experiment.json").unlink()  # without it, only the checkpoints can tell
-    code = train_main(["--experiment=mlra4_tiny", f"--workdir={tmp_path}", *MICRO, "--model.n_embd=32",
-                       "--train.eval_every=0"])
+    code = train_main(
+        ["--experiment=mlra4_tiny", f"--workdir={tmp_path}", *MICRO, "--model.n_embd=32", "--train.eval_every=0"]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "none of the 2 checkpoints" in err and "Nothing was changed" in err
     assert listing(tmp_path / "checkpoints") == checkpoints
@@ -47,8 +53,11 @@ def test_training_a_changed_model_stops_without_touching_the_run(tmp_path, capsy
 def test_non_finite_parameters_behind_a_finite_loss_never_reach_a_checkpoint(tmp_path):
     """peak_lr=1e6: step 4's loss is still finite but its gradient norm and updated weights are not."""
     experiment = micro_experiment("mlra4_tiny", "--train.peak_lr=1e6", "--train.eval_every=0", "--checkpoint.every=4")
-    with pytest.raises(TrainingDiverged, match=r"at step 4 \(gradient norm nan, updated parameters NOT finite\).*"
-                                               r"last finite step is 3; the last good checkpoint is none"):
+    with pytest.raises(
+        TrainingDiverged,
+        match=r"at step 4 \(gradient norm nan, updated parameters NOT finite\).*"
+        r"last finite step is 3; the last good checkpoint is none",
+    ):
         train(experiment, tmp_path, devices=jax.devices()[:1])
     assert not list((tmp_path / "checkpoints").glob("[0-9]*"))  # step 4 was not saved
     assert all(json.loads(line)["step"] <= 3 for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
@@ -89,6 +98,7 @@ def test_a_garbage_experiment_json_is_named_not_a_traceback(tmp_path, capsys):
 
 def test_top_k_beyond_the_vocabulary_is_refused():
     from mlra_jax.experiments.tiny import tiny_model
+
     from mlra_jax.decode.generator import GenerationError, Generator, Sampling
     from mlra_jax.model import init_model
 

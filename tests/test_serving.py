@@ -11,17 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import on_gpu
+from mlra_jax.experiments.tiny import tiny_model
 
 import mlra_jax.attention.latent as latent_module
 import mlra_jax.layers as layers_module
 from mlra_jax.decode.generator import GenerationError, Generator, Sampling, left_pad, sample
 from mlra_jax.decode.serving import ServingModel, capacity_bucket, padded_mlp
-from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.kv_cache import init_cache, init_layer_caches
 from mlra_jax.layers import MLP, ROW_COPIES, row_copies, single_row_axes, two_rows
 from mlra_jax.model import init_model
 from mlra_jax.variants import VARIANTS
-from helpers import on_gpu
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 7, 1, 60, 8, 31, 12, 90, 4], [70, 6, 21, 15, 99, 3]]  # 3, 11 and 6 tokens
 NEW_TOKENS = 12  # 12 prompt slots (3 chunks of 4) + 12 new: capacities 16 then 24
@@ -43,8 +43,9 @@ def stacked_greedy(generator, prompts, steps):
 def test_serving_decodes_the_same_tokens_as_the_stacked_cache(variant):
     n_layer = 2 if variant in TWO_LAYERS else 1
     # an MLP width of 200: serving pads it to 256 (padded_mlp)
-    model = init_model(tiny_model(variant, n_layer=n_layer, vocab_size=128, output_init="normal",
-                                  intermediate_size=200), seed=0)
+    model = init_model(
+        tiny_model(variant, n_layer=n_layer, vocab_size=128, output_init="normal", intermediate_size=200), seed=0
+    )
     generator = Generator(model, max_len=32, prefill_chunk=4, min_bucket=16)
     layer = generator.serving.weights["layers"][0]
     out_major = generator.serving.rows  # the batch-1 row kernels' layout ([out, in]), taken on GPUs
@@ -104,8 +105,9 @@ def test_a_generator_that_keeps_no_model_frees_its_float32_weights_and_generates
     stacked-cache path refuses with the fix."""
     cfg = tiny_model("mlra4", n_layer=1, vocab_size=128, output_init="normal", compute_dtype="bfloat16")
     sampling = Sampling(max_new_tokens=6, eos_id=None)
-    expected = Generator(init_model(cfg, seed=0), max_len=32, prefill_chunk=4, min_bucket=16).generate(PROMPTS,
-                                                                                                       sampling)
+    expected = Generator(init_model(cfg, seed=0), max_len=32, prefill_chunk=4, min_bucket=16).generate(
+        PROMPTS, sampling
+    )
     model = init_model(cfg, seed=0)
     generator = Generator(model, max_len=32, prefill_chunk=4, min_bucket=16, keep_model=False)
     block_weight = weakref.ref(model.blocks.mlp.down_proj[...])
@@ -119,9 +121,21 @@ def test_a_generator_that_keeps_no_model_frees_its_float32_weights_and_generates
 
 
 def test_capacity_buckets():
-    assert [capacity_bucket(n, 4096, 256) for n in (1, 256, 257, 385, 600, 3000, 5000)] == \
-        [256, 256, 384, 512, 768, 3072, 4096]
-    assert [capacity_bucket(n, 100, 16) for n in (17, 25, 90, 100)] == [24, 32, 96, 104]  # capped: the limit rounded to 8
+    assert [capacity_bucket(n, 4096, 256) for n in (1, 256, 257, 385, 600, 3000, 5000)] == [
+        256,
+        256,
+        384,
+        512,
+        768,
+        3072,
+        4096,
+    ]
+    assert [capacity_bucket(n, 100, 16) for n in (17, 25, 90, 100)] == [
+        24,
+        32,
+        96,
+        104,
+    ]  # capped: the limit rounded to 8
 
 
 def top_level_ops(hlo: str):
@@ -148,35 +162,46 @@ def test_decode_step_updates_the_cache_in_place_and_reads_weights_in_the_compute
     serving = generator.serving
     batch, slots = 2, 1000
     caches = init_layer_caches(cfg, batch, slots)
-    compiled = serving.compiled(True, (batch, 1)).lower(serving.weights, jnp.zeros((batch, 1), jnp.int32), caches).compile()
+    compiled = (
+        serving.compiled(True, (batch, 1)).lower(serving.weights, jnp.zeros((batch, 1), jnp.int32), caches).compile()
+    )
     cache_bytes = sum(a.nbytes for layer in caches.layers for a in layer.values())
     assert compiled.memory_analysis().alias_size_in_bytes >= cache_bytes  # (and starts, index)
     layer_shapes = {a.shape for a in caches.layers[0].values()}
-    writes = [(op, dims) for op, _, dims in top_level_ops(compiled.as_text()) if dims in layer_shapes
-              and op not in ("parameter", "get-tuple-element", "tuple", "bitcast")]
+    writes = [
+        (op, dims)
+        for op, _, dims in top_level_ops(compiled.as_text())
+        if dims in layer_shapes and op not in ("parameter", "get-tuple-element", "tuple", "bitcast")
+    ]
     assert writes and all(op == "fusion" for op, _ in writes)  # the dynamic-update-slice fusions, one per buffer
     assert "dynamic-update-slice" in compiled.as_text()
     stacked_state = init_cache(cfg, batch, slots)
     graphdef = generator.graphdef
     stacked_step = jax.jit(lambda p, t, s: nnx.merge(graphdef, p).forward_cached(t, s), donate_argnums=(2,))
-    stacked_hlo = stacked_step.lower(generator.params, jnp.zeros((batch, 1), jnp.int32), stacked_state
-                                     ).compile().as_text()
+    stacked_hlo = (
+        stacked_step.lower(generator.params, jnp.zeros((batch, 1), jnp.int32), stacked_state).compile().as_text()
+    )
     stacked_shapes = {a.shape for a in stacked_state.kv.values()}
-    assert any(dims in stacked_shapes and op not in ("parameter", "get-tuple-element", "tuple", "bitcast")
-               for op, _, dims in top_level_ops(stacked_hlo))  # the whole stacked cache is written each step
+    assert any(
+        dims in stacked_shapes and op not in ("parameter", "get-tuple-element", "tuple", "bitcast")
+        for op, _, dims in top_level_ops(stacked_hlo)
+    )  # the whole stacked cache is written each step
     dtypes = {a.dtype for layer in serving.weights["layers"] for a in jax.tree.leaves(layer)}
     assert dtypes == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}  # matmul weights bf16, norm scales f32
     assert serving.weights["layers"][0]["attn"]["q_up"].dtype == jnp.bfloat16
     assert serving.weights["head"].dtype == jnp.bfloat16 and serving.weights["embed"]["embedding"].dtype == jnp.float32
 
 
-@pytest.mark.parametrize("spec, x_shape, w_shape, axes", [
-    ("btd,dq->btq", (1, 1, 8), (8, 6), (0, 0)),  # a projection at batch 1
-    ("btnhk,nrhk->btnhr", (1, 1, 2, 3, 4), (2, 5, 3, 4), (0, 0)),  # absorbed W_UK: block and head axes batched
-    ("bd,vd->bv", (1, 8), (11, 8), (0, 0)),  # the tied head
-    ("bthd,bshd->bhts", (1, 1, 2, 4), (1, 5, 2, 4), (1, 2)),  # decode scores: the query's one position
-    ("btd,dq->btq", (3, 1, 8), (8, 6), None),  # three rows: unchanged
-])
+@pytest.mark.parametrize(
+    "spec, x_shape, w_shape, axes",
+    [
+        ("btd,dq->btq", (1, 1, 8), (8, 6), (0, 0)),  # a projection at batch 1
+        ("btnhk,nrhk->btnhr", (1, 1, 2, 3, 4), (2, 5, 3, 4), (0, 0)),  # absorbed W_UK: block and head axes batched
+        ("bd,vd->bv", (1, 8), (11, 8), (0, 0)),  # the tied head
+        ("bthd,bshd->bhts", (1, 1, 2, 4), (1, 5, 2, 4), (1, 2)),  # decode scores: the query's one position
+        ("btd,dq->btq", (3, 1, 8), (8, 6), None),  # three rows: unchanged
+    ],
+)
 def test_a_single_row_product_is_computed_on_two_rows_with_the_same_result(spec, x_shape, w_shape, axes):
     x = jax.random.normal(jax.random.key(0), x_shape, jnp.float32)
     w = jax.random.normal(jax.random.key(1), w_shape, jnp.float32)
@@ -188,7 +213,7 @@ def test_a_single_row_product_is_computed_on_two_rows_with_the_same_result(spec,
 
     out = two_rows(product, spec, x, w)
     assert single_row_axes(spec, x_shape) == axes
-    expected_rows = x_shape if axes is None else x_shape[:axes[0]] + (2,) + x_shape[axes[0] + 1:]
+    expected_rows = x_shape if axes is None else x_shape[: axes[0]] + (2,) + x_shape[axes[0] + 1 :]
     assert seen == [expected_rows]
     np.testing.assert_allclose(out, product(spec, x, w), rtol=1e-6, atol=1e-6)
 
@@ -241,8 +266,9 @@ def test_row_kernels_decode_the_same_tokens_as_the_stacked_cache(variant):
         assert layer["attn"]["x_proj"].shape[-1] == d and layer["attn"]["q_up"].shape[-1] == model.config.q_lora_rank
     generator = Generator(model, max_len=32, serving=serving)
     prompt = PROMPTS[1][:5]
-    assert generator.generate([prompt], Sampling(max_new_tokens=6, eos_id=None)) == \
-        stacked_greedy(generator, [prompt], 6)
+    assert generator.generate([prompt], Sampling(max_new_tokens=6, eos_id=None)) == stacked_greedy(
+        generator, [prompt], 6
+    )
     assert ("step", 1, 16) in serving.traces
 
 
@@ -251,11 +277,13 @@ def test_row_kernels_serve_gated_models_and_larger_batches_read_their_layout(var
     """A gated model's batch-1 steps (the gate in XLA, between the row kernels), and a batch of three on XLA
     over the out-major weights, decode the stacked path's tokens."""
     model = init_model(tiny_model(variant, n_layer=1, vocab_size=128, output_init="normal", gated=True), seed=0)
-    generator = Generator(model, max_len=32,
-                          serving=ServingModel(model, prefill_chunk=4, min_bucket=16, row_kernels="interpret"))
+    generator = Generator(
+        model, max_len=32, serving=ServingModel(model, prefill_chunk=4, min_bucket=16, row_kernels="interpret")
+    )
     for prompts in (PROMPTS[:1], PROMPTS):
-        assert generator.generate(prompts, Sampling(max_new_tokens=4, eos_id=None)) == \
-            stacked_greedy(generator, prompts, 4)
+        assert generator.generate(prompts, Sampling(max_new_tokens=4, eos_id=None)) == stacked_greedy(
+            generator, prompts, 4
+        )
 
 
 def test_row_kernels_refuse_what_they_cannot_serve():
@@ -277,9 +305,20 @@ def test_row_kernels_refuse_what_they_cannot_serve():
 def test_row_kernels_on_gpu_give_the_xla_steps_logits(variant, dtype):
     """Compiled on a GPU (Triton, and the Mosaic GPU attention kernel): the row path's logits are the XLA path's
     up to the summation order, step after step, both fed the XLA path's greedy tokens."""
-    cfg = tiny_model(variant, n_layer=2, n_embd=256, n_head=4, vocab_size=512, output_init="normal",
-                     compute_dtype=dtype, **({} if variant == "gqa" else dict(
-                         q_lora_rank=128, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64)))
+    cfg = tiny_model(
+        variant,
+        n_layer=2,
+        n_embd=256,
+        n_head=4,
+        vocab_size=512,
+        output_init="normal",
+        compute_dtype=dtype,
+        **(
+            {}
+            if variant == "gqa"
+            else dict(q_lora_rank=128, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64)
+        ),
+    )
     model = init_model(cfg, seed=0)
     servings = [ServingModel(model, min_bucket=64, row_kernels=mode) for mode in ("on", "off")]
     prompt = np.random.default_rng(0).integers(0, 512, (1, 40))

@@ -2,11 +2,11 @@
 
 import jax
 import pytest
-from jax.sharding import PartitionSpec as P
-
 from helpers import micro_experiment
-from mlra_jax.config import ConfigError, MeshConfig
+from jax.sharding import PartitionSpec as P
 from mlra_jax.experiments import get_experiment
+
+from mlra_jax.config import ConfigError, MeshConfig
 from mlra_jax.metrics import peak_flops, training_flops_per_token
 from mlra_jax.sharding import logical_to_spec, make_mesh, mesh_shape
 from mlra_jax.training.state import build_setup, init_state
@@ -69,8 +69,11 @@ def test_activations_are_split_by_batch_not_by_the_fsdp_sharded_width():
 
     mesh = make_mesh(MeshConfig(data=2, fsdp=4, tensor=1))
     with jax.set_mesh(mesh):
-        specs = lambda f, x: [eqn.params["sharding"].spec for eqn in jax.make_jaxpr(f)(x).jaxpr.eqns
-                              if eqn.primitive.name == "sharding_constraint"]
+        specs = lambda f, x: [
+            eqn.params["sharding"].spec
+            for eqn in jax.make_jaxpr(f)(x).jaxpr.eqns
+            if eqn.primitive.name == "sharding_constraint"
+        ]
         assert specs(constrain_batch, jnp.zeros((8, 4, 2))) == [P(("data", "fsdp"), None, None)]
         assert specs(constrain_batch, jnp.zeros((6, 4, 2))) == []  # 6 sequences do not split over 8 devices
         experiment = micro_experiment("mlra4_tiny")

@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-from mlra_jax.config import ConfigError, MeshConfig
 from mlra_jax.experiments.paper_tables import TABLE_VARIANTS, analysis_config
 from mlra_jax.experiments.tiny import tiny_model
+from test_info import TABLE1
+
+from mlra_jax.config import ConfigError, MeshConfig
 from mlra_jax.kv_cache import init_cache, measured_kv_bytes_per_token
 from mlra_jax.model import init_model
 from mlra_jax.params import logical_axes
@@ -19,7 +20,8 @@ from mlra_jax.sharding import batch_sharding, make_mesh, tree_shardings
 from mlra_jax.tensor_parallel import per_device_bytes
 from mlra_jax.training.step import loss_fn
 from mlra_jax.variants import VARIANTS
-from test_info import TABLE1
+
+pytestmark = pytest.mark.slow  # every variant under TP degrees 2, 4, 8: not in the fast subset
 
 TP_DEGREES = (2, 4, 8)
 
@@ -46,24 +48,25 @@ def test_loss_and_gradients_match_unsharded(variant):
     for tp in TP_DEGREES:
         mesh = mesh_for(tp)
         with jax.set_mesh(mesh):
-            tp_loss, tp_grads = value_and_grad(shard_params(model, params, mesh),
-                                               jax.device_put(tokens, batch_sharding(mesh)))
+            tp_loss, tp_grads = value_and_grad(
+                shard_params(model, params, mesh), jax.device_put(tokens, batch_sharding(mesh))
+            )
         np.testing.assert_allclose(float(tp_loss), float(loss), rtol=1e-6, err_msg=f"TP={tp}")
         for a, b in zip(jax.tree.leaves(tp_grads), jax.tree.leaves(grads)):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=3e-6 * float(jnp.abs(b).max()) + 1e-9,
-                                       err_msg=f"TP={tp}")
+            np.testing.assert_allclose(
+                np.asarray(a), np.asarray(b), atol=3e-6 * float(jnp.abs(b).max()) + 1e-9, err_msg=f"TP={tp}"
+            )
 
 
 def decode(model, params, tokens, mesh=None):
     """Prefill 4 tokens, then decode the rest one at a time; the logits of every position."""
     graphdef = nnx.split(model)[0]
-    step = jax.jit(lambda p, t, s, absorbed: nnx.merge(graphdef, p).forward_cached(t, s, absorbed),
-                   static_argnums=3)
+    step = jax.jit(lambda p, t, s, absorbed: nnx.merge(graphdef, p).forward_cached(t, s, absorbed), static_argnums=3)
     state = init_cache(model.config, tokens.shape[0], 16, mesh=mesh)
     logits, state = step(params, tokens[:, :4], state, False)
     outputs = [logits]
     for i in range(4, tokens.shape[1]):
-        logits, state = step(params, tokens[:, i:i + 1], state, True)
+        logits, state = step(params, tokens[:, i : i + 1], state, True)
         outputs.append(logits)
     return np.asarray(jnp.concatenate(outputs, axis=1)), state
 
@@ -143,7 +146,9 @@ def test_bfloat16_training_under_tp(variant):
     loss, grads = value_and_grad(params, tokens)
     mesh = mesh_for(4)
     with jax.set_mesh(mesh):
-        tp_loss, tp_grads = value_and_grad(shard_params(model, params, mesh), jax.device_put(tokens, batch_sharding(mesh)))
+        tp_loss, tp_grads = value_and_grad(
+            shard_params(model, params, mesh), jax.device_put(tokens, batch_sharding(mesh))
+        )
     np.testing.assert_allclose(float(tp_loss), float(loss), rtol=2e-3)
     for a, b in zip(jax.tree.leaves(tp_grads), jax.tree.leaves(grads)):
         assert a.dtype == jnp.float32

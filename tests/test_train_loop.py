@@ -7,12 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import losses, micro_experiment
-from mlra_jax.training import state as training_state
+
 from mlra_jax.checkpoint import Checkpointer
 from mlra_jax.train import main as train_main
+from mlra_jax.training import state as training_state
 from mlra_jax.training.loop import TrainingDiverged, train
+
+pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
 
 ONE_DEVICE = jax.devices()[:1]  # the loop's logic; meshes of several devices are tested in test_resume
 
@@ -87,14 +89,20 @@ def test_dry_run_of_the_paper_model(capsys):
     assert f"params {params_gib:.2f} GiB, optimizer_state {2 * params_gib:.2f} GiB" in out
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--model.n_layers=3"], "model has no field 'n_layers' (did you mean n_layer?); its fields are: variant, n_layer"),
-    (["--train.peak_lr=fast"], "--train.peak_lr='fast' is not a valid float"),
-    (["--model.kv_lora_rank=62"], "kv_lora_rank=62 is not divisible by the 4 latent blocks"),
-    (["--optimizer.lr=1"], "unknown option --optimizer.lr"),
-    (["--data.dataset=/nonexistent/shards"], "data directory /nonexistent/shards does not exist; create it with"),
-    (["--train.global_batch_size=6"], "must split evenly over the 8 data-parallel devices"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--model.n_layers=3"],
+            "model has no field 'n_layers' (did you mean n_layer?); its fields are: variant, n_layer",
+        ),
+        (["--train.peak_lr=fast"], "--train.peak_lr='fast' is not a valid float"),
+        (["--model.kv_lora_rank=62"], "kv_lora_rank=62 is not divisible by the 4 latent blocks"),
+        (["--optimizer.lr=1"], "unknown option --optimizer.lr"),
+        (["--data.dataset=/nonexistent/shards"], "data directory /nonexistent/shards does not exist; create it with"),
+        (["--train.global_batch_size=6"], "must split evenly over the 8 data-parallel devices"),
+    ],
+)
 def test_cli_errors_name_the_problem(tmp_path, capsys, args, message):
     assert train_main(["--experiment=mlra4_tiny", f"--workdir={tmp_path}", *args]) == 2
     assert message in capsys.readouterr().err
@@ -106,8 +114,15 @@ def test_help_lists_experiments_and_fields(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "mlra4_2p9b" in out and "gqa_tiny" in out and "--train.peak_lr=float" in out
-    for allowed in ("--model.remat={none,full,dots,dots_attn,auto}", "--model.compute_dtype={float32,bfloat16,float16}",
-                    "--model.attention_impl={auto,xla,cudnn,splash,pallas}", "--model.output_init={zero,normal}",
-                    "--model.scan_layers={true,false}", "--model.variant={mha,mqa,gqa,mla,mfa,tpa,gla2,gla4,gta,",
-                    "--train.micro_batch_size=int|none", "--metrics.wandb_project=str|none", "--profile.steps=int"):
+    for allowed in (
+        "--model.remat={none,full,dots,dots_attn,auto}",
+        "--model.compute_dtype={float32,bfloat16,float16}",
+        "--model.attention_impl={auto,xla,cudnn,splash,pallas}",
+        "--model.output_init={zero,normal}",
+        "--model.scan_layers={true,false}",
+        "--model.variant={mha,mqa,gqa,mla,mfa,tpa,gla2,gla4,gta,",
+        "--train.micro_batch_size=int|none",
+        "--metrics.wandb_project=str|none",
+        "--profile.steps=int",
+    ):
         assert allowed in out, allowed

@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from mlra_jax.experiments.tiny import tiny_model
 
 from mlra_jax.config import TrainConfig
-from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.model import init_model
 from mlra_jax.optim import learning_rate_schedule, make_optimizer
 from mlra_jax.training.step import make_train_step
@@ -37,11 +37,13 @@ def test_loss_falls(variant):
     assert losses[-1] < 0.5 * losses[0]
 
 
-@pytest.mark.parametrize("options", [dict(gated=True), dict(latent_scale=False), dict(output_init="normal"),
-                                     dict(compute_dtype="bfloat16")], ids=str)
+@pytest.mark.parametrize(
+    "options",
+    [dict(gated=True), dict(latent_scale=False), dict(output_init="normal"), dict(compute_dtype="bfloat16")],
+    ids=str,
+)
 def test_options_train(options):
-    losses = train_losses(tiny_model("mlra4", n_layer=2, n_embd=64, intermediate_size=128, vocab_size=256,
-                                     **options))
+    losses = train_losses(tiny_model("mlra4", n_layer=2, n_embd=64, intermediate_size=128, vocab_size=256, **options))
     assert np.isfinite(losses).all() and losses[-1] < 0.5 * losses[0]
 
 

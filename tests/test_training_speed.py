@@ -7,17 +7,17 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-
 from helpers import micro_experiment
-from mlra_jax import xla_flags
-from mlra_jax.config import ConfigError, TrainConfig
 from mlra_jax.experiments import get_experiment
 from mlra_jax.experiments.tiny import tiny_model
+
+from mlra_jax import xla_flags
+from mlra_jax.config import ConfigError, TrainConfig
 from mlra_jax.model import init_model
-from mlra_jax.training.step import compute_params, loss_fn
-from mlra_jax.training.loop import train
 from mlra_jax.training import remat_choice
+from mlra_jax.training.loop import train
 from mlra_jax.training.state import build_setup, state_bytes
+from mlra_jax.training.step import compute_params, loss_fn
 
 
 def count_primitive(jaxpr, name):
@@ -72,9 +72,14 @@ def test_the_paper_runs_take_the_fast_path_without_flags():
 
 
 def remat_inputs(**train_changes):
-    experiment = micro_experiment("mlra4_tiny", "--model.remat=auto", "--train.seq_len=128",
-                                  "--model.compute_dtype=bfloat16", "--model.attention_impl=splash",
-                                  *(f"--train.{k}={v}" for k, v in train_changes.items()))
+    experiment = micro_experiment(
+        "mlra4_tiny",
+        "--model.remat=auto",
+        "--train.seq_len=128",
+        "--model.compute_dtype=bfloat16",
+        "--model.attention_impl=splash",
+        *(f"--train.{k}={v}" for k, v in train_changes.items()),
+    )
     return experiment, 10 * 2**20  # 10 MiB of weights and optimizer state
 
 
@@ -94,8 +99,7 @@ def test_auto_remat_takes_the_least_recomputation_that_fits():
 
 def test_auto_remat_counts_the_products_and_kernel_outputs_not_fused_elementwise_values():
     assert remat_choice.materialized("output of dot_general from x.py:1", jnp.bfloat16, jnp.bfloat16)
-    assert remat_choice.materialized("output of jitted function '_splash_attention' from y", jnp.bfloat16,
-                                     jnp.bfloat16)
+    assert remat_choice.materialized("output of jitted function '_splash_attention' from y", jnp.bfloat16, jnp.bfloat16)
     assert remat_choice.materialized("output of convert_element_type from p", jnp.bfloat16, jnp.bfloat16)
     assert not remat_choice.materialized("output of convert_element_type from p", jnp.float32, jnp.bfloat16)
     assert not remat_choice.materialized("output of mul from layers.py:70", jnp.float32, jnp.bfloat16)
@@ -121,13 +125,26 @@ def test_xla_flags_keep_the_users_values(monkeypatch):
     assert not xla_flags.cuda_plugin_installed()  # JAX_PLATFORMS=cpu (the tests): no flags added
 
 
+@pytest.mark.slow
 def test_a_run_resumes_under_other_runtime_settings_but_not_another_model(tmp_path):
     devices = jax.devices()[:1]
-    train(micro_experiment("mlra4_tiny", "--train.total_steps=4", "--train.eval_every=0",
-                           "--model.attention_impl=xla"), tmp_path, devices=devices)
-    result = train(micro_experiment("mlra4_tiny", "--train.total_steps=8", "--train.eval_every=0",
-                                    "--model.remat=dots_attn", "--model.scan_layers=false"), tmp_path, devices=devices,
-                   allow_changed=("train.total_steps",))
+    train(
+        micro_experiment("mlra4_tiny", "--train.total_steps=4", "--train.eval_every=0", "--model.attention_impl=xla"),
+        tmp_path,
+        devices=devices,
+    )
+    result = train(
+        micro_experiment(
+            "mlra4_tiny",
+            "--train.total_steps=8",
+            "--train.eval_every=0",
+            "--model.remat=dots_attn",
+            "--model.scan_layers=false",
+        ),
+        tmp_path,
+        devices=devices,
+        allow_changed=("train.total_steps",),
+    )
     assert result.step == 8
     with pytest.raises(ConfigError, match="model.n_embd was 64, now 32"):
         train(micro_experiment("mlra4_tiny", "--model.n_embd=32"), tmp_path, devices=devices)
@@ -137,8 +154,9 @@ def test_auto_remat_takes_a_smaller_micro_batch_before_recomputing_everything(mo
     """With the micro-batch from the per-device cap, a memory where only `full` fits 8 sequences per device but
     a lighter policy fits 4 takes 4 (twice the accumulation steps); an explicit micro_batch_size is kept."""
     experiment, fixed = remat_inputs(global_batch_size=16, max_micro_batch_per_device=8, micro_batch_size="none")
-    setup = build_setup(dataclasses.replace(experiment, model=dataclasses.replace(experiment.model, remat="none")),
-                        jax.devices()[:1])
+    setup = build_setup(
+        dataclasses.replace(experiment, model=dataclasses.replace(experiment.model, remat="none")), jax.devices()[:1]
+    )
     fixed = state_bytes(setup)
     memory = int(remat_choice.step_bytes(experiment, fixed, 4, "dots_attn") / remat_choice.MEMORY_FRACTION) + 1
     assert remat_choice.choose_remat(experiment, fixed, 8, memory)[0] == "full"

@@ -13,9 +13,11 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-
 from helpers import ROOT, records, subprocess_env
+
 from mlra_jax.progress import configure_cli_logging, progress_bar, show_library_logs
+
+pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
 
 # A script as a user writes it: no logging set up, stderr a pipe (not a terminal).
 SCRIPT = """
@@ -23,6 +25,7 @@ import sys
 sys.path.insert(0, "tests")
 from helpers import micro_experiment
 from mlra_jax.training.loop import train
+
 experiment = micro_experiment("mlra4_tiny", "--train.total_steps=4", "--train.log_every=2", "--train.eval_every=4",
                               "--checkpoint.every=4", "--profile.start_step=2", "--profile.steps=2",
                               "--metrics.wandb_project=mlra-jax-tests")
@@ -40,8 +43,9 @@ def script_run(tmp_path_factory):
     """(workdir, stdout until the resume, stderr) of SCRIPT run once in a fresh interpreter, W&B offline."""
     workdir = tmp_path_factory.mktemp("watched")
     env = dict(subprocess_env(), WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONSOLE="off")
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(workdir)], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(workdir)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return workdir, done.stdout.split("RESUMING")[0], done.stderr
 

@@ -2,6 +2,8 @@
 before JAX loads). The suite is compile-bound on CPUs; none of these changes what a test checks."""
 
 # In-process: the cheapest CPU compile (XLA's new fusion emitters cost twice the compile time at level 0).
-IN_PROCESS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
+IN_PROCESS = (
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
+)
 # Training subprocesses run tens of steps: level 1 compiles nearly as fast and its steps run as fast as level 2's.
 SUBPROCESS = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"

@@ -20,8 +20,11 @@ def config_classes() -> list[type]:
     """Every dataclass defined in mlra_jax.config, in source order."""
     from mlra_jax import config
 
-    classes = [obj for _, obj in inspect.getmembers(config, inspect.isclass)
-               if dataclasses.is_dataclass(obj) and obj.__module__ == config.__name__]
+    classes = [
+        obj
+        for _, obj in inspect.getmembers(config, inspect.isclass)
+        if dataclasses.is_dataclass(obj) and obj.__module__ == config.__name__
+    ]
     return sorted(classes, key=lambda cls: inspect.getsourcelines(cls)[1])
 
 
@@ -75,8 +78,14 @@ def _cell(text: str) -> str:
     """Markdown table cell text: pipes, asterisks and angle brackets escaped outside code spans."""
     parts = text.split("`")
     for i in range(0, len(parts), 2):  # even parts lie outside code spans
-        parts[i] = (parts[i].replace("\\", "\\\\").replace("|", "\\|").replace("*", "\\*")
-                    .replace("<", "&lt;").replace("_", "\\_"))
+        parts[i] = (
+            parts[i]
+            .replace("\\", "\\\\")
+            .replace("|", "\\|")
+            .replace("*", "\\*")
+            .replace("<", "&lt;")
+            .replace("_", "\\_")
+        )
     return "`".join(parts) if len(parts) % 2 else text.replace("|", "\\|")
 
 

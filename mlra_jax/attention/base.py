@@ -77,10 +77,14 @@ class Attention(nnx.Module):
         self.theta = cfg.rope_theta
         self.n_head = cfg.n_head
         dv = cfg.value_head_dim
-        self.o_proj = make_param(rngs, (cfg.n_head, dv, cfg.n_embd), ("q_heads", "head_dim", "embed"),
-                                 output_init(cfg), cfg)
-        self.gate_proj = (make_param(rngs, (cfg.n_embd, cfg.n_head, dv), ("embed", "q_heads", "head_dim"),
-                                     dense_init(cfg), cfg) if cfg.gated else None)
+        self.o_proj = make_param(
+            rngs, (cfg.n_head, dv, cfg.n_embd), ("q_heads", "head_dim", "embed"), output_init(cfg), cfg
+        )
+        self.gate_proj = (
+            make_param(rngs, (cfg.n_embd, cfg.n_head, dv), ("embed", "q_heads", "head_dim"), dense_init(cfg), cfg)
+            if cfg.gated
+            else None
+        )
         self.out_major = False  # o_proj stored [d, h, d_v] (use_serving_layout(out_major=True))
 
     def use_serving_layout(self, params: dict[str, jax.Array], out_major: bool = False) -> dict[str, jax.Array]:
@@ -123,8 +127,16 @@ class Attention(nnx.Module):
         """Self-attention over the sequence x [B, T, d] (causal when mask is None)."""
         return self.output(x, self.attend(x, positions, self.cache_entry(x, positions), mask))
 
-    def write_and_attend(self, x: jax.Array, positions: jax.Array, cache: KVCache, mask: jax.Array,
-                         index: jax.Array, plans: dict, absorbed: bool) -> tuple[jax.Array, KVCache]:
+    def write_and_attend(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        mask: jax.Array,
+        index: jax.Array,
+        plans: dict,
+        absorbed: bool,
+    ) -> tuple[jax.Array, KVCache]:
         """New tokens x [B, T, d]: their entries stored at slot `index` of this layer's cache
         ([B, max_len, stored units, ...], laid out by `plans`), then attention over the cache.
         Returns the heads' output [B, T, h, d_v] (before the output projection) and the cache. The latent
@@ -137,8 +149,9 @@ class Attention(nnx.Module):
         """Optional sigmoid gate computed from x (the attention's input), then the output projection; heads_out
         may hold copies of x's single row (layers.row_copies), and the result has x's rows."""
         heads_out = self.gated(x, heads_out)
-        return project(heads_out, self.o_proj, "bthk,dhk->btd" if self.out_major else "bthk,hkd->btd",
-                       self.dtype)[:x.shape[0]]
+        return project(heads_out, self.o_proj, "bthk,dhk->btd" if self.out_major else "bthk,hkd->btd", self.dtype)[
+            : x.shape[0]
+        ]
 
     def gated(self, x: jax.Array, heads_out: jax.Array) -> jax.Array:
         """heads_out in the compute dtype, times the sigmoid gate of x (the attention's input) when the model is
@@ -152,9 +165,12 @@ class Attention(nnx.Module):
 def store_entry(cache: KVCache, entry: KVCache, index: jax.Array, plans: dict) -> KVCache:
     """The cache [B, max_len, stored units, ...] with a new tokens' entry written at slot `index`, each tensor
     laid out by its TP plan."""
-    return {name: jax.lax.dynamic_update_slice_in_dim(
-        cache[name], plans[name].store(entry[name], axis=2).astype(cache[name].dtype), index, axis=1)
-        for name in cache}
+    return {
+        name: jax.lax.dynamic_update_slice_in_dim(
+            cache[name], plans[name].store(entry[name], axis=2).astype(cache[name].dtype), index, axis=1
+        )
+        for name in cache
+    }
 
 
 def check_cache_entry(layout: list[CacheComponent], entry: KVCache) -> None:
@@ -165,5 +181,6 @@ def check_cache_entry(layout: list[CacheComponent], entry: KVCache) -> None:
     for c in layout:
         got = entry[c.name].shape[2:]
         if got != (c.units, *c.unit_shape):
-            raise ValueError(f"cache component {c.name!r} has per-token shape {got}, layout declares "
-                             f"{(c.units, *c.unit_shape)}")
+            raise ValueError(
+                f"cache component {c.name!r} has per-token shape {got}, layout declares {(c.units, *c.unit_shape)}"
+            )

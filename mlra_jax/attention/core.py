@@ -49,8 +49,16 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, mas
     return out.reshape(b, t, hq, v.shape[-1]).astype(v.dtype)
 
 
-def latent_attention(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array, *,
-                     scale: float, mask: jax.Array | None, impl: str = "xla") -> jax.Array:
+def latent_attention(
+    q_rope: jax.Array,
+    q_latent: jax.Array,
+    k_rope: jax.Array,
+    latent: jax.Array,
+    *,
+    scale: float,
+    mask: jax.Array | None,
+    impl: str = "xla",
+) -> jax.Array:
     """MQA-style attention over a latent cache with a shared RoPE key (paper Step 2).
 
     Per latent block n: q = [q_rope || q_latent], k = [k_rope || latent_n], v = latent_n.
@@ -61,8 +69,10 @@ def latent_attention(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, 
     """
     if use_kernel(impl, q_rope, latent):
         return latent_decode_attention(q_rope, q_latent, k_rope, latent, scale=scale, mask=mask)
-    logits = (einsum("btnhr,bsnr->bnhts", q_latent, latent, preferred_element_type=jnp.float32)
-              + einsum("btnhk,bsk->bnhts", q_rope, k_rope, preferred_element_type=jnp.float32)) * scale
+    logits = (
+        einsum("btnhr,bsnr->bnhts", q_latent, latent, preferred_element_type=jnp.float32)
+        + einsum("btnhk,bsk->bnhts", q_rope, k_rope, preferred_element_type=jnp.float32)
+    ) * scale
     if mask is None:
         positions = jnp.broadcast_to(jnp.arange(q_latent.shape[1]), q_latent.shape[:2])
         mask = causal_mask(positions, positions)
@@ -72,8 +82,9 @@ def latent_attention(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, 
     return out.astype(latent.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, impl: str = "xla",
-              mask: jax.Array | None = None) -> jax.Array:
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, impl: str = "xla", mask: jax.Array | None = None
+) -> jax.Array:
     """Causal attention over a full sequence (mask=None) or under an explicit [B, T, S] mask.
 
     impl: 'xla' (einsum), 'auto' (the fastest fused kernel that covers the call, else XLA),

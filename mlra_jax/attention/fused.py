@@ -79,8 +79,9 @@ def cudnn_problem(q: jax.Array, k: jax.Array, v: jax.Array) -> str | None:
         return f"cuDNN takes head widths up to {limit} in multiples of 8, not {width}"
     if cudnn_native_widths(q.shape[-1], v.shape[-1]):  # JAX's own rules for this version (forward and training)
         try:
-            module.check_is_flash_attention(q, k, v, module.AttentionLayout.BTNH.value,
-                                            module.check_cudnn_version(), False, True)
+            module.check_is_flash_attention(
+                q, k, v, module.AttentionLayout.BTNH.value, module.check_cudnn_version(), False, True
+            )
         except NotImplementedError as err:
             return str(err)
         except TypeError:  # another JAX version's signature: its own checks run when the kernel is traced
@@ -103,8 +104,9 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float) -
     dv, width = v.shape[-1], max(q.shape[-1], v.shape[-1])
     if not cudnn_native_widths(q.shape[-1], dv):
         q, k, v = (jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])]) for x in (q, k, v))
-    run = lambda q, k, v: module.dot_product_attention(q, k, v, scale=scale, mask_type=module.MaskType.CAUSAL,
-                                                       qkv_layout="BTNH")
+    run = lambda q, k, v: module.dot_product_attention(
+        q, k, v, scale=scale, mask_type=module.MaskType.CAUSAL, qkv_layout="BTNH"
+    )
     return per_shard(run, q, k, v)[..., :dv]
 
 
@@ -132,8 +134,16 @@ def _splash_kernel(heads: int, length: int, is_mqa: bool, interpret: bool):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     block = splash_block(length)
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    sizes = splash.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
     mask = masks.MultiHeadMask([masks.CausalMask((length, length)) for _ in range(heads)])
     make = splash.make_splash_mqa_single_device if is_mqa else splash.make_splash_mha_single_device
     return make(mask, block_sizes=sizes, interpret=interpret)
@@ -164,8 +174,11 @@ def per_shard(fn: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.A
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return fn(q, k, v)
-    auto = {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
-            if kind != jax.sharding.AxisType.Manual}
+    auto = {
+        name: size
+        for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+        if kind != jax.sharding.AxisType.Manual
+    }
     if not auto:
         return fn(q, k, v)
     batch = tuple(a for a in BATCH_AXES if auto.get(a, 1) > 1)
@@ -175,8 +188,9 @@ def per_shard(fn: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.A
     heads = tensor > 1 and q.shape[2] % tensor == 0 and (k.shape[2] % tensor == 0 or k.shape[2] == 1)
     q_spec = P(batch or None, None, HEAD_AXIS if heads else None, None)
     kv_spec = P(batch or None, None, HEAD_AXIS if heads and k.shape[2] > 1 else None, None)
-    return jax.shard_map(fn, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, axis_names=set(auto),
-                         check_vma=False)(q, k, v)
+    return jax.shard_map(
+        fn, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, axis_names=set(auto), check_vma=False
+    )(q, k, v)
 
 
 # ----------------------------------------------------------------------------- the choice
@@ -193,28 +207,34 @@ def choose(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, masked: bool) ->
         return None
     if impl == "auto":
         if masked:
-            log_once("attention_impl='auto': attention under an explicit mask (padded or cached sequences) runs "
-                     "on XLA")
+            log_once("attention_impl='auto': attention under an explicit mask (padded or cached sequences) runs on XLA")
             return None
         for name in AUTO_ORDER.get(target_platform(), ()):
             problem = KERNELS[name][0](q, k, v)
             if problem is None:
                 _record(name, q, v)
                 return KERNELS[name][1]
-            log_once(f"attention_impl='auto': {name} cannot run q {q.shape} k {k.shape} v {v.shape} "
-                     f"{q.dtype}: {problem}; falling back to XLA")
+            log_once(
+                f"attention_impl='auto': {name} cannot run q {q.shape} k {k.shape} v {v.shape} "
+                f"{q.dtype}: {problem}; falling back to XLA"
+            )
         _record("xla", q, v)
         return None
     if impl not in KERNELS:
-        raise KernelUnavailable(f"attention_impl={impl!r} is not a fused attention kernel; allowed: auto, xla, "
-                                f"{', '.join(KERNELS)}")
+        raise KernelUnavailable(
+            f"attention_impl={impl!r} is not a fused attention kernel; allowed: auto, xla, {', '.join(KERNELS)}"
+        )
     if masked:
-        raise KernelUnavailable(f"attention_impl={impl!r} supports the plain causal mask only; padded or cached "
-                                f"attention needs attention_impl='auto' or 'xla'")
+        raise KernelUnavailable(
+            f"attention_impl={impl!r} supports the plain causal mask only; padded or cached "
+            f"attention needs attention_impl='auto' or 'xla'"
+        )
     problem = KERNELS[impl][0](q, k, v)
     if problem is not None:
-        raise KernelUnavailable(f"attention_impl={impl!r} cannot run q {q.shape} k {k.shape} v {v.shape} "
-                                f"{q.dtype}: {problem}; use attention_impl='auto' or 'xla'")
+        raise KernelUnavailable(
+            f"attention_impl={impl!r} cannot run q {q.shape} k {k.shape} v {v.shape} "
+            f"{q.dtype}: {problem}; use attention_impl='auto' or 'xla'"
+        )
     _record(impl, q, v)
     return KERNELS[impl][1]
 

@@ -20,7 +20,7 @@ class GroupedQueryAttention(Attention):
         self.q_proj = make_param(rngs, (d, h, dh), ("embed", "q_heads", "head_dim"), dense_init(cfg), cfg)
         self.k_proj = make_param(rngs, (d, g, dh), ("embed", "kv_heads", "head_dim"), dense_init(cfg), cfg)
         self.v_proj = make_param(rngs, (d, g, dh), ("embed", "kv_heads", "head_dim"), dense_init(cfg), cfg)
-        self.scale = dh ** -0.5
+        self.scale = dh**-0.5
 
     @staticmethod
     def cache_layout(cfg: ModelConfig) -> list[CacheComponent]:
@@ -28,8 +28,13 @@ class GroupedQueryAttention(Attention):
 
     @staticmethod
     def decode_shape(cfg: ModelConfig) -> DecodeShape:
-        return DecodeShape(tp=1, heads=cfg.n_head, qk_dim=cfg.head_dim, v_dim=cfg.head_dim,
-                           cache_elements=2 * cfg.n_kv_head * cfg.head_dim)
+        return DecodeShape(
+            tp=1,
+            heads=cfg.n_head,
+            qk_dim=cfg.head_dim,
+            v_dim=cfg.head_dim,
+            cache_elements=2 * cfg.n_kv_head * cfg.head_dim,
+        )
 
     def cache_entry(self, x: jax.Array, positions: jax.Array) -> KVCache:
         k = apply_rope(project(x, self.k_proj, "btd,dhk->bthk", self.dtype), positions, self.theta)

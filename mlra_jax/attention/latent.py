@@ -54,12 +54,18 @@ class LatentAttention(Attention):
         self.q_down = make_param(rngs, (d, dq), ("embed", "q_lora"), init, cfg)
         self.q_norm = RMSNorm((dq,), ("q_lora",), cfg, rngs=rngs)
         self.q_up = make_param(rngs, (dq, h, dh + dr), ("q_lora", "q_heads", "qk_head_dim"), init, cfg)
-        self.kv_down = make_param(rngs, (d, self.blocks, self.block_rank), ("embed", "latent_blocks", "latent"),
-                                  init, cfg)
+        self.kv_down = make_param(
+            rngs, (d, self.blocks, self.block_rank), ("embed", "latent_blocks", "latent"), init, cfg
+        )
         self.k_rope_proj = make_param(rngs, (d, dr), ("embed", "rope_dim"), init, cfg)
         self.kv_norm = RMSNorm((self.blocks, self.block_rank), ("latent_blocks", "latent"), cfg, rngs=rngs)
-        self.kv_up = make_param(rngs, (self.blocks, self.block_rank, self.block_heads, 2 * dh),
-                                ("latent_blocks", "latent", "block_heads", "kv_head_dim"), init, cfg)
+        self.kv_up = make_param(
+            rngs,
+            (self.blocks, self.block_rank, self.block_heads, 2 * dh),
+            ("latent_blocks", "latent", "block_heads", "kv_head_dim"),
+            init,
+            cfg,
+        )
         self.kv_up_layout = "nrhk"  # as stored: the parameter's [n, R, H, 2 d_h], or "2nhrk" (use_serving_layout)
         self.x_proj: nnx.Param | None = None  # q_down | kv_down | k_rope_proj in one [d, d_c'+n R+d_h^R] (serving)
         self.q_scale = math.sqrt(d / dq) if cfg.latent_scale else 1.0
@@ -67,22 +73,29 @@ class LatentAttention(Attention):
         self.softmax_scale = (dh + dr) ** -0.5
         # The reference mlra_2_no_scale.py drops the 1/sqrt(branches) output scale together with
         # the latent scales (its logits show it).
-        self.branch_scale = self.branches ** -0.5 if cfg.latent_scale else 1.0
+        self.branch_scale = self.branches**-0.5 if cfg.latent_scale else 1.0
         self.absorbed_training = cfg.trains_absorbed  # training attention absorbed (ModelConfig.latent_form)
 
     @staticmethod
     def cache_layout(cfg: ModelConfig) -> list[CacheComponent]:
         blocks, _ = cfg.latent_layout
-        return [CacheComponent("latent", blocks, (cfg.kv_lora_rank // blocks,), "latent_blocks"),
-                CacheComponent("k_rope", 1, (cfg.qk_rope_head_dim,), None)]
+        return [
+            CacheComponent("latent", blocks, (cfg.kv_lora_rank // blocks,), "latent_blocks"),
+            CacheComponent("k_rope", 1, (cfg.qk_rope_head_dim,), None),
+        ]
 
     @staticmethod
     def decode_shape(cfg: ModelConfig) -> DecodeShape:
         """One device per latent block: h * branches / blocks heads over one block plus the RoPE key."""
         blocks, branches = cfg.latent_layout
         rank = cfg.kv_lora_rank // blocks
-        return DecodeShape(tp=blocks, heads=cfg.n_head * branches // blocks, qk_dim=rank + cfg.qk_rope_head_dim,
-                           v_dim=rank, cache_elements=rank + cfg.qk_rope_head_dim)
+        return DecodeShape(
+            tp=blocks,
+            heads=cfg.n_head * branches // blocks,
+            qk_dim=rank + cfg.qk_rope_head_dim,
+            v_dim=rank,
+            cache_elements=rank + cfg.qk_rope_head_dim,
+        )
 
     @staticmethod
     def core_shape(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -95,8 +108,10 @@ class LatentAttention(Attention):
 
     def kv_projections(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x's latent [B, T, n, R] and RoPE key [B, T, d_h^R] projections, as stored (before norm and RoPE)."""
-        return (project(x, self.kv_down, "btd,dnr->btnr", self.dtype),
-                project(x, self.k_rope_proj, "btd,dr->btr", self.dtype))
+        return (
+            project(x, self.kv_down, "btd,dnr->btnr", self.dtype),
+            project(x, self.k_rope_proj, "btd,dr->btr", self.dtype),
+        )
 
     def q_projection(self, x: jax.Array) -> jax.Array:
         """x's query down-projection c_q [B, T, d_c'], as stored (before its norm)."""
@@ -116,9 +131,10 @@ class LatentAttention(Attention):
     def queries_from(self, c_q: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The queries from x's query down-projection c_q [B, T, d_c']."""
         c_q = self.q_norm(c_q) * self.q_scale
-        q = project(c_q.astype(self.dtype), self.q_up, "btq,hkq->bthk" if self.out_major else "btq,qhk->bthk",
-                    self.dtype)
-        return q[..., : self.nope_dim], apply_rope(q[..., self.nope_dim:], positions, self.theta)
+        q = project(
+            c_q.astype(self.dtype), self.q_up, "btq,hkq->bthk" if self.out_major else "btq,qhk->bthk", self.dtype
+        )
+        return q[..., : self.nope_dim], apply_rope(q[..., self.nope_dim :], positions, self.theta)
 
     def x_projections(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x's three down-projections, c_q [B, T, d_c'], latent [B, T, n, R] and k_rope [B, T, d_h^R]: three
@@ -136,7 +152,8 @@ class LatentAttention(Attention):
         groups = self.blocks // self.branches
         x = x.reshape(b, t, 1, groups, self.block_heads, dim)
         return jnp.broadcast_to(x, (b, t, self.branches, groups, self.block_heads, dim)).reshape(
-            b, t, self.blocks, self.block_heads, dim)
+            b, t, self.blocks, self.block_heads, dim
+        )
 
     def merge_branches(self, out: jax.Array) -> jax.Array:
         """[B, T, blocks, block_heads, d_h] -> [B, T, h, d_h], summing the branches."""
@@ -148,8 +165,16 @@ class LatentAttention(Attention):
         """Training over fresh entries: each block's latent up-projected to per-head keys and values."""
         return self.run_blocks("train", self.queries(x, positions), kv, mask)
 
-    def write_and_attend(self, x: jax.Array, positions: jax.Array, cache: KVCache, mask: jax.Array,
-                         index: jax.Array, plans: dict, absorbed: bool) -> tuple[jax.Array, KVCache]:
+    def write_and_attend(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        mask: jax.Array,
+        index: jax.Array,
+        plans: dict,
+        absorbed: bool,
+    ) -> tuple[jax.Array, KVCache]:
         """Over the cache, x projected down once (x_projections): prefill up-projects keys and values as
         training does; decode steps absorb the weights (paper Steps 1-3) and form no per-head key or value."""
         c_q, latent, k_rope = self.x_projections(x)
@@ -159,8 +184,9 @@ class LatentAttention(Attention):
         queries = self.queries_from(c_q, positions)
         return self.run_blocks("decode" if absorbed else "prefill", queries, cache, mask), cache
 
-    def run_blocks(self, mode: Mode, queries: tuple[jax.Array, jax.Array], kv: KVCache,
-                   mask: jax.Array | None) -> jax.Array:
+    def run_blocks(
+        self, mode: Mode, queries: tuple[jax.Array, jax.Array], kv: KVCache, mask: jax.Array | None
+    ) -> jax.Array:
         """Every latent block's attention from queries (q_nope, q_rope), locally or each device's blocks under
         TP; [B, T, h, d_h]."""
         q_nope, q_rope = queries
@@ -168,15 +194,17 @@ class LatentAttention(Attention):
         if tp == 1 and mode == "train" and self.absorbed_training:
             return self.absorbed_attention(q_nope, q_rope, kv["latent"], kv["k_rope"], mask)
         if tp == 1:
-            out = self.blocks_fn(mode)(self.per_block(q_nope), self.per_block(q_rope), kv["latent"], kv["k_rope"],
-                                       self.up_weights(), mask)
+            out = self.blocks_fn(mode)(
+                self.per_block(q_nope), self.per_block(q_rope), kv["latent"], kv["k_rope"], self.up_weights(), mask
+            )
             return self.merge_branches(out)
         if self.kv_up_layout != "nrhk":
-            raise ValueError("the serving layout of kv_up is for a single device; under tensor parallelism keep "
-                             "the parameter's layout")
+            raise ValueError(
+                "the serving layout of kv_up is for a single device; under tensor parallelism keep "
+                "the parameter's layout"
+            )
         plan = LatentPlan(self.blocks, self.branches, self.n_head, tp)
-        return self.tensor_parallel_blocks(mode, plan, (q_nope, q_rope), kv, self.kv_up[...].astype(self.dtype),
-                                           mask)
+        return self.tensor_parallel_blocks(mode, plan, (q_nope, q_rope), kv, self.kv_up[...].astype(self.dtype), mask)
 
     def up_weights(self) -> tuple[jax.Array, jax.Array]:
         """W_UK and W_UV [n, R, H, d_h] in the compute dtype, from kv_up in either layout."""
@@ -200,24 +228,36 @@ class LatentAttention(Attention):
         split = up.reshape(up.shape[:-1] + (2, self.nope_dim))  # [..., n, R, H, 2, d_h]
         self.kv_up_layout = "2nhrk"
         kv_down = params["kv_down"]
-        x_proj = jnp.concatenate([params["q_down"], kv_down.reshape(kv_down.shape[:-2] + (-1,)),
-                                  params["k_rope_proj"]], axis=-1)
+        x_proj = jnp.concatenate(
+            [params["q_down"], kv_down.reshape(kv_down.shape[:-2] + (-1,)), params["k_rope_proj"]], axis=-1
+        )
         q_up = params["q_up"]
         if out_major:
             x_proj, q_up = jnp.swapaxes(x_proj, -1, -2), jnp.moveaxis(q_up, -3, -1)
         self.q_down = self.kv_down = self.k_rope_proj = None
         self.x_proj = nnx.data(nnx.Param(x_proj))
         rest = {name: a for name, a in params.items() if name not in ("q_down", "kv_down", "k_rope_proj")}
-        return {**rest, "kv_up": jnp.moveaxis(split, (-2, -5, -3, -4), (-5, -4, -3, -2)), "x_proj": x_proj,
-                "q_up": q_up}
+        return {
+            **rest,
+            "kv_up": jnp.moveaxis(split, (-2, -5, -3, -4), (-5, -4, -3, -2)),
+            "x_proj": x_proj,
+            "q_up": q_up,
+        }
 
     def blocks_fn(self, mode: Mode) -> Callable[..., jax.Array]:
         if mode == "decode":
             return self.absorbed_blocks
         return self.absorbed_train_blocks if mode == "train" and self.absorbed_training else self.attend_blocks
 
-    def tensor_parallel_blocks(self, mode: Mode, plan: LatentPlan, queries: tuple[jax.Array, jax.Array],
-                               kv: KVCache, kv_up: jax.Array, mask: jax.Array | None) -> jax.Array:
+    def tensor_parallel_blocks(
+        self,
+        mode: Mode,
+        plan: LatentPlan,
+        queries: tuple[jax.Array, jax.Array],
+        kv: KVCache,
+        kv_up: jax.Array,
+        mask: jax.Array | None,
+    ) -> jax.Array:
         """The blocks in one shard_map over `tensor` (data and fsdp stay automatic): device d runs its latent
         block(s), their kv_up slices and its cache slice from the heads it serves (`plan`); the branch outputs
         meet in one psum_scatter that leaves [B, T, h, d_h] split over heads for the row-parallel output
@@ -274,18 +314,31 @@ class LatentAttention(Attention):
         # the latent split as planned, the one RoPE key replicated over tensor
         kv_specs = (units.spec(latent.ndim, 2, leading=lead), P(*lead))
         if mode == "train":
-            widen = lambda x, spec: (x.astype(jnp.float32) if all(e is None for e in spec)
-                                     and jnp.issubdtype(x.dtype, jnp.floating) else x)
+            widen = lambda x, spec: (
+                x.astype(jnp.float32) if all(e is None for e in spec) and jnp.issubdtype(x.dtype, jnp.floating) else x
+            )
             queries = tuple(widen(x, q_spec) for x in queries)
             stored_kv = tuple(widen(x, spec) for x, spec in zip(stored_kv, kv_specs))
         out_spec = P(*lead, None, TENSOR, None) if heads_sharded_in or h % t == 0 else P(*lead)
         manual = set(automatic_axes()) if batch else {TENSOR}
-        mapped = jax.shard_map(body, in_specs=(q_spec, kv_specs, kv_up_spec, P(*lead if mask is not None else ())),
-                               out_specs=out_spec, axis_names=manual, check_vma=False)
+        mapped = jax.shard_map(
+            body,
+            in_specs=(q_spec, kv_specs, kv_up_spec, P(*lead if mask is not None else ())),
+            out_specs=out_spec,
+            axis_names=manual,
+            check_vma=False,
+        )
         return mapped(queries, stored_kv, kv_up, mask)
 
-    def attend_blocks(self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
-                      up: tuple[jax.Array, jax.Array], mask: jax.Array | None) -> jax.Array:
+    def attend_blocks(
+        self,
+        q_nope: jax.Array,
+        q_rope: jax.Array,
+        latent: jax.Array,
+        k_rope: jax.Array,
+        up: tuple[jax.Array, jax.Array],
+        mask: jax.Array | None,
+    ) -> jax.Array:
         """q [B, T, n, H, .] over latent [B, S, n, R] of n blocks with up = (W_UK, W_UV) [n, R, H, d_h]."""
         # two products rather than one sliced after: v comes out contiguous, as the fused kernels want it
         k_nope = einsum("bsnr,nrhk->bsnhk", latent, up[0])
@@ -297,8 +350,9 @@ class LatentAttention(Attention):
         out = attention(flat(q), flat(k), flat(v), scale=self.softmax_scale, impl=self.impl, mask=mask)
         return out.reshape(q.shape[:-1] + (self.nope_dim,))
 
-    def absorbed_attention(self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
-                           mask: jax.Array | None) -> jax.Array:
+    def absorbed_attention(
+        self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, mask: jax.Array | None
+    ) -> jax.Array:
         """Training attention with absorbed weights on one device: q_nope [B, T, h, d_h] and q_rope [B, T, h,
         d_h^R] over latent [B, S, n, R] and k_rope [B, S, 1, d_h^R] -> [B, T, h, d_h], the branches summed.
         Each head's query meets W_UK of every block that serves it in one product (no copy of q per branch),
@@ -311,12 +365,23 @@ class LatentAttention(Attention):
         q_rope = jnp.broadcast_to(q_rope.reshape(b, t, 1, groups, heads, rope), (b, t, branches, groups, heads, rope))
         per_block = lambda x: x.reshape(b, t, self.blocks, heads, x.shape[-1])
         z = self.latent_heads_attention(per_block(q_latent), per_block(q_rope), latent, k_rope, mask)
-        out = einsum("btcgir,cgrik->btgik", z.reshape(b, t, branches, groups, heads, rank), w_uv,
-                     preferred_element_type=jnp.float32)
+        out = einsum(
+            "btcgir,cgrik->btgik",
+            z.reshape(b, t, branches, groups, heads, rank),
+            w_uv,
+            preferred_element_type=jnp.float32,
+        )
         return (out * self.branch_scale).reshape(b, t, self.n_head, nope).astype(self.dtype)
 
-    def absorbed_train_blocks(self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
-                              up: tuple[jax.Array, jax.Array], mask: jax.Array | None) -> jax.Array:
+    def absorbed_train_blocks(
+        self,
+        q_nope: jax.Array,
+        q_rope: jax.Array,
+        latent: jax.Array,
+        k_rope: jax.Array,
+        up: tuple[jax.Array, jax.Array],
+        mask: jax.Array | None,
+    ) -> jax.Array:
         """attend_blocks with absorbed weights (a device's blocks under TP): q [B, T, n, H, .] over latent
         [B, S, n, R] with up = (W_UK, W_UV) [n, R, H, d_h] -> [B, T, n, H, d_h]."""
         w_uk, w_uv = up
@@ -324,26 +389,41 @@ class LatentAttention(Attention):
         z = self.latent_heads_attention(q_latent, q_rope, latent, k_rope, mask)
         return einsum("btnhr,nrhk->btnhk", z, w_uv)
 
-    def latent_heads_attention(self, q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
-                               k_rope: jax.Array, mask: jax.Array | None) -> jax.Array:
+    def latent_heads_attention(
+        self, q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, mask: jax.Array | None
+    ) -> jax.Array:
         """Attention of the absorbed queries [q_latent || q_rope] [B, T, n, H, R + d_h^R] over n KV heads, block
         j's key [latent_j || k_rope] and value latent_j (latent [B, S, n, R], k_rope [B, S, 1, d_h^R]): GQA for
         the fused kernels, H query heads per KV head -> [B, T, n, H, R]."""
         b, t, n, heads, rank = q_latent.shape
         q = jnp.concatenate([q_latent.astype(self.dtype), q_rope.astype(self.dtype)], axis=-1)
         k = jnp.concatenate([latent, jnp.broadcast_to(k_rope, latent.shape[:2] + (n, self.rope_dim))], axis=-1)
-        out = attention(q.reshape(b, t, n * heads, q.shape[-1]), k.astype(self.dtype), latent.astype(self.dtype),
-                        scale=self.softmax_scale, impl=self.impl, mask=mask)
+        out = attention(
+            q.reshape(b, t, n * heads, q.shape[-1]),
+            k.astype(self.dtype),
+            latent.astype(self.dtype),
+            scale=self.softmax_scale,
+            impl=self.impl,
+            mask=mask,
+        )
         return out.reshape(b, t, n, heads, rank)
 
-    def absorbed_blocks(self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
-                        up: tuple[jax.Array, jax.Array], mask: jax.Array | None) -> jax.Array:
+    def absorbed_blocks(
+        self,
+        q_nope: jax.Array,
+        q_rope: jax.Array,
+        latent: jax.Array,
+        k_rope: jax.Array,
+        up: tuple[jax.Array, jax.Array],
+        mask: jax.Array | None,
+    ) -> jax.Array:
         """Step 1: W_UK into the query; Step 2: MQA over [k_rope || latent]; Step 3: W_UV after."""
         w_uk, w_uv = up
         rows = latent.shape[0]  # the queries may be copies of one row (layers.row_copies): attend with one
         q_latent = einsum("btnhk,nrhk->btnhr", q_nope, w_uk).astype(self.dtype)
-        z = latent_attention(q_rope[:rows], q_latent[:rows], k_rope[:, :, 0], latent, scale=self.softmax_scale,
-                             mask=mask, impl=self.impl)
+        z = latent_attention(
+            q_rope[:rows], q_latent[:rows], k_rope[:, :, 0], latent, scale=self.softmax_scale, mask=mask, impl=self.impl
+        )
         if tensor_size() == 1:  # one row: W_UV, the branch sum and the output projection on its copies
             z = row_copies(z)
         return einsum("btnhr,nrhk->btnhk", z, w_uv)

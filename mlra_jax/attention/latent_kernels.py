@@ -46,8 +46,10 @@ def kernel_for_backend() -> Callable[..., jax.Array]:
         from mlra_jax.pallas_kernels.latent_decode_tpu import latent_decode_tpu
 
         return latent_decode_tpu
-    raise ValueError(f"attention_impl='pallas' needs a GPU or TPU; the backend is {backend!r} (the kernels run on "
-                     f"CPU only in the tests' interpret mode); use attention_impl='xla'")
+    raise ValueError(
+        f"attention_impl='pallas' needs a GPU or TPU; the backend is {backend!r} (the kernels run on "
+        f"CPU only in the tests' interpret mode); use attention_impl='xla'"
+    )
 
 
 def kernel_problem(q_rope: jax.Array, latent: jax.Array) -> str | None:
@@ -66,8 +68,10 @@ def kernel_problem(q_rope: jax.Array, latent: jax.Array) -> str | None:
     if latent.dtype not in KERNEL_DTYPES:
         return f"the Mosaic GPU kernel takes bfloat16 or float16, not {latent.dtype}"
     if q_rope.shape[-1] % KERNEL_CHUNK or latent.shape[-1] % KERNEL_CHUNK or latent.shape[1] % 8:
-        return (f"the Mosaic GPU kernel takes RoPE and latent widths in multiples of {KERNEL_CHUNK} and a cache of a "
-                f"multiple of 8 slots; got {q_rope.shape[-1]}, {latent.shape[-1]}, {latent.shape[1]}")
+        return (
+            f"the Mosaic GPU kernel takes RoPE and latent widths in multiples of {KERNEL_CHUNK} and a cache of a "
+            f"multiple of 8 slots; got {q_rope.shape[-1]}, {latent.shape[-1]}, {latent.shape[1]}"
+        )
     return None
 
 
@@ -90,8 +94,7 @@ def automatic_axes() -> dict[str, int]:
     if mesh.empty:
         return {}
     manual = jax.sharding.AxisType.Manual
-    return {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
-            if kind != manual}
+    return {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types) if kind != manual}
 
 
 def split_batch_axes(batch: int) -> tuple[str, ...]:
@@ -102,8 +105,9 @@ def split_batch_axes(batch: int) -> tuple[str, ...]:
     return axes if axes and batch % math.prod(auto[a] for a in axes) == 0 else ()
 
 
-def latent_decode_attention(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array, *,
-                            scale: float, mask: jax.Array) -> jax.Array:
+def latent_decode_attention(
+    q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array, *, scale: float, mask: jax.Array
+) -> jax.Array:
     """The model's entry point (core.latent_attention on the kernel): one decode token.
 
     q_rope [B, 1, N, H, Dr], q_latent [B, 1, N, H, R], k_rope [B, S, Dr], latent [B, S, N, R],
@@ -111,8 +115,10 @@ def latent_decode_attention(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.
     automatic, one shard_map makes all of them manual: the batch splits over the data axes and the
     kernel runs on each device's own sequences (nothing is gathered)."""
     if q_rope.shape[1] != 1:
-        raise ValueError(f"the Pallas latent kernel decodes one token at a time; got {q_rope.shape[1]} (prefill "
-                         f"runs unabsorbed on XLA)")
+        raise ValueError(
+            f"the Pallas latent kernel decodes one token at a time; got {q_rope.shape[1]} (prefill "
+            f"runs unabsorbed on XLA)"
+        )
     kernel = kernel_for_backend()
     starts, ends = ranges_from_mask(mask)
 
@@ -124,8 +130,10 @@ def latent_decode_attention(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.
         batch_axes = tuple(a for a in BATCH_AXES if auto.get(a, 1) > 1)
         shards = math.prod(auto[a] for a in batch_axes)
         if q_rope.shape[0] % shards:
-            raise ValueError(f"a batch of {q_rope.shape[0]} cannot be split over the {shards} data-parallel devices "
-                             f"{batch_axes}; use a batch that is a multiple of {shards}")
+            raise ValueError(
+                f"a batch of {q_rope.shape[0]} cannot be split over the {shards} data-parallel devices "
+                f"{batch_axes}; use a batch that is a multiple of {shards}"
+            )
         batch = P(batch_axes or None)
         run = jax.shard_map(run, in_specs=(batch,) * 6, out_specs=batch, axis_names=set(auto), check_vma=False)
     return run(q_rope[:, 0], q_latent[:, 0], k_rope, latent, starts, ends)[:, None]

@@ -23,7 +23,7 @@ class MultiMatrixFactorizationAttention(Attention):
         self.q_up = make_param(rngs, (dq, h, dh), ("q_lora", "q_heads", "head_dim"), init, cfg)
         self.k_proj = make_param(rngs, (d, dh), ("embed", "head_dim"), init, cfg)
         self.v_proj = make_param(rngs, (d, dh), ("embed", "head_dim"), init, cfg)
-        self.scale = dh ** -0.5
+        self.scale = dh**-0.5
 
     @staticmethod
     def cache_layout(cfg: ModelConfig) -> list[CacheComponent]:
@@ -31,8 +31,9 @@ class MultiMatrixFactorizationAttention(Attention):
 
     @staticmethod
     def decode_shape(cfg: ModelConfig) -> DecodeShape:
-        return DecodeShape(tp=1, heads=cfg.n_head, qk_dim=cfg.head_dim, v_dim=cfg.head_dim,
-                           cache_elements=2 * cfg.head_dim)
+        return DecodeShape(
+            tp=1, heads=cfg.n_head, qk_dim=cfg.head_dim, v_dim=cfg.head_dim, cache_elements=2 * cfg.head_dim
+        )
 
     def cache_entry(self, x: jax.Array, positions: jax.Array) -> KVCache:
         k = apply_rope(project(x, self.k_proj, "btd,dk->btk", self.dtype), positions, self.theta)

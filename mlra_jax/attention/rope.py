@@ -27,6 +27,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     cos = cos.reshape(cos.shape[:-1] + (1,) * extra_axes + cos.shape[-1:])
     sin = sin.reshape(cos.shape)
     x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., : width // 2], x32[..., width // 2:]
+    x1, x2 = x32[..., : width // 2], x32[..., width // 2 :]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     return rotated.astype(x.dtype)

@@ -30,22 +30,30 @@ class TensorProductAttention(Attention):
         self.b_q = factor((d, self.q_rank, dh), ("embed", "tpa_rank", "head_dim"))
         self.b_k = factor((d, self.rank, dh), ("embed", "tpa_rank", "head_dim"))
         self.b_v = factor((d, self.rank, dh), ("embed", "tpa_rank", "head_dim"))
-        self.scale = dh ** -0.5
+        self.scale = dh**-0.5
 
     @staticmethod
     def cache_layout(cfg: ModelConfig) -> list[CacheComponent]:
         rank, dh = cfg.tpa_rank, cfg.head_dim
-        return [CacheComponent("a_k", cfg.n_head, (rank,), "q_heads"),
-                CacheComponent("a_v", cfg.n_head, (rank,), "q_heads"),
-                CacheComponent("b_k", 1, (rank, dh), None),
-                CacheComponent("b_v", 1, (rank, dh), None)]
+        return [
+            CacheComponent("a_k", cfg.n_head, (rank,), "q_heads"),
+            CacheComponent("a_v", cfg.n_head, (rank,), "q_heads"),
+            CacheComponent("b_k", 1, (rank, dh), None),
+            CacheComponent("b_v", 1, (rank, dh), None),
+        ]
 
     @staticmethod
     def decode_shape(cfg: ModelConfig) -> DecodeShape:
         h, dh, rank = cfg.n_head, cfg.head_dim, cfg.tpa_rank
         # Paper Table 2 counts 4 h beta d_h + 4 h d_h FLOPs per context token.
-        return DecodeShape(tp=1, heads=h, qk_dim=dh, v_dim=dh, cache_elements=2 * rank * (h + dh),
-                           flops_override=4 * h * rank * dh + 4 * h * dh)
+        return DecodeShape(
+            tp=1,
+            heads=h,
+            qk_dim=dh,
+            v_dim=dh,
+            cache_elements=2 * rank * (h + dh),
+            flops_override=4 * h * rank * dh + 4 * h * dh,
+        )
 
     @staticmethod
     def extra_flops_per_token(cfg: ModelConfig) -> int:
@@ -54,9 +62,12 @@ class TensorProductAttention(Attention):
 
     def cache_entry(self, x: jax.Array, positions: jax.Array) -> KVCache:
         b_k = apply_rope(project(x, self.b_k, "btd,drk->btrk", self.dtype), positions, self.theta)
-        return {"a_k": project(x, self.a_k, "btd,dhr->bthr", self.dtype),
-                "a_v": project(x, self.a_v, "btd,dhr->bthr", self.dtype),
-                "b_k": b_k[:, :, None], "b_v": project(x, self.b_v, "btd,drk->btrk", self.dtype)[:, :, None]}
+        return {
+            "a_k": project(x, self.a_k, "btd,dhr->bthr", self.dtype),
+            "a_v": project(x, self.a_v, "btd,dhr->bthr", self.dtype),
+            "b_k": b_k[:, :, None],
+            "b_v": project(x, self.b_v, "btd,drk->btrk", self.dtype)[:, :, None],
+        }
 
     def attend(self, x: jax.Array, positions: jax.Array, kv: KVCache, mask: jax.Array | None) -> jax.Array:
         a_q = project(x, self.a_q, "btd,dhr->bthr", self.dtype)

@@ -19,12 +19,25 @@ import jax.numpy as jnp
 
 def environment() -> dict[str, Any]:
     devices = jax.devices()
-    return {"device": devices[0].device_kind, "device_count": len(devices), "backend": jax.default_backend(),
-            "jax_version": jax.__version__, "python": platform.python_version(),
-            "command": " ".join(["python -m " + (sys.modules["__main__"].__spec__.name
-                                                 if getattr(sys.modules["__main__"], "__spec__", None)
-                                                 else sys.argv[0])] + sys.argv[1:]),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "device": devices[0].device_kind,
+        "device_count": len(devices),
+        "backend": jax.default_backend(),
+        "jax_version": jax.__version__,
+        "python": platform.python_version(),
+        "command": " ".join(
+            [
+                "python -m "
+                + (
+                    sys.modules["__main__"].__spec__.name
+                    if getattr(sys.modules["__main__"], "__spec__", None)
+                    else sys.argv[0]
+                )
+            ]
+            + sys.argv[1:]
+        ),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def save(path: Path, benchmark: str, results: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -34,9 +47,11 @@ def save(path: Path, benchmark: str, results: list[dict[str, Any]], **extra: Any
     return record
 
 
-def earlier_results(path: Path, remeasured: Callable[[dict[str, Any]], bool],
-                    run_keys: tuple[str, ...] = ("device", "command", "date", "jax_version")
-                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+def earlier_results(
+    path: Path,
+    remeasured: Callable[[dict[str, Any]], bool],
+    run_keys: tuple[str, ...] = ("device", "command", "date", "jax_version"),
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     """For --merge: the results in the record at `path` that this run does not measure again, the runs
     they came from, and the record itself (all empty when there is no record yet)."""
     if not path.exists():
@@ -46,8 +61,9 @@ def earlier_results(path: Path, remeasured: Callable[[dict[str, Any]], bool],
     return kept, record.get("runs", [{k: record.get(k) for k in run_keys}]), record
 
 
-def filled_like(tree: Any, shardings: Any = None, scale: float = 1.0,
-                ones: Callable[[tuple], bool] = lambda path: False) -> Any:
+def filled_like(
+    tree: Any, shardings: Any = None, scale: float = 1.0, ones: Callable[[tuple], bool] = lambda path: False
+) -> Any:
     """Arrays of the tree's shapes and dtypes for timing, made on the device(s) in `shardings`: one random
     row of the last axis (normal, times `scale`) repeated over the others, or ones where ones(key path).
     Drawing every element at random compiles for minutes at the 2.9B models' sizes under a mesh (seen on
@@ -56,10 +72,16 @@ def filled_like(tree: Any, shardings: Any = None, scale: float = 1.0,
 
     def make():
         keys = jax.random.split(jax.random.key(0), len(paths))
-        return treedef.unflatten([
-            jnp.ones(a.shape, a.dtype) if ones(path) else
-            jnp.broadcast_to((scale * jax.random.normal(key, a.shape[-1:], jnp.float32)).astype(a.dtype), a.shape)
-            for key, (path, a) in zip(keys, paths)])
+        return treedef.unflatten(
+            [
+                jnp.ones(a.shape, a.dtype)
+                if ones(path)
+                else jnp.broadcast_to(
+                    (scale * jax.random.normal(key, a.shape[-1:], jnp.float32)).astype(a.dtype), a.shape
+                )
+                for key, (path, a) in zip(keys, paths)
+            ]
+        )
 
     return jax.jit(make, out_shardings=shardings)()
 
@@ -87,26 +109,34 @@ def chained(fn: Callable[..., jax.Array], feed: int, calls: int) -> Callable[...
         for _ in range(calls):
             out = fn(*args)
             if (out.shape, out.dtype) != (args[feed].shape, args[feed].dtype):
-                raise ValueError(f"chained: the output {out.shape} {out.dtype} cannot feed argument {feed} "
-                                 f"({args[feed].shape} {args[feed].dtype})")
+                raise ValueError(
+                    f"chained: the output {out.shape} {out.dtype} cannot feed argument {feed} "
+                    f"({args[feed].shape} {args[feed].dtype})"
+                )
             args[feed] = out
         return args[feed]
 
     return jax.jit(run)
 
 
-def device_time(fn: Callable[..., jax.Array], args: tuple, repeats: int, feed: int = 0,
-                calls: int = 8) -> dict[str, Any]:
+def device_time(
+    fn: Callable[..., jax.Array], args: tuple, repeats: int, feed: int = 0, calls: int = 8
+) -> dict[str, Any]:
     """Device seconds per call of fn(*args): on GPUs the profiler's span of `calls` chained calls over
     `calls` (median of `repeats`), which leaves out the host's dispatch, with each kernel's share; elsewhere
     the median wall time of the chain over `calls`."""
     run = chained(fn, feed, calls)
     if jax.default_backend() == "gpu":
         timing = profiled_time(lambda: run(*args), repeats)
-        return {"time_s": timing["time_s"] / calls, "method": f"profiler span of {calls} chained calls / {calls}",
-                "kernels_s": {name: seconds / calls for name, seconds in timing["kernels_s"].items()}}
-    return {"time_s": median_time(lambda: run(*args), repeats) / calls,
-            "method": f"wall time of {calls} chained calls / {calls}"}
+        return {
+            "time_s": timing["time_s"] / calls,
+            "method": f"profiler span of {calls} chained calls / {calls}",
+            "kernels_s": {name: seconds / calls for name, seconds in timing["kernels_s"].items()},
+        }
+    return {
+        "time_s": median_time(lambda: run(*args), repeats) / calls,
+        "method": f"wall time of {calls} chained calls / {calls}",
+    }
 
 
 def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
@@ -138,17 +168,22 @@ def profiled_time(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> dict[
         if not paths:
             raise RuntimeError(f"the profiler wrote no trace under {trace_dir}")
         planes = jax.profiler.ProfileData.from_file(paths[0]).planes
-    events = [(event.start_ns, event.end_ns, event.name)
-              for plane in planes if plane.name.startswith("/device:GPU:0")
-              for line in plane.lines if line.name.startswith("Stream")
-              for event in line.events]
+    events = [
+        (event.start_ns, event.end_ns, event.name)
+        for plane in planes
+        if plane.name.startswith("/device:GPU:0")
+        for line in plane.lines
+        if line.name.startswith("Stream")
+        for event in line.events
+    ]
     if not events:
         raise RuntimeError("the profiler recorded no GPU activity (profiled_time needs a GPU)")
     return call_times(split_calls(events, repeats))
 
 
-def split_calls(events: list[tuple[float, float, str]], repeats: int,
-                gap_ns: float = 1e7) -> list[list[tuple[float, float, str]]]:
+def split_calls(
+    events: list[tuple[float, float, str]], repeats: int, gap_ns: float = 1e7
+) -> list[list[tuple[float, float, str]]]:
     """GPU events (start ns, end ns, name) grouped into the calls they belong to, in order: a call ends where
     `gap_ns` pass without activity (profiled_time sleeps 20 ms between calls). A RuntimeError when the trace
     does not hold `repeats` calls."""
@@ -177,7 +212,11 @@ def call_times(calls: list[list[tuple[float, float, str]]]) -> dict[str, Any]:
             per_kernel.setdefault(name, []).append(seconds)
     median = sorted(range(len(calls)), key=spans.__getitem__)[len(calls) // 2]
     first = calls[median][0][0]
-    return {"time_s": statistics.median(spans),
-            "kernels_s": {name: statistics.median(times) for name, times in per_kernel.items()},
-            "timeline": [(name, round((start - first) * 1e-3, 3), round((end - start) * 1e-3, 3))
-                         for start, end, name in calls[median]]}
+    return {
+        "time_s": statistics.median(spans),
+        "kernels_s": {name: statistics.median(times) for name, times in per_kernel.items()},
+        "timeline": [
+            (name, round((start - first) * 1e-3, 3), round((end - start) * 1e-3, 3))
+            for start, end, name in calls[median]
+        ],
+    }

@@ -35,8 +35,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mlra_jax.benchmarks.common import (benchmark_params, device_time, earlier_results, environment, median_time,
-                                        profiled_time, save)
+from mlra_jax.benchmarks.common import (
+    benchmark_params,
+    device_time,
+    earlier_results,
+    environment,
+    median_time,
+    profiled_time,
+    save,
+)
 
 H100_BANDWIDTH = 3.35e12  # bytes/s, the paper's ideal-time reference
 BATCH1_CONTEXTS = (131072, 262144, 524288, 1048576, 2097152)
@@ -97,28 +104,33 @@ def attention_fn(case: AttentionCase, impl: str, batch: int, context: int) -> tu
             return _paged_latent_fn(q_rope, q_latent, k_rope, latent, lengths, scale)
 
         def run(q_rope, q_latent, k_rope, latent, lengths):
-            return latent_attention(q_rope, q_latent, k_rope, latent, scale=scale,
-                                    mask=_length_mask(lengths, context), impl=impl)
+            return latent_attention(
+                q_rope, q_latent, k_rope, latent, scale=scale, mask=_length_mask(lengths, context), impl=impl
+            )
 
         return jax.jit(run), (q_rope, q_latent, k_rope, latent, lengths)
     q = jax.random.normal(keys[0], (batch, 1, case.heads, case.head_dim), jnp.bfloat16)
     k = jax.random.normal(keys[1], (batch, context, case.kv_heads, case.head_dim), jnp.bfloat16)
     v = jax.random.normal(keys[2], (batch, context, case.kv_heads, case.head_dim), jnp.bfloat16)
-    scale = case.head_dim ** -0.5
+    scale = case.head_dim**-0.5
     if impl == "pallas":  # JAX's split-K GQA decode kernel (pallas/ops/gpu/decode_attention.py)
         from jax.experimental.pallas.ops.gpu.decode_attention import gqa
 
         from mlra_jax.pallas_kernels.latent_decode_common import choose_splits
 
         splits = 1 << (choose_splits(batch * case.kv_heads, context, 128, 132).bit_length() - 1)  # must divide
+
         def split_k(q, k, v, lengths):
             out = gqa(q[:, 0], k, v, kv_seq_len=lengths, sm_scale=scale, k_splits=splits, block_h=16, block_k=128)
             return out[:, None].astype(q.dtype)  # the kernel returns float32
 
         return jax.jit(split_k), (q, k, v, lengths)
     if impl == "cudnn":
-        return jax.jit(lambda q, k, v, lengths: jax.nn.dot_product_attention(
-            q, k, v, scale=scale, key_value_seq_lengths=lengths, implementation="cudnn")), (q, k, v, lengths)
+        return jax.jit(
+            lambda q, k, v, lengths: jax.nn.dot_product_attention(
+                q, k, v, scale=scale, key_value_seq_lengths=lengths, implementation="cudnn"
+            )
+        ), (q, k, v, lengths)
 
     def run(q, k, v, lengths):
         return attention(q, k, v, scale=scale, impl="xla", mask=_length_mask(lengths, context))
@@ -126,8 +138,9 @@ def attention_fn(case: AttentionCase, impl: str, batch: int, context: int) -> tu
     return jax.jit(run), (q, k, v, lengths)
 
 
-def _paged_latent_fn(q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array,
-                     lengths: jax.Array, scale: float) -> tuple[Callable, tuple]:
+def _paged_latent_fn(
+    q_rope: jax.Array, q_latent: jax.Array, k_rope: jax.Array, latent: jax.Array, lengths: jax.Array, scale: float
+) -> tuple[Callable, tuple]:
     """The latent kernel over a paged cache of the same size: the cache's bytes as a pool of PAGE-slot pages,
     and a page table that hands each sequence pages from all over the pool in random order (as a serving
     engine's allocator leaves them; the values read differ from the contiguous run's, the bytes do not).
@@ -161,8 +174,10 @@ def bench_attention(args: argparse.Namespace) -> tuple[list[dict], dict]:
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s", flush=True)
     settings = [(1, c) for c in args.batch1_contexts] + [(128, c) for c in args.batch128_contexts]
     kept, runs = _earlier_results(args, settings)
-    extra = {"copy_bandwidth_bytes_per_s": bandwidth,
-             "runs": [*runs, {**environment(), "copy_bandwidth_bytes_per_s": bandwidth}]}
+    extra = {
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "runs": [*runs, {**environment(), "copy_bandwidth_bytes_per_s": bandwidth}],
+    }
     results = kept
     for variant in args.variants.split(","):
         case = CASES[variant]
@@ -177,24 +192,38 @@ def bench_attention(args: argparse.Namespace) -> tuple[list[dict], dict]:
                     seconds = timing["time_s"]
                 except Exception as err:  # noqa: BLE001 - record it and go on with the other settings
                     message = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
-                    results.append({"variant": variant, "impl": impl, "batch": batch, "context": context,
-                                    "error": message})
+                    results.append(
+                        {"variant": variant, "impl": impl, "batch": batch, "context": context, "error": message}
+                    )
                     save(args.out, "decode_attention", results, **extra)
                     print(f"{case.name:14} {impl:12} B={batch:<4} ctx={context:<8} failed: {message}", flush=True)
                     continue
                 moved = case.cache_bytes(batch, context)
-                result = {"variant": variant, "case": case.name, "impl": impl, "batch": batch, "context": context,
-                          "time_s": seconds, "timing": timing["method"], "kernels_s": timing.get("kernels_s", {}),
-                          "wall_time_per_call_s": wall, "bytes": moved, "achieved_gb_s": moved / seconds / 1e9,
-                          "ideal_time_s_3p35": moved / H100_BANDWIDTH, "ideal_time_s_measured": moved / bandwidth,
-                          "fraction_of_measured_bandwidth": moved / bandwidth / seconds,
-                          "copy_bandwidth_bytes_per_s": bandwidth}
+                result = {
+                    "variant": variant,
+                    "case": case.name,
+                    "impl": impl,
+                    "batch": batch,
+                    "context": context,
+                    "time_s": seconds,
+                    "timing": timing["method"],
+                    "kernels_s": timing.get("kernels_s", {}),
+                    "wall_time_per_call_s": wall,
+                    "bytes": moved,
+                    "achieved_gb_s": moved / seconds / 1e9,
+                    "ideal_time_s_3p35": moved / H100_BANDWIDTH,
+                    "ideal_time_s_measured": moved / bandwidth,
+                    "fraction_of_measured_bandwidth": moved / bandwidth / seconds,
+                    "copy_bandwidth_bytes_per_s": bandwidth,
+                }
                 results.append(result)
                 save(args.out, "decode_attention", results, **extra)
-                print(f"{case.name:14} {impl:12} B={batch:<4} ctx={context:<8} {seconds * 1e6:10.1f} us "
-                      f"(wall {wall * 1e6:7.1f})  "
-                      f"{result['achieved_gb_s']:8.0f} GB/s  {result['fraction_of_measured_bandwidth']:6.1%} of copy",
-                      flush=True)
+                print(
+                    f"{case.name:14} {impl:12} B={batch:<4} ctx={context:<8} {seconds * 1e6:10.1f} us "
+                    f"(wall {wall * 1e6:7.1f})  "
+                    f"{result['achieved_gb_s']:8.0f} GB/s  {result['fraction_of_measured_bandwidth']:6.1%} of copy",
+                    flush=True,
+                )
     return results, extra
 
 
@@ -204,8 +233,10 @@ def _earlier_results(args: argparse.Namespace, settings: list[tuple[int, int]]) 
         return [], []
     planned = {(v, i, b, c) for v in args.variants.split(",") for i in args.impls.split(",") for b, c in settings}
     kept, runs, record = earlier_results(
-        args.out, lambda r: (r["variant"], r["impl"], r["batch"], r["context"]) in planned,
-        ("device", "command", "date", "jax_version", "copy_bandwidth_bytes_per_s"))
+        args.out,
+        lambda r: (r["variant"], r["impl"], r["batch"], r["context"]) in planned,
+        ("device", "command", "date", "jax_version", "copy_bandwidth_bytes_per_s"),
+    )
     for result in kept:
         result.setdefault("copy_bandwidth_bytes_per_s", record.get("copy_bandwidth_bytes_per_s"))
     return kept, runs
@@ -241,8 +272,12 @@ def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
     extra = {"copy_bandwidth_bytes_per_s": bandwidth}
     results = []
     for name in args.experiments.split(","):
-        base = dataclasses.replace(get_experiment(name).model, param_dtype="bfloat16", compute_dtype="bfloat16",
-                                   max_seq_len=max(map(int, args.context.split(","))))
+        base = dataclasses.replace(
+            get_experiment(name).model,
+            param_dtype="bfloat16",
+            compute_dtype="bfloat16",
+            max_seq_len=max(map(int, args.context.split(","))),
+        )
         params = benchmark_params(base)
         for impl in args.impls.split(","):
             cfg = dataclasses.replace(base, attention_impl=impl)
@@ -250,8 +285,13 @@ def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
             serving = ServingModel(model)
             for batch in map(int, args.batch.split(",")):
                 for context in map(int, args.context.split(",")):
-                    result = {"experiment": name, "variant": cfg.variant, "impl": impl, "batch": batch,
-                              "context": context}
+                    result = {
+                        "experiment": name,
+                        "variant": cfg.variant,
+                        "impl": impl,
+                        "batch": batch,
+                        "context": context,
+                    }
                     try:
                         result.update(_time_serving_step(serving, batch, context, args, init_layer_caches))
                     except Exception as err:  # noqa: BLE001 - record it and go on with the other settings
@@ -263,19 +303,30 @@ def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
                     floor = serving_floor_bytes(serving, batch, context)
                     floor_s = (floor["weight_bytes"] + floor["cache_bytes"]) / bandwidth
                     seconds = result["step_time_s"]
-                    result.update(floor, tokens_per_s=batch / seconds, floor_time_s=floor_s,
-                                  floor_tokens_per_s=batch / floor_s, time_over_floor=seconds / floor_s,
-                                  copy_bandwidth_bytes_per_s=bandwidth)
+                    result.update(
+                        floor,
+                        tokens_per_s=batch / seconds,
+                        floor_time_s=floor_s,
+                        floor_tokens_per_s=batch / floor_s,
+                        time_over_floor=seconds / floor_s,
+                        copy_bandwidth_bytes_per_s=bandwidth,
+                    )
                     if args.generate_tokens:
                         result.update(_time_generate(model, serving, batch, context, args.generate_tokens))
                     results.append(result)
                     save(args.out, "decode_model", results, **extra)
-                    generated = (f"; generate {result['generate_s_per_token'] * 1e3:.3f} ms/token"
-                                 if args.generate_tokens else "")
-                    print(f"{name:14} {impl:6} B={batch:<4} ctx={context:<7} {seconds * 1e3:8.3f} ms/step "
-                          f"{batch / seconds:10.0f} tokens/s   floor {floor_s * 1e3:7.3f} ms "
-                          f"({floor['weight_bytes'] / 1e9:.2f} GB weights + {floor['cache_bytes'] / 1e9:.2f} GB cache)"
-                          f"  {seconds / floor_s:5.2f}x floor{generated}", flush=True)
+                    generated = (
+                        f"; generate {result['generate_s_per_token'] * 1e3:.3f} ms/token"
+                        if args.generate_tokens
+                        else ""
+                    )
+                    print(
+                        f"{name:14} {impl:6} B={batch:<4} ctx={context:<7} {seconds * 1e3:8.3f} ms/step "
+                        f"{batch / seconds:10.0f} tokens/s   floor {floor_s * 1e3:7.3f} ms "
+                        f"({floor['weight_bytes'] / 1e9:.2f} GB weights + {floor['cache_bytes'] / 1e9:.2f} GB cache)"
+                        f"  {seconds / floor_s:5.2f}x floor{generated}",
+                        flush=True,
+                    )
             del serving
     return results, extra
 
@@ -299,8 +350,11 @@ def _time_generate(model, serving, batch: int, context: int, new_tokens: int) ->
         stamps.clear()
         generator.generate(prompts, Sampling(max_new_tokens=new_tokens, eos_id=None), stop=stamp)
     gaps = np.diff(stamps[8:])
-    return {"generate_tokens": new_tokens, "generate_s_per_token": float(np.median(gaps)),
-            "generate_timing": "Generator.generate, median wall time between new tokens"}
+    return {
+        "generate_tokens": new_tokens,
+        "generate_s_per_token": float(np.median(gaps)),
+        "generate_timing": "Generator.generate, median wall time between new tokens",
+    }
 
 
 def _time_serving_step(serving, batch: int, context: int, args: argparse.Namespace, init_layer_caches) -> dict:
@@ -311,8 +365,10 @@ def _time_serving_step(serving, batch: int, context: int, args: argparse.Namespa
         raise ValueError(f"context {context} is too short for {calls} timed steps")
     caches = init_layer_caches(serving.cfg, batch, context)
     key = jax.random.key(2)
-    layers = tuple({n: jax.random.normal(jax.random.fold_in(key, i), a.shape, a.dtype) for n, a in layer.items()}
-                   for i, layer in enumerate(caches.layers))
+    layers = tuple(
+        {n: jax.random.normal(jax.random.fold_in(key, i), a.shape, a.dtype) for n, a in layer.items()}
+        for i, layer in enumerate(caches.layers)
+    )
     holder = {"caches": dataclasses.replace(caches, layers=layers, index=jnp.int32(context - calls - 1))}
     del caches, layers
     tokens = jnp.zeros((batch, 1), jnp.int32)
@@ -328,50 +384,75 @@ def _time_serving_step(serving, batch: int, context: int, args: argparse.Namespa
     if jax.default_backend() == "gpu":
         profiled = profiled_time(run, repeats=args.repeats)
         top = sorted(profiled["kernels_s"].items(), key=lambda kv: -kv[1])[:12]
-        timing = {"step_time_s": profiled["time_s"], "timing": "profiler span per step (median)",
-                  "wall_time_per_step_s": wall, "kernels_s": dict(top)}
+        timing = {
+            "step_time_s": profiled["time_s"],
+            "timing": "profiler span per step (median)",
+            "wall_time_per_step_s": wall,
+            "kernels_s": dict(top),
+        }
         if args.timeline:
             timing["step_timeline"] = profiled["timeline"]
     return timing
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlra_jax.benchmarks.decode", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m mlra_jax.benchmarks.decode",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="mode", required=True)
     attention = sub.add_parser("attention", help="per-device decode attention at the paper's settings")
     attention.add_argument("--variants", default="mlra4,mla,gla2,gqa")
-    attention.add_argument("--impls", default="xla",
-                           help="comma-separated: xla, pallas, pallas_paged (the latent kernel over a paged cache), "
-                                "cudnn")
-    attention.add_argument("--batch1_contexts", type=lambda s: [int(x) for x in s.split(",") if x],
-                           default=list(BATCH1_CONTEXTS))
-    attention.add_argument("--batch128_contexts", type=lambda s: [int(x) for x in s.split(",") if x],
-                           default=list(BATCH128_CONTEXTS))
+    attention.add_argument(
+        "--impls",
+        default="xla",
+        help="comma-separated: xla, pallas, pallas_paged (the latent kernel over a paged cache), cudnn",
+    )
+    attention.add_argument(
+        "--batch1_contexts", type=lambda s: [int(x) for x in s.split(",") if x], default=list(BATCH1_CONTEXTS)
+    )
+    attention.add_argument(
+        "--batch128_contexts", type=lambda s: [int(x) for x in s.split(",") if x], default=list(BATCH128_CONTEXTS)
+    )
     attention.add_argument("--repeats", type=int, default=20)
     attention.add_argument("--copy_gb", type=float, default=4.0, help="size of the bandwidth-reference copy")
     attention.add_argument("--out", type=Path, default=Path("experiments/results/decode_attention.json"))
-    attention.add_argument("--merge", action="store_true",
-                           help="keep the results already in --out for the settings this run does not measure")
+    attention.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the results already in --out for the settings this run does not measure",
+    )
     model = sub.add_parser("model", help="whole-model decode steps on the serving path, against the bandwidth floor")
     model.add_argument("--experiments", default="mlra4_2p9b,mla_2p9b")
     model.add_argument("--batch", default="1,64")
     model.add_argument("--context", default="8192")
-    model.add_argument("--impls", default="xla,pallas", help="comma-separated attention_impl values (xla, pallas, auto)")
+    model.add_argument(
+        "--impls", default="xla,pallas", help="comma-separated attention_impl values (xla, pallas, auto)"
+    )
     model.add_argument("--repeats", type=int, default=20)
     model.add_argument("--copy_gb", type=float, default=4.0, help="size of the bandwidth-reference copy")
-    model.add_argument("--timeline", action="store_true",
-                       help="also save each setting's step as its ordered kernels (name, start and duration in us; "
-                            "GPUs): the profile that says where a step's time goes")
-    model.add_argument("--generate_tokens", type=int, default=0,
-                       help="also time Generator.generate per new token, decoding this many tokens up to the context")
+    model.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also save each setting's step as its ordered kernels (name, start and duration in us; "
+        "GPUs): the profile that says where a step's time goes",
+    )
+    model.add_argument(
+        "--generate_tokens",
+        type=int,
+        default=0,
+        help="also time Generator.generate per new token, decoding this many tokens up to the context",
+    )
     model.add_argument("--out", type=Path, default=Path("experiments/results/decode_model.json"))
     args = parser.parse_args(argv)
     if args.mode == "model" and args.generate_tokens:
         shortest = min(int(c) for c in args.context.split(","))
         if not 16 <= args.generate_tokens < shortest:
-            parser.error(f"--generate_tokens={args.generate_tokens}: use at least 16 (the first 8 gaps are left out) "
-                         f"and fewer than the shortest --context ({shortest})")
+            parser.error(
+                f"--generate_tokens={args.generate_tokens}: use at least 16 (the first 8 gaps are left out) "
+                f"and fewer than the shortest --context ({shortest})"
+            )
     results, extra = bench_attention(args) if args.mode == "attention" else bench_model(args)
     record = save(args.out, f"decode_{args.mode}", results, **extra)
     print(f"saved {args.out} ({record['device']})")

@@ -30,8 +30,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlra_jax.attention import attention_class
-from mlra_jax.benchmarks.common import (benchmark_params, earlier_results, environment, filled_like, median_time,
-                                        profiled_time, save)
+from mlra_jax.benchmarks.common import (
+    benchmark_params,
+    earlier_results,
+    environment,
+    filled_like,
+    median_time,
+    profiled_time,
+    save,
+)
 from mlra_jax.config import MeshConfig, ModelConfig
 from mlra_jax.decode.serving import ServingModel, serving_compiler_options
 from mlra_jax.experiments.benchmarks import PAPER_BATCH, THROUGHPUT_CONTEXTS, THROUGHPUT_MODELS, deployment
@@ -62,12 +69,23 @@ def time_step(run: Callable[[], Any], repeats: int) -> dict[str, Any]:
         return {"step_time_s": wall, "timing": "wall time per step (median)"}
     profiled = profiled_time(run, repeats=repeats)
     top = dict(sorted(profiled["kernels_s"].items(), key=lambda kv: -kv[1])[:10])
-    return {"step_time_s": profiled["time_s"], "timing": "profiler span per step on device 0 (median)",
-            "wall_time_per_step_s": wall, "kernels_s": top}
+    return {
+        "step_time_s": profiled["time_s"],
+        "timing": "profiler span per step on device 0 (median)",
+        "wall_time_per_step_s": wall,
+        "kernels_s": top,
+    }
 
 
-def measure_attention(variant: str, contexts: list[int], repeats: int, impl: str, devices: list[jax.Device],
-                      batch: int, results: list[dict]) -> None:
+def measure_attention(
+    variant: str,
+    contexts: list[int],
+    repeats: int,
+    impl: str,
+    devices: list[jax.Device],
+    batch: int,
+    results: list[dict],
+) -> None:
     """One decode step of one attention layer (DeepSeek-V3's shape) per context, appended to results."""
     cfg = with_impl(THROUGHPUT_MODELS[variant], impl)
     tp, dp, _ = deployment(variant, len(devices))
@@ -81,13 +99,15 @@ def measure_attention(variant: str, contexts: list[int], repeats: int, impl: str
         def step(params, x, state):
             positions, mask = slot_mask(state, 1)
             layer = {k: v[0] for k, v in state.kv.items()}
-            heads, layer = nnx.merge(graphdef, params).write_and_attend(x, positions, layer, mask, state.index,
-                                                                         dict(state.plans), absorbed=True)
+            heads, layer = nnx.merge(graphdef, params).write_and_attend(
+                x, positions, layer, mask, state.index, dict(state.plans), absorbed=True
+            )
             return heads, dataclasses.replace(state, kv={k: v[None] for k, v in layer.items()}, index=state.index + 1)
 
         jitted = jax.jit(step, donate_argnums=(2,), compiler_options=serving_compiler_options(batch))
-        x = jax.device_put(jax.random.normal(jax.random.key(0), (batch, 1, cfg.n_embd), jnp.bfloat16),
-                           batch_sharding(mesh, 3))
+        x = jax.device_put(
+            jax.random.normal(jax.random.key(0), (batch, 1, cfg.n_embd), jnp.bfloat16), batch_sharding(mesh, 3)
+        )
         for context in contexts:
             state = init_cache(cfg, batch, context, mesh=mesh)
             kv = filled_like(state.kv, cache_shardings(cfg, mesh))
@@ -98,18 +118,30 @@ def measure_attention(variant: str, contexts: list[int], repeats: int, impl: str
                 heads, holder["state"] = jitted(params, x, holder["state"])
                 return heads
 
-            results.append(_record(variant, "attention", cfg, tp, dp, len(devices), batch, context,
-                                   time_step(run, repeats)))
+            results.append(
+                _record(variant, "attention", cfg, tp, dp, len(devices), batch, context, time_step(run, repeats))
+            )
             holder.clear()  # the cache's buffers go before the next context's are made
 
 
-def measure_model(variant: str, contexts: list[int], repeats: int, impl: str, devices: list[jax.Device],
-                  batch: int, results: list[dict]) -> None:
+def measure_model(
+    variant: str,
+    contexts: list[int],
+    repeats: int,
+    impl: str,
+    devices: list[jax.Device],
+    batch: int,
+    results: list[dict],
+) -> None:
     """One decode step of the whole 2.9B model on the serving path per context, appended to results."""
     from mlra_jax.model import abstract_model
 
-    cfg = with_impl(dataclasses.replace(whole_model(variant), param_dtype="bfloat16",
-                                        compute_dtype="bfloat16", max_seq_len=max(contexts)), impl)
+    cfg = with_impl(
+        dataclasses.replace(
+            whole_model(variant), param_dtype="bfloat16", compute_dtype="bfloat16", max_seq_len=max(contexts)
+        ),
+        impl,
+    )
     tp, dp, _ = deployment(variant, len(devices))
     mesh = make_mesh(MeshConfig(data=dp, tensor=tp), devices)
     abstract = abstract_model(cfg)
@@ -131,52 +163,91 @@ def measure_model(variant: str, contexts: list[int], repeats: int, impl: str, de
                 logits, holder["caches"] = step(serving.weights, tokens, holder["caches"])
                 return logits
 
-            results.append(_record(variant, "model", cfg, tp, dp, len(devices), batch, context,
-                                   time_step(run, repeats)))
+            results.append(
+                _record(variant, "model", cfg, tp, dp, len(devices), batch, context, time_step(run, repeats))
+            )
             holder.clear()  # the cache's buffers go before the next context's are made
 
 
-def _record(variant: str, scope: str, cfg: ModelConfig, tp: int, dp: int, devices: int, batch: int, context: int,
-            timing: dict[str, Any]) -> dict[str, Any]:
+def _record(
+    variant: str,
+    scope: str,
+    cfg: ModelConfig,
+    tp: int,
+    dp: int,
+    devices: int,
+    batch: int,
+    context: int,
+    timing: dict[str, Any],
+) -> dict[str, Any]:
     seconds = timing["step_time_s"]
-    print(f"{scope:9} {variant:6} TP={tp} DP={dp} B={batch:<4} ctx={context:<6} {cfg.attention_impl:6} "
-          f"{seconds * 1e3:8.3f} ms  {batch / seconds:12,.0f} tokens/s", flush=True)
-    return {"scope": scope, "variant": variant, "tp": tp, "dp": dp, "devices": devices, "batch": batch,
-            "context": context, "attention_impl": cfg.attention_impl, **timing, "tokens_per_s": batch / seconds}
+    print(
+        f"{scope:9} {variant:6} TP={tp} DP={dp} B={batch:<4} ctx={context:<6} {cfg.attention_impl:6} "
+        f"{seconds * 1e3:8.3f} ms  {batch / seconds:12,.0f} tokens/s",
+        flush=True,
+    )
+    return {
+        "scope": scope,
+        "variant": variant,
+        "tp": tp,
+        "dp": dp,
+        "devices": devices,
+        "batch": batch,
+        "context": context,
+        "attention_impl": cfg.attention_impl,
+        **timing,
+        "tokens_per_s": batch / seconds,
+    }
 
 
 MEASURE = {"attention": measure_attention, "model": measure_model}
 
 
-def earlier_throughput(path: Path, scopes: list[str], variants: list[str], contexts: list[int],
-                       impl: str) -> tuple[list[dict], list[dict]]:
+def earlier_throughput(
+    path: Path, scopes: list[str], variants: list[str], contexts: list[int], impl: str
+) -> tuple[list[dict], list[dict]]:
     """For --merge: the results in `path` (failures included) of settings this run does not measure, and the
     runs they came from."""
+
     def remeasured(r: dict) -> bool:
-        return (r["scope"] in scopes and r["variant"] in variants and r["attention_impl"] == impl
-                and r.get("context") in contexts)
+        return (
+            r["scope"] in scopes
+            and r["variant"] in variants
+            and r["attention_impl"] == impl
+            and r.get("context") in contexts
+        )
 
     kept, runs, _ = earlier_results(path, remeasured, ("device", "command", "date", "jax_version", "devices_used"))
     return kept, runs
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlra_jax.benchmarks.decode_throughput", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m mlra_jax.benchmarks.decode_throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--variants", default="gqa,mla,gla2,mlra4")
     parser.add_argument("--contexts", default=",".join(map(str, THROUGHPUT_CONTEXTS)))
     parser.add_argument("--scopes", default=",".join(SCOPES), help="attention (one layer, as the paper), model (2.9B)")
     parser.add_argument("--devices", type=int, default=0, help="devices to deploy over (default: all)")
     parser.add_argument("--batch", type=int, default=PAPER_BATCH, help="sequences per step (all devices)")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--attention_impl", default="auto", choices=("auto", "xla", "pallas"),
-                        help="the latent family's decode attention (GQA stays on XLA)")
+    parser.add_argument(
+        "--attention_impl",
+        default="auto",
+        choices=("auto", "xla", "pallas"),
+        help="the latent family's decode attention (GQA stays on XLA)",
+    )
     parser.add_argument("--out", type=Path, default=Path("experiments/results/decode_throughput.json"))
-    parser.add_argument("--merge", action="store_true",
-                        help="keep the results in --out of the settings this run does not measure (with its runs)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the results in --out of the settings this run does not measure (with its runs)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    devices = jax.devices()[:args.devices or None]
+    devices = jax.devices()[: args.devices or None]
     if args.devices > len(jax.devices()):
         parser.error(f"--devices={args.devices}: only {len(jax.devices())} devices are present")
     scopes = args.scopes.split(",")
@@ -184,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--scopes={args.scopes}: choose from {', '.join(SCOPES)}")
     contexts = [int(c) for c in args.contexts.split(",")]
     variants = args.variants.split(",")
-    results, runs = earlier_throughput(args.out, scopes, variants, contexts, args.attention_impl) if args.merge \
-        else ([], [])
+    results, runs = (
+        earlier_throughput(args.out, scopes, variants, contexts, args.attention_impl) if args.merge else ([], [])
+    )
     extra = {"devices_used": len(devices), "runs": [*runs, {**environment(), "devices_used": len(devices)}]}
     for scope in scopes:
         for variant in variants:
@@ -196,8 +268,15 @@ def main(argv: list[str] | None = None) -> int:
                 message = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
                 measured = {r["context"] for r in results[before:]}
                 failed = next((c for c in contexts if c not in measured), None)
-                results.append({"scope": scope, "variant": variant, "attention_impl": args.attention_impl,
-                                "context": failed, "error": message})
+                results.append(
+                    {
+                        "scope": scope,
+                        "variant": variant,
+                        "attention_impl": args.attention_impl,
+                        "context": failed,
+                        "error": message,
+                    }
+                )
                 print(f"{scope} {variant} at {failed} tokens: failed: {message}", flush=True)
             save(args.out, "decode_throughput", results, **extra)
     record = save(args.out, "decode_throughput", results, **extra)

@@ -33,23 +33,34 @@ def tune() -> None:
 
     def xla_combine(*args, **options):
         out, lse = latent_partials_gpu(*args, **options)
-        return combine(out, lse, args[3].dtype)[:, :, :args[0].shape[2]]
+        return combine(out, lse, args[3].dtype)[:, :, : args[0].shape[2]]
 
-    for heads, dr, r, batch, slots in ((64, 64, 128, 1, 1 << 17), (64, 64, 128, 1, 1 << 21), (64, 64, 128, 128, 1024),
-                                       (32, 64, 256, 1, 1 << 17), (64, 64, 512, 1, 1 << 17)):
+    for heads, dr, r, batch, slots in (
+        (64, 64, 128, 1, 1 << 17),
+        (64, 64, 128, 1, 1 << 21),
+        (64, 64, 128, 128, 1024),
+        (32, 64, 256, 1, 1 << 17),
+        (64, 64, 512, 1, 1 << 17),
+    ):
         keys = jax.random.split(jax.random.key(0), 4)
-        args = (jax.random.normal(keys[0], (batch, 1, heads, dr), jnp.bfloat16),
-                jax.random.normal(keys[1], (batch, 1, heads, r), jnp.bfloat16),
-                jax.random.normal(keys[2], (batch, slots, dr), jnp.bfloat16),
-                jax.random.normal(keys[3], (batch, slots, 1, r), jnp.bfloat16),
-                jnp.zeros((batch,), jnp.int32), jnp.full((batch,), slots, jnp.int32))
+        args = (
+            jax.random.normal(keys[0], (batch, 1, heads, dr), jnp.bfloat16),
+            jax.random.normal(keys[1], (batch, 1, heads, r), jnp.bfloat16),
+            jax.random.normal(keys[2], (batch, slots, dr), jnp.bfloat16),
+            jax.random.normal(keys[3], (batch, slots, 1, r), jnp.bfloat16),
+            jnp.zeros((batch,), jnp.int32),
+            jnp.full((batch,), slots, jnp.int32),
+        )
         pages = batch * slots // 64
         table = jax.random.permutation(keys[0], pages).astype(jnp.int32).reshape(batch, -1)
         paged = (*args[:2], args[2].reshape(pages, 64, dr), args[3].reshape(pages, 64, 1, r), *args[4:])
         moved = batch * slots * (dr + r) * 2
-        for label, fn, inputs in (("merge kernel", latent_decode_gpu, args), ("xla merge", xla_combine, args),
-                                  ("paged", functools.partial(latent_decode_gpu, page_table=table), paged),
-                                  ("block_kv=64", functools.partial(latent_decode_gpu, block_kv=64), args)):
+        for label, fn, inputs in (
+            ("merge kernel", latent_decode_gpu, args),
+            ("xla merge", xla_combine, args),
+            ("paged", functools.partial(latent_decode_gpu, page_table=table), paged),
+            ("block_kv=64", functools.partial(latent_decode_gpu, block_kv=64), args),
+        ):
             if r > 256 and label == "block_kv=64":
                 continue
             try:
@@ -58,25 +69,42 @@ def tune() -> None:
                 print(f"H={heads} R={r} B={batch} S={slots} {label}: failed {str(err)[:300]}", flush=True)
                 continue
             kernels = ", ".join(f"{name[:24]} {t * 1e6:.1f}" for name, t in timing["kernels_s"].items())
-            print(f"H={heads} R={r} B={batch} S={slots} {label}: {timing['time_s'] * 1e6:.1f} us, "
-                  f"{moved / timing['time_s'] / 1e9:.0f} GB/s ({kernels})", flush=True)
+            print(
+                f"H={heads} R={r} B={batch} S={slots} {label}: {timing['time_s'] * 1e6:.1f} us, "
+                f"{moved / timing['time_s'] / 1e9:.0f} GB/s ({kernels})",
+                flush=True,
+            )
 
 
 def check() -> None:
     """The kernel against the jnp reference on the paper's shapes and odd head counts (max |error|)."""
-    for heads, dr, r, n, s in ((64, 64, 128, 1, 5000), (32, 64, 256, 1, 3000), (64, 64, 512, 1, 4000),
-                               (8, 64, 128, 1, 1000), (96, 64, 128, 1, 1000), (12, 64, 256, 1, 1000),
-                               (64, 64, 128, 2, 704)):
+    for heads, dr, r, n, s in (
+        (64, 64, 128, 1, 5000),
+        (32, 64, 256, 1, 3000),
+        (64, 64, 512, 1, 4000),
+        (8, 64, 128, 1, 1000),
+        (96, 64, 128, 1, 1000),
+        (12, 64, 256, 1, 1000),
+        (64, 64, 128, 2, 704),
+    ):
         keys = jax.random.split(jax.random.key(0), 4)
         bf16 = jnp.bfloat16
-        args = (jax.random.normal(keys[0], (3, n, heads, dr), bf16), jax.random.normal(keys[1], (3, n, heads, r), bf16),
-                jax.random.normal(keys[2], (3, s, dr), bf16), jax.random.normal(keys[3], (3, s, n, r), bf16),
-                jnp.array([0, 17, s // 2]), jnp.array([s, s // 3, s // 2 + 1]))
+        args = (
+            jax.random.normal(keys[0], (3, n, heads, dr), bf16),
+            jax.random.normal(keys[1], (3, n, heads, r), bf16),
+            jax.random.normal(keys[2], (3, s, dr), bf16),
+            jax.random.normal(keys[3], (3, s, n, r), bf16),
+            jnp.array([0, 17, s // 2]),
+            jnp.array([s, s // 3, s // 2 + 1]),
+        )
         scale = 1 / math.sqrt(dr + r)
         got = latent_decode_gpu(*args, scale=scale).astype(jnp.float32)
         want = reference(*args, scale=scale).astype(jnp.float32)
-        print(f"H={heads} Dr={dr} R={r} N={n} S={s}: max |err| {float(jnp.abs(got - want).max()):.4f}, "
-              f"max |ref| {float(jnp.abs(want).max()):.3f}", flush=True)
+        print(
+            f"H={heads} Dr={dr} R={r} N={n} S={s}: max |err| {float(jnp.abs(got - want).max()):.4f}, "
+            f"max |ref| {float(jnp.abs(want).max()):.3f}",
+            flush=True,
+        )
 
 
 BOUND_MODELS = {"mla": "mla_2p9b", "mlra4": "mlra4_2p9b"}
@@ -91,30 +119,48 @@ def bound(out: Path) -> None:
         heads, rank, rope = cfg.n_head * branches // blocks, cfg.kv_lora_rank // blocks, cfg.qk_rope_head_dim
         keys = jax.random.split(jax.random.key(0), 4)
         slots = 8192 + 64
-        base = (jax.random.normal(keys[0], (1, blocks, heads, rope), jnp.bfloat16),
-                jax.random.normal(keys[1], (1, blocks, heads, rank), jnp.bfloat16),
-                jax.random.normal(keys[2], (1, slots, rope), jnp.bfloat16),
-                jax.random.normal(keys[3], (1, slots, blocks, rank), jnp.bfloat16), jnp.zeros((1,), jnp.int32))
+        base = (
+            jax.random.normal(keys[0], (1, blocks, heads, rope), jnp.bfloat16),
+            jax.random.normal(keys[1], (1, blocks, heads, rank), jnp.bfloat16),
+            jax.random.normal(keys[2], (1, slots, rope), jnp.bfloat16),
+            jax.random.normal(keys[3], (1, slots, blocks, rank), jnp.bfloat16),
+            jnp.zeros((1,), jnp.int32),
+        )
         settings = [(8192, splits) for splits in (None, 16, 32, 64, 128)]
         settings += [(tokens, 1) for tokens in (0, 64, 128, 1024, 4096)]
         for tokens, splits in settings:
             args = (*base, jnp.full((1,), tokens, jnp.int32))
             timing = device_time(functools.partial(latent_decode_gpu, scale=0.07, splits=splits), args, 10, feed=1)
-            row = {"model": name, "tokens": tokens, "splits": splits, "time_s": timing["time_s"],
-                   "kernels_s": timing["kernels_s"], "method": timing["method"]}
+            row = {
+                "model": name,
+                "tokens": tokens,
+                "splits": splits,
+                "time_s": timing["time_s"],
+                "kernels_s": timing["kernels_s"],
+                "method": timing["method"],
+            }
             results.append(row)
             kernels = ", ".join(f"{k[:24]} {t * 1e6:.2f}" for k, t in timing["kernels_s"].items())
-            print(f"{name:6} tokens={tokens:<5} splits={splits!s:<5} {timing['time_s'] * 1e6:7.2f} us ({kernels})",
-                  flush=True)
+            print(
+                f"{name:6} tokens={tokens:<5} splits={splits!s:<5} {timing['time_s'] * 1e6:7.2f} us ({kernels})",
+                flush=True,
+            )
             save(out, "latent_kernel_bound", results)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlra_jax.benchmarks.latent_kernel", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m mlra_jax.benchmarks.latent_kernel",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("mode", nargs="?", choices=("check", "tune", "bound"), default="check")
-    parser.add_argument("--out", type=Path, default=Path("experiments/results/latent_kernel_bound.json"),
-                        help="the JSON record of `bound`")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("experiments/results/latent_kernel_bound.json"),
+        help="the JSON record of `bound`",
+    )
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         parser.error("the Mosaic GPU kernel runs on Hopper GPUs (the tests check its merge in interpret mode)")

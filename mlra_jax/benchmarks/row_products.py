@@ -32,8 +32,14 @@ from mlra_jax.benchmarks.common import filled_like, profiled_time, save
 from mlra_jax.benchmarks.decode import copy_bandwidth
 from mlra_jax.decode.serving import serving_compiler_options
 from mlra_jax.layers import rms_norm
-from mlra_jax.pallas_kernels.row_products_gpu import (SWIGLU_TILING, Tiling, default_tiling, matvec_add, norm_matvec,
-                                                      swiglu_norm_matvec)
+from mlra_jax.pallas_kernels.row_products_gpu import (
+    SWIGLU_TILING,
+    Tiling,
+    default_tiling,
+    matvec_add,
+    norm_matvec,
+    swiglu_norm_matvec,
+)
 
 EPS = 1e-5
 
@@ -65,14 +71,24 @@ PRODUCTS = (
     Product("down", 3072, 9984, "add", jnp.bfloat16),
 )
 TILING_SETS = {
-    "loops": (*(Tiling("fma", rows, k, warps, prefetch=prefetch) for rows, k, warps, prefetch in itertools.product(
-        (2, 4, 8), (256, 512, 1024), (2, 4), (1, 2))),
-              *(Tiling("dot", rows, k, 4, stages) for rows, k, stages in itertools.product(
-                  (16, 32, 64), (128, 256, 512), (3, 4)))),
-    "unroll": tuple(Tiling("fma", rows, k, warps, unroll=True) for rows, k, warps in itertools.product(
-        (1, 2, 4, 8), (256, 512, 1024), (2, 4, 8))),
-    "dot": tuple(Tiling("dot", rows, k, warps, stages) for rows, k, warps, stages in itertools.product(
-        (16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4))),
+    "loops": (
+        *(
+            Tiling("fma", rows, k, warps, prefetch=prefetch)
+            for rows, k, warps, prefetch in itertools.product((2, 4, 8), (256, 512, 1024), (2, 4), (1, 2))
+        ),
+        *(
+            Tiling("dot", rows, k, 4, stages)
+            for rows, k, stages in itertools.product((16, 32, 64), (128, 256, 512), (3, 4))
+        ),
+    ),
+    "unroll": tuple(
+        Tiling("fma", rows, k, warps, unroll=True)
+        for rows, k, warps in itertools.product((1, 2, 4, 8), (256, 512, 1024), (2, 4, 8))
+    ),
+    "dot": tuple(
+        Tiling("dot", rows, k, warps, stages)
+        for rows, k, warps, stages in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4))
+    ),
 }
 
 
@@ -136,10 +152,20 @@ def tune(args: argparse.Namespace) -> list[dict]:
         x, weights, extra = inputs(product, args.copies, transposed=True)
         xla = time_copies(xla_gemm(product), x, weights, extra, args.repeats)
         del weights
-        print(f"{product.name:16} XLA      {xla['time_s'] * 1e6:7.2f} us "
-              f"{product.weight_bytes() / xla['time_s'] / 1e9:6.0f} GB/s", flush=True)
-        row = {"product": product.name, "n": product.n, "k": product.k, "kind": product.kind,
-               "weight_bytes": product.weight_bytes(), "xla": xla, "tilings": []}
+        print(
+            f"{product.name:16} XLA      {xla['time_s'] * 1e6:7.2f} us "
+            f"{product.weight_bytes() / xla['time_s'] / 1e9:6.0f} GB/s",
+            flush=True,
+        )
+        row = {
+            "product": product.name,
+            "n": product.n,
+            "k": product.k,
+            "kind": product.kind,
+            "weight_bytes": product.weight_bytes(),
+            "xla": xla,
+            "tilings": [],
+        }
         x, weights, extra = inputs(product, args.copies, transposed=False)
         for tiling in TILING_SETS[args.tilings]:
             if tiling.fitted(product.n, product.k) != tiling:
@@ -150,17 +176,28 @@ def tune(args: argparse.Namespace) -> list[dict]:
                 row["tilings"].append({"tiling": dataclasses.asdict(tiling), "error": str(err)[:300]})
                 print(f"{product.name:16} {tiling} failed: {str(err)[:200]}", flush=True)
                 continue
-            row["tilings"].append({"tiling": dataclasses.asdict(tiling), **timing,
-                                   "gb_s": product.weight_bytes() / timing["time_s"] / 1e9})
-            print(f"{product.name:16} {tiling.engine} {tiling.block_rows:3}x{tiling.block_k:<5} w{tiling.num_warps} "
-                  f"s{tiling.num_stages} p{tiling.prefetch} u{int(tiling.unroll)} {timing['time_s'] * 1e6:7.2f} us "
-                  f"{product.weight_bytes() / timing['time_s'] / 1e9:6.0f} GB/s", flush=True)
+            row["tilings"].append(
+                {
+                    "tiling": dataclasses.asdict(tiling),
+                    **timing,
+                    "gb_s": product.weight_bytes() / timing["time_s"] / 1e9,
+                }
+            )
+            print(
+                f"{product.name:16} {tiling.engine} {tiling.block_rows:3}x{tiling.block_k:<5} w{tiling.num_warps} "
+                f"s{tiling.num_stages} p{tiling.prefetch} u{int(tiling.unroll)} {timing['time_s'] * 1e6:7.2f} us "
+                f"{product.weight_bytes() / timing['time_s'] / 1e9:6.0f} GB/s",
+                flush=True,
+            )
         ok = [t for t in row["tilings"] if "time_s" in t]
         if ok:
             best = min(ok, key=lambda t: t["time_s"])
             row["best"] = best
-            print(f"{product.name:16} best {best['tiling']} {best['time_s'] * 1e6:.2f} us against XLA's "
-                  f"{xla['time_s'] * 1e6:.2f}", flush=True)
+            print(
+                f"{product.name:16} best {best['tiling']} {best['time_s'] * 1e6:.2f} us against XLA's "
+                f"{xla['time_s'] * 1e6:.2f}",
+                flush=True,
+            )
         results.append(row)
         del weights
         save(args.out, "row_products_tune", results, copy_bandwidth_bytes_per_s=args.copy_bandwidth)
@@ -190,14 +227,25 @@ def chain(args: argparse.Namespace) -> list[dict]:
         timing = profiled_time(functools.partial(step, x, w1, w2), args.repeats)
         bytes_ = layers * (gate_up.weight_bytes() + down.weight_bytes())
         label = "fused" if fused else "xla"
-        results.append({"path": label, "layers": layers, "time_per_layer_s": timing["time_s"] / layers,
-                        "gb_s": bytes_ / timing["time_s"] / 1e9,
-                        "kernels_per_layer_s": {n: t / layers for n, t in timing["kernels_s"].items()}})
+        results.append(
+            {
+                "path": label,
+                "layers": layers,
+                "time_per_layer_s": timing["time_s"] / layers,
+                "gb_s": bytes_ / timing["time_s"] / 1e9,
+                "kernels_per_layer_s": {n: t / layers for n, t in timing["kernels_s"].items()},
+            }
+        )
         if fused:
-            results[-1]["tilings"] = {"gate_up": dataclasses.asdict(args.gate_up_tiling),
-                                      "down": dataclasses.asdict(args.down_tiling)}
-        print(f"MLP chain {label:6} {timing['time_s'] / layers * 1e6:7.2f} us per layer, "
-              f"{bytes_ / timing['time_s'] / 1e9:6.0f} GB/s", flush=True)
+            results[-1]["tilings"] = {
+                "gate_up": dataclasses.asdict(args.gate_up_tiling),
+                "down": dataclasses.asdict(args.down_tiling),
+            }
+        print(
+            f"MLP chain {label:6} {timing['time_s'] / layers * 1e6:7.2f} us per layer, "
+            f"{bytes_ / timing['time_s'] / 1e9:6.0f} GB/s",
+            flush=True,
+        )
         del w1, w2
         save(args.out, "row_products_chain", results, copy_bandwidth_bytes_per_s=args.copy_bandwidth)
     return results
@@ -219,23 +267,34 @@ def best_tilings(path: Path) -> dict[str, Tiling]:
             raise ValueError("no product has a best tiling")
         return best
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path} is not a result of `row_products tune` ({type(err).__name__}: {err}); pass the "
-                         f"--out of a tune run") from err
+        raise ValueError(
+            f"{path} is not a result of `row_products tune` ({type(err).__name__}: {err}); pass the --out of a tune run"
+        ) from err
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlra_jax.benchmarks.row_products", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m mlra_jax.benchmarks.row_products",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("mode", choices=("tune", "chain"))
     parser.add_argument("--products", default="", help="comma-separated first words of product names (default all)")
     parser.add_argument("--copies", type=int, default=8, help="weight copies per timed call (tune)")
     parser.add_argument("--tilings", choices=sorted(TILING_SETS), default="loops", help="the tilings tune tries")
     parser.add_argument("--layers", type=int, default=24, help="layers of the chain")
-    parser.add_argument("--gate_up_tiling", type=parse_tiling, default=SWIGLU_TILING,
-                        help="engine,block_rows,block_k,num_warps,num_stages,prefetch,unroll of the chain's "
-                             "SwiGLU kernel")
-    parser.add_argument("--down_tiling", type=parse_tiling, default=default_tiling(9984),
-                        help="the same for the chain's down projection")
+    parser.add_argument(
+        "--gate_up_tiling",
+        type=parse_tiling,
+        default=SWIGLU_TILING,
+        help="engine,block_rows,block_k,num_warps,num_stages,prefetch,unroll of the chain's SwiGLU kernel",
+    )
+    parser.add_argument(
+        "--down_tiling",
+        type=parse_tiling,
+        default=default_tiling(9984),
+        help="the same for the chain's down projection",
+    )
     parser.add_argument("--tuned", type=Path, help="a tune result: the chain takes its best tilings")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("experiments/results/row_products.json"))

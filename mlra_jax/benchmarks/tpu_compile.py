@@ -26,21 +26,27 @@ def describe(row: dict[str, Any]) -> str:
         return f"{head} error: {row['error'][:200]}"
     memory = f"{row['memory']['total'] / 2**30:6.1f} GiB" if row.get("memory") else "   > HBM"
     mfu = f"  MFU<={row['estimate']['mfu']:.0%}" if row.get("estimate", {}).get("mfu") is not None else ""
-    settings = ", ".join(f"{k} {v}" for k, v in row["settings"].items() if k in ("micro-batch", "remat", "tp",
-                                                                                      "batch", "context"))
-    return (f"{head} {'fits ' if row['fits'] else 'NO FIT'} {memory} of {row['hbm_bytes'] / 2**30:.1f}  "
-            f"{settings}  kernels {sorted(row['kernels'])}{mfu}  compile {row['compile_s']:.0f} s")
+    settings = ", ".join(
+        f"{k} {v}" for k, v in row["settings"].items() if k in ("micro-batch", "remat", "tp", "batch", "context")
+    )
+    return (
+        f"{head} {'fits ' if row['fits'] else 'NO FIT'} {memory} of {row['hbm_bytes'] / 2**30:.1f}  "
+        f"{settings}  kernels {sorted(row['kernels'])}{mfu}  compile {row['compile_s']:.0f} s"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlra_jax.benchmarks.tpu_compile", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m mlra_jax.benchmarks.tpu_compile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--topologies", default="v5p-64,v5e-32", help="TPU slices (tpu_topology names)")
-    parser.add_argument("--experiments", default="", help="train steps of these experiments (default: every "
-                        "*_2p9b)")
+    parser.add_argument("--experiments", default="", help="train steps of these experiments (default: every *_2p9b)")
     parser.add_argument("--train", action="store_true", help="compile the experiments' train steps")
-    parser.add_argument("--serving", action="store_true", help="compile the serving steps of MLRA-4 (TP=4) and "
-                        "GLA-2 (TP=2)")
+    parser.add_argument(
+        "--serving", action="store_true", help="compile the serving steps of MLRA-4 (TP=4) and GLA-2 (TP=2)"
+    )
     parser.add_argument("--batches", default="1,128", help="serving batch sizes")
     parser.add_argument("--context", type=int, default=8192, help="serving cache slots per sequence")
     parser.add_argument("--override", action="append", default=[], help="an experiment override (repeatable)")

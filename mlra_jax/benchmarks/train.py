@@ -44,23 +44,35 @@ def setting_overrides(args: argparse.Namespace, devices: int, tp: int, remat: st
     micro = per_device * replicas
     global_batch = args.global_batch or micro
     if global_batch % micro:
-        raise ValueError(f"--global_batch={global_batch} is not a multiple of the micro-batch {micro} "
-                         f"({per_device} per device x {replicas} replicas)")
-    mesh = (["--mesh.data=1", f"--mesh.fsdp={replicas}"] if args.fsdp else
-            [f"--mesh.data={replicas}", "--mesh.fsdp=1"])
+        raise ValueError(
+            f"--global_batch={global_batch} is not a multiple of the micro-batch {micro} "
+            f"({per_device} per device x {replicas} replicas)"
+        )
+    mesh = ["--mesh.data=1", f"--mesh.fsdp={replicas}"] if args.fsdp else [f"--mesh.data={replicas}", "--mesh.fsdp=1"]
     layers = [f"--model.n_layer={args.n_layer}"] if args.n_layer else []
     remat_override = [f"--model.remat={remat}"] if remat else []
-    return [*layers, f"--model.attention_impl={args.attention_impl}", *remat_override,
-            f"--train.seq_len={args.seq_len}", f"--train.global_batch_size={global_batch}",
-            f"--train.micro_batch_size={micro}", f"--train.loss_chunk={args.loss_chunk}", *mesh,
-            f"--mesh.tensor={tp}", *args.override]
+    return [
+        *layers,
+        f"--model.attention_impl={args.attention_impl}",
+        *remat_override,
+        f"--train.seq_len={args.seq_len}",
+        f"--train.global_batch_size={global_batch}",
+        f"--train.micro_batch_size={micro}",
+        f"--train.loss_chunk={args.loss_chunk}",
+        *mesh,
+        f"--mesh.tensor={tp}",
+        *args.override,
+    ]
 
 
 def top_kernels(kernels_s: dict[str, float], count: int = 25) -> dict[str, Any]:
     """The step's GPU time by kernel family (matmuls, attention, fusions, ...) and its `count` longest kernels."""
-    families = {"attention": ("sdpa", "fmha", "flash", "cudnn"),
-                "matmul": ("gemm", "xmma", "cutlass", "matmul", "nvjet"),
-                "collective": ("nccl", "all_gather", "reduce_scatter", "all_reduce"), "copy": ("memcpy", "memset")}
+    families = {
+        "attention": ("sdpa", "fmha", "flash", "cudnn"),
+        "matmul": ("gemm", "xmma", "cutlass", "matmul", "nvjet"),
+        "collective": ("nccl", "all_gather", "reduce_scatter", "all_reduce"),
+        "copy": ("memcpy", "memset"),
+    }
     by_family: dict[str, float] = {}
     for name, seconds in kernels_s.items():
         lower = name.lower()
@@ -74,10 +86,10 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
     import jax
     import jax.numpy as jnp
 
-    from mlra_jax.experiments import get_experiment
     from mlra_jax.attention import fused
     from mlra_jax.benchmarks.common import median_time, profiled_time
     from mlra_jax.cli import apply_overrides
+    from mlra_jax.experiments import get_experiment
     from mlra_jax.metrics import peak_flops, training_flops_per_token
     from mlra_jax.training.state import build_setup, global_batch, init_state, jit_train_step
 
@@ -87,8 +99,9 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
     fused.CHOSEN.clear()
     with jax.set_mesh(setup.mesh):
         state = init_state(setup)
-        tokens = jax.random.randint(jax.random.key(0), (train.global_batch_size, train.seq_len + 1), 0,
-                                    cfg.vocab_size, dtype=jnp.int32)
+        tokens = jax.random.randint(
+            jax.random.key(0), (train.global_batch_size, train.seq_len + 1), 0, cfg.vocab_size, dtype=jnp.int32
+        )
         tokens = global_batch(setup, jax.device_get(tokens))
         start = time.perf_counter()
         compiled = jit_train_step(setup).lower(state["params"], state["opt_state"], tokens).compile()
@@ -108,31 +121,50 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
     flops = training_flops_per_token(cfg, train.seq_len)
     devices = setup.mesh.size
     micro = train.global_batch_size // train.accumulation_steps
-    return {"experiment": name, "variant": cfg.variant, "n_layer": cfg.n_layer, "parameters": setup.num_params,
-            "mesh": dict(setup.mesh.shape), "global_batch": train.global_batch_size, "micro_batch": micro,
-            "batch_per_device": micro // (devices // setup.mesh.shape["tensor"]),
-            "accumulation_steps": train.accumulation_steps, "seq_len": train.seq_len,
-            "attention_impl": cfg.attention_impl, "kernels": dict(fused.CHOSEN), "remat": cfg.remat,
-            "remat_setting": requested.model.remat, "latent_form": cfg.latent_form,
-            "trains_absorbed": cfg.trains_absorbed,
-            "loss_chunk": train.loss_chunk, "scan_layers": cfg.scan_layers, "compile_s": compile_s,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "step_time_s": seconds, "tokens_per_s": tokens_per_s,
-            "tokens_per_s_per_device": tokens_per_s / devices, "flops_per_token": flops,
-            "mfu": flops * tokens_per_s / (peak * devices) if peak else None,
-            "compiled_bytes": (analysis.argument_size_in_bytes + analysis.temp_size_in_bytes) if analysis else None,
-            "peak_bytes_in_use": stats.get("peak_bytes_in_use"), "profile": kernels}
+    return {
+        "experiment": name,
+        "variant": cfg.variant,
+        "n_layer": cfg.n_layer,
+        "parameters": setup.num_params,
+        "mesh": dict(setup.mesh.shape),
+        "global_batch": train.global_batch_size,
+        "micro_batch": micro,
+        "batch_per_device": micro // (devices // setup.mesh.shape["tensor"]),
+        "accumulation_steps": train.accumulation_steps,
+        "seq_len": train.seq_len,
+        "attention_impl": cfg.attention_impl,
+        "kernels": dict(fused.CHOSEN),
+        "remat": cfg.remat,
+        "remat_setting": requested.model.remat,
+        "latent_form": cfg.latent_form,
+        "trains_absorbed": cfg.trains_absorbed,
+        "loss_chunk": train.loss_chunk,
+        "scan_layers": cfg.scan_layers,
+        "compile_s": compile_s,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "step_time_s": seconds,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": tokens_per_s / devices,
+        "flops_per_token": flops,
+        "mfu": flops * tokens_per_s / (peak * devices) if peak else None,
+        "compiled_bytes": (analysis.argument_size_in_bytes + analysis.temp_size_in_bytes) if analysis else None,
+        "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+        "profile": kernels,
+    }
 
 
 def describe(result: dict[str, Any]) -> str:
-    head = (f"{result['experiment']:16} mesh={result['mesh']} b/dev={result['batch_per_device']} "
-            f"remat={result['remat']:9}")
+    head = (
+        f"{result['experiment']:16} mesh={result['mesh']} b/dev={result['batch_per_device']} remat={result['remat']:9}"
+    )
     if "error" in result:
         return f"{head} error: {result['error'][:160]}"
     mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "n/a"
     memory = result["compiled_bytes"] or 0
-    line = (f"{head} {result['tokens_per_s']:10,.0f} tok/s  step {result['step_time_s'] * 1e3:8.1f} ms  MFU {mfu}"
-            f"  mem {memory / 2**30:.1f} GiB  kernels {result['kernels']}")
+    line = (
+        f"{head} {result['tokens_per_s']:10,.0f} tok/s  step {result['step_time_s'] * 1e3:8.1f} ms  MFU {mfu}"
+        f"  mem {memory / 2**30:.1f} GiB  kernels {result['kernels']}"
+    )
     ref = result.get("reference")
     if ref:
         other = "" if ref["same_device"] else f" on {ref['device']}"
@@ -151,32 +183,57 @@ def mark_best(results: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlra_jax.benchmarks.train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m mlra_jax.benchmarks.train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--experiments", default=",".join(f"{v}_2p9b" for v in VARIANTS))
     parser.add_argument("--n_layer", type=int, default=8, help="layers (0: the experiment's own)")
     parser.add_argument("--seq_len", type=int, default=2048)
-    parser.add_argument("--batch_per_device", default="4", help="sequences per data-parallel replica per micro-batch "
-                        "(a list is tried in turn; the fastest is marked best)")
-    parser.add_argument("--global_batch", type=int, default=0,
-                        help="sequences per optimizer step, reached by accumulation (0: one micro-batch)")
+    parser.add_argument(
+        "--batch_per_device",
+        default="4",
+        help="sequences per data-parallel replica per micro-batch "
+        "(a list is tried in turn; the fastest is marked best)",
+    )
+    parser.add_argument(
+        "--global_batch",
+        type=int,
+        default=0,
+        help="sequences per optimizer step, reached by accumulation (0: one micro-batch)",
+    )
     parser.add_argument("--fsdp", action="store_true", help="shard parameters and optimizer state over the replicas")
     parser.add_argument("--tp", default="1", help="TP degrees (the other devices are data parallel)")
     parser.add_argument("--attention_impl", default="auto", choices=("auto", "xla", "cudnn", "splash"))
-    parser.add_argument("--remat", default="", help="remat policies to try (none, full, dots, dots_attn, auto; "
-                        "default: the experiment's own)")
+    parser.add_argument(
+        "--remat",
+        default="",
+        help="remat policies to try (none, full, dots, dots_attn, auto; default: the experiment's own)",
+    )
     parser.add_argument("--loss_chunk", type=int, default=512, help="cross-entropy chunk in positions (0: whole)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the step is compiled before)")
     parser.add_argument("--profile", action="store_true", help="also record GPU time by kernel (one profiled step)")
-    parser.add_argument("--override", action="append", default=[],
-                        help="any experiment override, e.g. --override=--model.scan_layers=false (repeatable)")
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="any experiment override, e.g. --override=--model.scan_layers=false (repeatable)",
+    )
     parser.add_argument("--no_xla_defaults", action="store_true", help="leave out mlra_jax.xla_flags' GPU flags")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/train.json"))
-    parser.add_argument("--reference", type=Path, help="the official code's figures: the JSON lines its anchor "
-                        "script printed on the same GPU (each result records REF's best batch and the ratio)")
-    parser.add_argument("--merge", action="store_true",
-                        help="keep the results already in --out for the experiments this run does not measure")
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        help="the official code's figures: the JSON lines its anchor "
+        "script printed on the same GPU (each result records REF's best batch and the ratio)",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the results already in --out for the experiments this run does not measure",
+    )
     args = parser.parse_args(argv)
     try:
         reference = read_reference(args.reference) if args.reference else None
@@ -187,32 +244,50 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from mlra_jax.benchmarks.common import environment, earlier_results, save
-
+    from mlra_jax.benchmarks.common import earlier_results, environment, save
     from mlra_jax.experiments import get_experiment
 
     names = args.experiments.split(",")
-    planned = {(name, per_device, remat or get_experiment(name).model.remat, tp)
-               for name in names for per_device in map(int, args.batch_per_device.split(","))
-               for remat in args.remat.split(",") for tp in map(int, args.tp.split(","))}
-    remeasured = lambda r: (r["experiment"], r["batch_per_device"], r.get("remat_setting", r["remat"]),
-                            r["mesh"]["tensor"]) in planned
+    planned = {
+        (name, per_device, remat or get_experiment(name).model.remat, tp)
+        for name in names
+        for per_device in map(int, args.batch_per_device.split(","))
+        for remat in args.remat.split(",")
+        for tp in map(int, args.tp.split(","))
+    }
+    remeasured = lambda r: (
+        (r["experiment"], r["batch_per_device"], r.get("remat_setting", r["remat"]), r["mesh"]["tensor"]) in planned
+    )
     results, runs, _ = earlier_results(args.out, remeasured) if args.merge else ([], [], {})
-    extra = {"xla_gpu_defaults": xla_defaults, "runs": [*runs, environment()],
-             **({"reference_file": str(args.reference)} if args.reference else {})}
+    extra = {
+        "xla_gpu_defaults": xla_defaults,
+        "runs": [*runs, environment()],
+        **({"reference_file": str(args.reference)} if args.reference else {}),
+    }
     for name in names:
         for tp in map(int, args.tp.split(",")):
             for remat in args.remat.split(","):
                 for per_device in map(int, args.batch_per_device.split(",")):
                     try:
-                        result = measure(name, setting_overrides(args, jax.device_count(), tp, remat, per_device),
-                                         args.steps, args.profile, args.warmup)
+                        result = measure(
+                            name,
+                            setting_overrides(args, jax.device_count(), tp, remat, per_device),
+                            args.steps,
+                            args.profile,
+                            args.warmup,
+                        )
                     except Exception as err:  # noqa: BLE001 - out of memory and the like: record it and go on
-                        result = {"experiment": name, "mesh": {"tensor": tp}, "batch_per_device": per_device,
-                                  "remat": remat or "default", "error": f"{type(err).__name__}: {err}"}
+                        result = {
+                            "experiment": name,
+                            "mesh": {"tensor": tp},
+                            "batch_per_device": per_device,
+                            "remat": remat or "default",
+                            "error": f"{type(err).__name__}: {err}",
+                        }
                     if reference and "error" not in result:
-                        result["reference"] = compare(result, get_experiment(name).reference_key,
-                                                      jax.devices()[0].device_kind, reference)
+                        result["reference"] = compare(
+                            result, get_experiment(name).reference_key, jax.devices()[0].device_kind, reference
+                        )
                     gc.collect()
                     print(describe(result), flush=True)
                     results.append(result)

@@ -45,8 +45,10 @@ def _json_lines(path: Path, f: IO[bytes], text_field: str) -> Iterator[str]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise DataError(f"{where}: not valid JSON ({err.msg}, column {err.colno}); each line of a JSON lines "
-                            f"file is one object such as {{\"{text_field}\": \"...\"}}: fix or remove the line") from None
+            raise DataError(
+                f"{where}: not valid JSON ({err.msg}, column {err.colno}); each line of a JSON lines "
+                f'file is one object such as {{"{text_field}": "..."}}: fix or remove the line'
+            ) from None
         if not isinstance(record, dict):
             raise DataError(f"{where}: a JSON {type(record).__name__}, not an object with a {text_field!r} field")
         if text_field not in record:
@@ -64,18 +66,23 @@ def _parquet(path: Path, text_field: str) -> Iterator[str]:
     try:
         table = pq.ParquetFile(path)
     except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a file that is not parquet
-        raise DataError(f"{path}: not a readable parquet file ({type(err).__name__}: {err}); re-export it or "
-                        f"remove it from the input") from None
+        raise DataError(
+            f"{path}: not a readable parquet file ({type(err).__name__}: {err}); re-export it or "
+            f"remove it from the input"
+        ) from None
     if text_field not in table.schema_arrow.names:
-        raise DataError(f"{path} has no column {text_field!r} (columns: {', '.join(table.schema_arrow.names)}); "
-                        f"pass --text_field")
+        raise DataError(
+            f"{path} has no column {text_field!r} (columns: {', '.join(table.schema_arrow.names)}); pass --text_field"
+        )
     row = 0
     for batch in table.iter_batches(columns=[text_field]):
         for value in batch.column(0).to_pylist():
             if not isinstance(value, (str, type(None))):
-                raise DataError(f"{path}: row {row} (counting from 0) of column {text_field!r} is a "
-                                f"{type(value).__name__}, not text; pass the text column as --text_field, or "
-                                f"re-export the file with text in it")
+                raise DataError(
+                    f"{path}: row {row} (counting from 0) of column {text_field!r} is a "
+                    f"{type(value).__name__}, not text; pass the text column as --text_field, or "
+                    f"re-export the file with text in it"
+                )
             yield value or ""
             row += 1
 
@@ -94,22 +101,28 @@ def read_file(path: Path, text_field: str) -> Iterator[str]:
         else:
             raise DataError(f"{path}: unsupported file type; use one of {', '.join(SUFFIXES)}")
     except (gzip.BadGzipFile, EOFError, zlib.error) as err:
-        raise DataError(f"{path}: not a complete gzip file ({err or type(err).__name__}); re-compress it or "
-                        f"remove it from the input") from None
+        raise DataError(
+            f"{path}: not a complete gzip file ({err or type(err).__name__}); re-compress it or "
+            f"remove it from the input"
+        ) from None
     except OSError as err:
         raise DataError(f"{path}: cannot be read ({err.strerror or err}); check that it is a readable file") from None
 
 
-def iter_documents(source: str, text_field: str = "text", split: str | None = None, skip: int = 0,
-                   every: int = 1) -> Iterator[str]:
+def iter_documents(
+    source: str, text_field: str = "text", split: str | None = None, skip: int = 0, every: int = 1
+) -> Iterator[str]:
     """Documents from a local file or folder, an `hf:` dataset or a `tfds:` dataset.
 
     `split` picks the split of a dataset (train by default); the documents kept are numbers skip,
     skip + every, skip + 2 every, ... An indexable dataset (a saved `datasets` folder, a TFDS array
     record data source) is read only at those numbers; a stream reads past the others."""
     if source.startswith(("hf:", "tfds:")):
-        records = _hf_records(source[3:], split or "train") if source.startswith("hf:") else \
-            _tfds_records(source[5:], split or "train")
+        records = (
+            _hf_records(source[3:], split or "train")
+            if source.startswith("hf:")
+            else _tfds_records(source[5:], split or "train")
+        )
         for record in _sample(records, skip, every):
             yield _text_of(record, text_field, source)
         return
@@ -146,8 +159,9 @@ def _hf_records(name: str, split: str) -> Iterable[Any]:
     try:
         import datasets
     except ImportError:
-        raise DataError(f"hf:{name} needs the Hugging Face datasets package: pip install 'mlra-jax[data]' "
-                        f"(or pip install datasets)") from None
+        raise DataError(
+            f"hf:{name} needs the Hugging Face datasets package: pip install 'mlra-jax[data]' (or pip install datasets)"
+        ) from None
     folder = Path(name)
     try:
         if folder.is_dir() and any((folder / f).is_file() for f in ("state.json", "dataset_dict.json")):
@@ -157,8 +171,10 @@ def _hf_records(name: str, split: str) -> Iterable[Any]:
     except DataError:
         raise
     except Exception as err:  # noqa: BLE001 - datasets raises many types for a missing dataset, split or network
-        raise DataError(f"hf:{name} (split {split!r}) cannot be loaded ({type(err).__name__}: {err}); check the "
-                        f"name, the config after ':' and --split, or give a local folder as hf:/path") from None
+        raise DataError(
+            f"hf:{name} (split {split!r}) cannot be loaded ({type(err).__name__}: {err}); check the "
+            f"name, the config after ':' and --split, or give a local folder as hf:/path"
+        ) from None
 
 
 def _saved_split(saved: Any, name: str, split: str) -> Any:
@@ -176,8 +192,9 @@ def _tfds_records(name: str, split: str) -> Iterable[Any]:
     try:
         import tensorflow_datasets as tfds
     except ImportError:
-        raise DataError(f"tfds:{name} needs tensorflow-datasets: pip install 'mlra-jax[data]' "
-                        f"(or pip install tensorflow-datasets)") from None
+        raise DataError(
+            f"tfds:{name} needs tensorflow-datasets: pip install 'mlra-jax[data]' (or pip install tensorflow-datasets)"
+        ) from None
     name = name.replace(":", "/")  # tfds:NAME:CONFIG -> TFDS's NAME/CONFIG
     try:
         try:
@@ -187,16 +204,19 @@ def _tfds_records(name: str, split: str) -> Iterable[Any]:
     except DataError:
         raise
     except Exception as err:  # noqa: BLE001 - TFDS raises many types for a missing dataset, split or download
-        raise DataError(f"tfds:{name} (split {split!r}) cannot be loaded ({type(err).__name__}: {err}); check the "
-                        f"name, the config after ':', --split and TFDS_DATA_DIR") from None
+        raise DataError(
+            f"tfds:{name} (split {split!r}) cannot be loaded ({type(err).__name__}: {err}); check the "
+            f"name, the config after ':', --split and TFDS_DATA_DIR"
+        ) from None
 
 
 def _tfds_stream(tfds: Any, name: str, split: str) -> Iterable[Any]:
     try:
         import tensorflow  # noqa: F401
     except ImportError:
-        raise DataError(f"tfds:{name} is stored as TFRecord files, which need TensorFlow: pip install tensorflow-cpu"
-                        ) from None
+        raise DataError(
+            f"tfds:{name} is stored as TFRecord files, which need TensorFlow: pip install tensorflow-cpu"
+        ) from None
     return tfds.as_numpy(tfds.load(name, split=split))
 
 

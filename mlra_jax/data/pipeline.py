@@ -32,8 +32,10 @@ class TokenWindows:
         self.shards = [open_shard(p) for p in self.paths]
         counts = [max(0, (s.size - 1) // seq_len) for s in self.shards]
         if sum(counts) == 0:
-            raise DataError(f"shards {', '.join(map(str, self.paths))} hold fewer than {seq_len + 1} tokens each; "
-                            f"no window of seq_len={seq_len} fits")
+            raise DataError(
+                f"shards {', '.join(map(str, self.paths))} hold fewer than {seq_len + 1} tokens each; "
+                f"no window of seq_len={seq_len} fits"
+            )
         self.starts = np.cumsum([0] + counts)
 
     def __len__(self) -> int:
@@ -42,12 +44,14 @@ class TokenWindows:
     def __getitem__(self, index: int) -> np.ndarray:
         shard = int(np.searchsorted(self.starts, index, side="right")) - 1
         offset = (index - int(self.starts[shard])) * self.seq_len
-        window = np.asarray(self.shards[shard][offset: offset + self.seq_len + 1], dtype=np.int32)
+        window = np.asarray(self.shards[shard][offset : offset + self.seq_len + 1], dtype=np.int32)
         if window.max(initial=0) >= self.vocab_size:
             position = offset + int(window.argmax())
-            raise DataError(f"{self.paths[shard]}: token id {window.max()} at position {position} is >= the model's "
-                            f"vocab_size {self.vocab_size}; the shard was made with another tokenizer, or raise "
-                            f"vocab_size")
+            raise DataError(
+                f"{self.paths[shard]}: token id {window.max()} at position {position} is >= the model's "
+                f"vocab_size {self.vocab_size}; the shard was made with another tokenizer, or raise "
+                f"vocab_size"
+            )
         return window
 
     def __repr__(self) -> str:  # grain logs the source
@@ -74,8 +78,16 @@ def check_data(cfg: DataConfig, seq_len: int, validation: bool, eval_sets: dict[
     return f"data {directory}: " + "; ".join(parts)
 
 
-def train_dataset(cfg: DataConfig, seq_len: int, vocab_size: int, seed: int, local_batch: int,
-                  process_index: int = 0, process_count: int = 1, start_example: int = 0) -> grain.MapDataset:
+def train_dataset(
+    cfg: DataConfig,
+    seq_len: int,
+    vocab_size: int,
+    seed: int,
+    local_batch: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    start_example: int = 0,
+) -> grain.MapDataset:
     """Local batches [local_batch, seq_len + 1] of the shuffled example stream from `start_example` (the
     examples earlier steps consumed, a multiple of process_count): element s feeds the s + 1-th step from there."""
     if start_example % process_count:
@@ -90,21 +102,31 @@ def train_iterator(dataset: grain.MapDataset, cfg: DataConfig) -> grain.DatasetI
     return iter(dataset.to_iter_dataset(options))
 
 
-def validation_batches(cfg: DataConfig, seq_len: int, vocab_size: int, local_batch: int, batches: int,
-                       process_index: int = 0, process_count: int = 1) -> list[np.ndarray]:
+def validation_batches(
+    cfg: DataConfig,
+    seq_len: int,
+    vocab_size: int,
+    local_batch: int,
+    batches: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> list[np.ndarray]:
     """The first `batches` batches of validation windows, in order (the same every evaluation)."""
     windows = TokenWindows(find_shards(data_directory(cfg), cfg.val_pattern), seq_len, vocab_size)
     examples = grain.MapDataset.source(windows)[process_index::process_count]
     available = len(examples) // local_batch
     if available == 0:
-        raise DataError(f"the validation shards hold {len(windows)} windows of {seq_len + 1} tokens, fewer than one "
-                        f"batch of {local_batch * process_count}; add validation data or lower eval_batches")
+        raise DataError(
+            f"the validation shards hold {len(windows)} windows of {seq_len + 1} tokens, fewer than one "
+            f"batch of {local_batch * process_count}; add validation data or lower eval_batches"
+        )
     batched = examples.batch(local_batch, drop_remainder=True)
     return [batched[i] for i in range(min(batches, available))]
 
 
-def eval_windows(path: str | os.PathLike, seq_len: int, tokens: int, batch_size: int, process_index: int = 0,
-                 process_count: int = 1) -> np.ndarray:
+def eval_windows(
+    path: str | os.PathLike, seq_len: int, tokens: int, batch_size: int, process_index: int = 0, process_count: int = 1
+) -> np.ndarray:
     """[windows, seq_len + 1] int32: the official evaluation's windows of one shard, a whole number of
     batches of `batch_size` covering at most `tokens` predicted tokens; of several processes', process p
     reads only rows p, p + P, ... of each batch (batch_size // P of them).
@@ -122,16 +144,24 @@ def eval_windows(path: str | os.PathLike, seq_len: int, tokens: int, batch_size:
     per_batch = batch_size * seq_len
     batches = max(min(tokens, data.size - 1), 0) // per_batch  # an empty file: no batch (named below)
     if batches == 0:
-        raise DataError(f"{path} holds {data.size:,} tokens, fewer than one batch of {batch_size} windows of "
-                        f"{seq_len + 1} tokens ({per_batch + 1:,}); lower --batch_size or --seq_len, or use a "
-                        f"longer file")
+        raise DataError(
+            f"{path} holds {data.size:,} tokens, fewer than one batch of {batch_size} windows of "
+            f"{seq_len + 1} tokens ({per_batch + 1:,}); lower --batch_size or --seq_len, or use a "
+            f"longer file"
+        )
     count = batches * batch_size
     starts = np.arange(process_index, count, process_count) * seq_len
-    return np.stack([np.asarray(data[s: s + seq_len + 1], dtype=np.int32) for s in starts])
+    return np.stack([np.asarray(data[s : s + seq_len + 1], dtype=np.int32) for s in starts])
 
 
-def check_token_ids(windows: np.ndarray, path: str | os.PathLike, vocab_size: int, seq_len: int,
-                    process_index: int = 0, process_count: int = 1) -> None:
+def check_token_ids(
+    windows: np.ndarray,
+    path: str | os.PathLike,
+    vocab_size: int,
+    seq_len: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> None:
     """A DataError naming the file, the first token id >= vocab_size in `windows` (this process's rows of
     `eval_windows`) and its position in the file; an id out of range would index past the embedding (a NaN loss).
     Over several processes all of them raise (their largest ids are gathered first), so that none waits for the rest."""
@@ -143,8 +173,13 @@ def check_token_ids(windows: np.ndarray, path: str | os.PathLike, vocab_size: in
     if largest < vocab_size:
         return
     rows, columns = np.nonzero(windows >= vocab_size)
-    where = (f"token id {int(windows[rows[0], columns[0]])} at position "
-             f"{(process_index + int(rows[0]) * process_count) * seq_len + int(columns[0])}" if rows.size else
-             f"token id {largest}")
-    raise DataError(f"{path}: {where} is >= the model's vocabulary size {vocab_size} (ids 0 to {vocab_size - 1}); "
-                    f"the file was made with another tokenizer: evaluate a file tokenized for this model")
+    where = (
+        f"token id {int(windows[rows[0], columns[0]])} at position "
+        f"{(process_index + int(rows[0]) * process_count) * seq_len + int(columns[0])}"
+        if rows.size
+        else f"token id {largest}"
+    )
+    raise DataError(
+        f"{path}: {where} is >= the model's vocabulary size {vocab_size} (ids 0 to {vocab_size - 1}); "
+        f"the file was made with another tokenizer: evaluate a file tokenized for this model"
+    )

@@ -74,16 +74,23 @@ class TokenBudget:
 
     def take(self, tokens: np.ndarray) -> np.ndarray:
         if self.left is not None:
-            tokens = tokens[:self.left]
+            tokens = tokens[: self.left]
             self.left -= tokens.size
         self.documents, self.tokens = self.documents + 1, self.tokens + tokens.size
         return tokens
 
 
-def write_token_shards(tokenizer: tiktoken.Encoding, documents: Iterable[str], out_dir: Path | epath.Path,
-                       prefix: str,
-                       shard_tokens: int = 100_000_000, first_index: int = 0, batch: int = 1024,
-                       budget: TokenBudget | None = None, files: dict[str, dict[str, Any]] | None = None) -> list[Path]:
+def write_token_shards(
+    tokenizer: tiktoken.Encoding,
+    documents: Iterable[str],
+    out_dir: Path | epath.Path,
+    prefix: str,
+    shard_tokens: int = 100_000_000,
+    first_index: int = 0,
+    batch: int = 1024,
+    budget: TokenBudget | None = None,
+    files: dict[str, dict[str, Any]] | None = None,
+) -> list[Path]:
     """Tokenize documents into shards of at most shard_tokens tokens named {prefix}_{index:06d}.bin,
     until the budget (if any) is spent; `files` (if given) gets each shard's name -> tokens, bytes and sha256."""
     if shard_tokens < 1:
@@ -162,8 +169,10 @@ class _OutputLock:
                 handle.seek(0)
                 holder = handle.read().strip() or "another process"
                 handle.close()
-                raise DataError(f"another prepare ({holder}) is writing --output {self.output}; wait for it to finish "
-                                f"or choose another folder. Nothing was written") from None
+                raise DataError(
+                    f"another prepare ({holder}) is writing --output {self.output}; wait for it to finish "
+                    f"or choose another folder. Nothing was written"
+                ) from None
             try:
                 current = os.stat(self.path)
             except FileNotFoundError:
@@ -208,12 +217,16 @@ def _check_output(output: epath.Path, overwrite: bool) -> bool:
     existing = sorted(output.iterdir()) if output.is_dir() else []
     if existing and not overwrite:
         names = ", ".join(p.name for p in existing[:5]) + (", ..." if len(existing) > 5 else "")
-        raise DataError(f"--output {output} is not empty (it holds {names}); pass --overwrite to replace the shards a "
-                        f"previous prepare wrote there, or choose another folder. Nothing was written")
+        raise DataError(
+            f"--output {output} is not empty (it holds {names}); pass --overwrite to replace the shards a "
+            f"previous prepare wrote there, or choose another folder. Nothing was written"
+        )
     foreign = [p.name for p in existing if not (p.name == MARKER or (p.is_file() and p.name.endswith(".bin")))]
     if foreign:
-        raise DataError(f"--overwrite replaces only token shards and {MARKER}, but --output {output} also holds "
-                        f"{', '.join(foreign[:5])}; move them away or choose another folder. Nothing was written")
+        raise DataError(
+            f"--overwrite replaces only token shards and {MARKER}, but --output {output} also holds "
+            f"{', '.join(foreign[:5])}; move them away or choose another folder. Nothing was written"
+        )
     return output.exists()
 
 
@@ -246,27 +259,45 @@ def _remove(folder: epath.Path, ignore_errors: bool = False) -> None:
 
 def _write_error(err: OSError, output: epath.Path) -> DataError:
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return DataError(f"no space left on the disk of {output.parent} while writing {err.filename or 'a shard'};"
-                         f" free space there or choose another --output. {output} was left as it was")
+        return DataError(
+            f"no space left on the disk of {output.parent} while writing {err.filename or 'a shard'};"
+            f" free space there or choose another --output. {output} was left as it was"
+        )
     return DataError(f"cannot write {err.filename or output}: {err.strerror or err}. {output} was left as it was")
 
 
 def _no_text(source: str, texts: _Texts, text_field: str, skip_documents: int) -> DataError:
     nothing = "Nothing was written"
     if texts.read == 0 and skip_documents:
-        return DataError(f"--skip_documents {skip_documents} is past the end of {source}: no document was left to "
-                         f"tokenize; lower --skip_documents (and check --split). {nothing}")
+        return DataError(
+            f"--skip_documents {skip_documents} is past the end of {source}: no document was left to "
+            f"tokenize; lower --skip_documents (and check --split). {nothing}"
+        )
     if texts.read == 0:
-        return DataError(f"{source} holds no documents (empty files, or no records in the split); check the input "
-                         f"and --split. {nothing}")
+        return DataError(
+            f"{source} holds no documents (empty files, or no records in the split); check the input "
+            f"and --split. {nothing}"
+        )
     documents = "its only document has" if texts.read == 1 else f"all {texts.read:,} documents read have"
-    return DataError(f"{source}: {documents} no text (empty, whitespace only or null {text_field!r}), so there is "
-                     f"nothing to train on; check the input and --text_field. {nothing}")
+    return DataError(
+        f"{source}: {documents} no text (empty, whitespace only or null {text_field!r}), so there is "
+        f"nothing to train on; check the input and --text_field. {nothing}"
+    )
 
 
-def prepare(source: str, output: str | Path | epath.Path, prefix: str, val_documents: int, shard_tokens: int,
-            text_field: str = "text", overwrite: bool = False, max_tokens: int | None = None,
-            split: str | None = None, skip_documents: int = 0, every: int = 1) -> dict[str, Any]:
+def prepare(
+    source: str,
+    output: str | Path | epath.Path,
+    prefix: str,
+    val_documents: int,
+    shard_tokens: int,
+    text_field: str = "text",
+    overwrite: bool = False,
+    max_tokens: int | None = None,
+    split: str | None = None,
+    skip_documents: int = 0,
+    every: int = 1,
+) -> dict[str, Any]:
     """Tokenize `source` into shards in `output` and return what the marker file records.
 
     Of the input (its `split`, for datasets) documents skip_documents, skip_documents + every, ... are
@@ -279,8 +310,13 @@ def prepare(source: str, output: str | Path | epath.Path, prefix: str, val_docum
     interrupted prepare leaves `output` as it was and never a partial set under its name; a local `output` is
     locked meanwhile (a second prepare into it is refused). `output` may be a URL (gs://bucket/data), where the
     final rename is a copy by the object store."""
-    _check_counts(val_documents=(val_documents, 0), shard_tokens=(shard_tokens, 1), max_tokens=(max_tokens, 1),
-                  skip_documents=(skip_documents, 0), every=(every, 1))
+    _check_counts(
+        val_documents=(val_documents, 0),
+        shard_tokens=(shard_tokens, 1),
+        max_tokens=(max_tokens, 1),
+        skip_documents=(skip_documents, 0),
+        every=(every, 1),
+    )
     output = as_path(output)
     files = input_files(source)
     check_output_path(output, _inputs(source), kind="folder")
@@ -292,29 +328,56 @@ def prepare(source: str, output: str | Path | epath.Path, prefix: str, val_docum
             tokenizer = gpt2_tokenizer()
             texts = _Texts(iter_documents(source, text_field, split, skip_documents, every))
             budget, written = TokenBudget(max_tokens), {}
-            val = write_token_shards(tokenizer, itertools.islice(texts, val_documents), staging, f"{prefix}_val",
-                                     shard_tokens, budget=budget, files=written) if val_documents else []
+            val = (
+                write_token_shards(
+                    tokenizer,
+                    itertools.islice(texts, val_documents),
+                    staging,
+                    f"{prefix}_val",
+                    shard_tokens,
+                    budget=budget,
+                    files=written,
+                )
+                if val_documents
+                else []
+            )
             val_count = budget.documents
-            train = write_token_shards(tokenizer, texts, staging, f"{prefix}_train", shard_tokens,
-                                       first_index=len(val), budget=budget, files=written)
+            train = write_token_shards(
+                tokenizer,
+                texts,
+                staging,
+                f"{prefix}_train",
+                shard_tokens,
+                first_index=len(val),
+                budget=budget,
+                files=written,
+            )
             if budget.documents == 0:
                 raise _no_text(source, texts, text_field, skip_documents)
             tokens = {p.name: written[p.name]["tokens"] for p in val + train}
-            record = {"format": "llm.c token shards (uint16, version 1)", "tokenizer": "gpt2",
-                      "inputs": [str(f.absolute()) for f in files] or [source], "text_field": text_field,
-                      "split": split, "skip_documents": skip_documents, "every": every, "max_tokens": max_tokens,
-                      "documents": {"val": val_count, "train": budget.documents - val_count},
-                      "empty_documents_skipped": texts.empty,
-                      "tokens": {"val": sum(tokens[p.name] for p in val), "train": sum(tokens[p.name] for p in train)},
-                      "shards": tokens,
-                      "files": {name: {"bytes": info["bytes"], "sha256": info["sha256"]}
-                                for name, info in written.items()},
-                      "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            record = {
+                "format": "llm.c token shards (uint16, version 1)",
+                "tokenizer": "gpt2",
+                "inputs": [str(f.absolute()) for f in files] or [source],
+                "text_field": text_field,
+                "split": split,
+                "skip_documents": skip_documents,
+                "every": every,
+                "max_tokens": max_tokens,
+                "documents": {"val": val_count, "train": budget.documents - val_count},
+                "empty_documents_skipped": texts.empty,
+                "tokens": {"val": sum(tokens[p.name] for p in val), "train": sum(tokens[p.name] for p in train)},
+                "shards": tokens,
+                "files": {name: {"bytes": info["bytes"], "sha256": info["sha256"]} for name, info in written.items()},
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            }
             atomic_write_text(staging / MARKER, json.dumps(record, indent=1))
             if output.exists() and not existed:  # an object store has no lock: another prepare finished first
-                raise DataError(f"another prepare wrote --output {output} while this one ran (an object store has no "
-                                f"locks); its shards were kept and this run's discarded: run again with --overwrite to "
-                                f"replace them, or choose another folder")
+                raise DataError(
+                    f"another prepare wrote --output {output} while this one ran (an object store has no "
+                    f"locks); its shards were kept and this run's discarded: run again with --overwrite to "
+                    f"replace them, or choose another folder"
+                )
         except OSError as err:
             _remove(staging, ignore_errors=True)
             raise _write_error(err, output) from None
@@ -339,14 +402,19 @@ def verify(folder: str | Path | epath.Path) -> str:
         raise DataError(f"--verify {folder} is not a folder; give a folder made by python -m mlra_jax.data.prepare")
     record = read_marker(folder)
     if record is None:
-        raise DataError(f"{folder} has no {MARKER}, so there is nothing to verify its shards against (only folders "
-                        f"made by python -m mlra_jax.data.prepare record their shards)")
+        raise DataError(
+            f"{folder} has no {MARKER}, so there is nothing to verify its shards against (only folders "
+            f"made by python -m mlra_jax.data.prepare record their shards)"
+        )
     names = sorted(record["shards"])
     missing = [name for name in names if not (folder / name).is_file()]
     strangers = sorted(p.name for p in folder.glob("*.bin") if p.name not in record["shards"])
     if missing or strangers:
-        problem = f"{', '.join(missing[:5])} listed in {MARKER} are missing" if missing else \
-            f"{', '.join(strangers[:5])} are not listed in {MARKER}"
+        problem = (
+            f"{', '.join(missing[:5])} listed in {MARKER} are missing"
+            if missing
+            else f"{', '.join(strangers[:5])} are not listed in {MARKER}"
+        )
         raise DataError(f"{folder}: {problem}; re-create the folder with python -m mlra_jax.data.prepare --overwrite")
     verify_shards(folder, [folder / name for name in names], record, checksums=True)
     checked = "sizes and sha256" if record.get("files") else f"sizes only: this {MARKER} predates checksums"
@@ -374,23 +442,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", help="file, folder, hf:NAME[:CONFIG], hf:FOLDER or tfds:NAME[:CONFIG] (required)")
     parser.add_argument("--output", help="folder for the shards, local or gs://... (required)")
     parser.add_argument("--prefix", default="data", help="shard name prefix (the reference uses fineweb)")
-    parser.add_argument("--val_documents", type=_count(0), default=1000, metavar="N",
-                        help="documents in the validation shards (0: none)")
-    parser.add_argument("--shard_tokens", type=_count(1), default=100_000_000, metavar="N",
-                        help="tokens per shard (at least 1)")
+    parser.add_argument(
+        "--val_documents",
+        type=_count(0),
+        default=1000,
+        metavar="N",
+        help="documents in the validation shards (0: none)",
+    )
+    parser.add_argument(
+        "--shard_tokens", type=_count(1), default=100_000_000, metavar="N", help="tokens per shard (at least 1)"
+    )
     parser.add_argument("--text_field", default="text", help="the text field of .jsonl/.parquet/datasets records")
     parser.add_argument("--split", help="the split of an hf: or tfds: input (default train), e.g. validation")
-    parser.add_argument("--skip_documents", type=_count(0), default=0, metavar="K",
-                        help="skip the first K documents of the input")
-    parser.add_argument("--every", type=_count(1), default=1, metavar="N",
-                        help="then keep every N-th document (a sample spread over the input)")
-    parser.add_argument("--max_tokens", type=_count(1), metavar="N",
-                        help="stop reading once N tokens are written, the last document cut at the limit")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace the shards in a non-empty --output (it must hold only shards and prepare.json)")
-    parser.add_argument("--verify", metavar="FOLDER",
-                        help="only compare FOLDER's shards with its prepare.json (sizes and sha256), then exit; "
-                             "training checks the sizes at every start, the sha256 with MLRA_JAX_VERIFY_SHARDS=1")
+    parser.add_argument(
+        "--skip_documents", type=_count(0), default=0, metavar="K", help="skip the first K documents of the input"
+    )
+    parser.add_argument(
+        "--every",
+        type=_count(1),
+        default=1,
+        metavar="N",
+        help="then keep every N-th document (a sample spread over the input)",
+    )
+    parser.add_argument(
+        "--max_tokens",
+        type=_count(1),
+        metavar="N",
+        help="stop reading once N tokens are written, the last document cut at the limit",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the shards in a non-empty --output (it must hold only shards and prepare.json)",
+    )
+    parser.add_argument(
+        "--verify",
+        metavar="FOLDER",
+        help="only compare FOLDER's shards with its prepare.json (sizes and sha256), then exit; "
+        "training checks the sizes at every start, the sha256 with MLRA_JAX_VERIFY_SHARDS=1",
+    )
     args = parser.parse_args(argv)
     if args.verify:
         print(verify(args.verify))
@@ -398,18 +488,33 @@ def main(argv: list[str] | None = None) -> int:
     missing = [option for option in ("--input", "--output") if getattr(args, option[2:]) is None]
     if missing:
         parser.error(f"the following arguments are required: {', '.join(missing)}")
-    record = prepare(args.input, args.output, args.prefix, args.val_documents, args.shard_tokens, args.text_field,
-                     args.overwrite, args.max_tokens, args.split, args.skip_documents, args.every)
+    record = prepare(
+        args.input,
+        args.output,
+        args.prefix,
+        args.val_documents,
+        args.shard_tokens,
+        args.text_field,
+        args.overwrite,
+        args.max_tokens,
+        args.split,
+        args.skip_documents,
+        args.every,
+    )
     output = as_path(args.output)
     for name, tokens in record["shards"].items():
         print(f"{output / name}  {tokens:,} tokens")
     empty = record["empty_documents_skipped"]
     skipped = f" ({empty:,} with no text skipped)" if empty else ""
-    print(f"{record['documents']['val']:,} validation and {record['documents']['train']:,} training documents"
-          f"{skipped}; {output / MARKER} lists the inputs and shards")
+    print(
+        f"{record['documents']['val']:,} validation and {record['documents']['train']:,} training documents"
+        f"{skipped}; {output / MARKER} lists the inputs and shards"
+    )
     if not record["documents"]["train"]:
-        print(f"note: all documents went to the validation shards (--val_documents {args.val_documents}): this folder "
-              f"serves evaluation only; lower --val_documents to train on it")
+        print(
+            f"note: all documents went to the validation shards (--val_documents {args.val_documents}): this folder "
+            f"serves evaluation only; lower --val_documents to train on it"
+        )
     return 0
 
 

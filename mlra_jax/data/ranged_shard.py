@@ -51,8 +51,10 @@ class RangedShard:
             return np.zeros(0, np.uint16)
         data = read_range(self._handle(), self.offset + start * TOKEN_BYTES, self.offset + stop * TOKEN_BYTES)
         if len(data) != (stop - start) * TOKEN_BYTES:
-            raise OSError(f"{self.path}: read {len(data)} bytes at token {start}, expected "
-                          f"{(stop - start) * TOKEN_BYTES}; the file changed while training")
+            raise OSError(
+                f"{self.path}: read {len(data)} bytes at token {start}, expected "
+                f"{(stop - start) * TOKEN_BYTES}; the file changed while training"
+            )
         return np.frombuffer(data, dtype=np.uint16)
 
     def __getstate__(self) -> dict:  # open handles stay with the process (grain may pickle sources)

@@ -63,8 +63,10 @@ def open_shard(path: Path | epath.Path) -> np.ndarray | RangedShard:
     try:
         return _open_shard(path)
     except OSError as err:
-        raise DataError(f"{path}: cannot be read ({err.strerror or err}); check that it is a readable token shard "
-                        f"file and its permissions") from None
+        raise DataError(
+            f"{path}: cannot be read ({err.strerror or err}); check that it is a readable token shard "
+            f"file and its permissions"
+        ) from None
 
 
 def _size_and_header(path: Path | epath.Path) -> tuple[int, np.ndarray]:
@@ -74,7 +76,7 @@ def _size_and_header(path: Path | epath.Path) -> tuple[int, np.ndarray]:
         return local.stat().st_size, np.fromfile(local, dtype=np.int32, count=HEADER_INTS)
     with path.open("rb") as f:
         head = read_range(f, 0, HEADER_BYTES)
-    return epath.Path(path).stat().length, np.frombuffer(head[:len(head) // 4 * 4], dtype=np.int32)
+    return epath.Path(path).stat().length, np.frombuffer(head[: len(head) // 4 * 4], dtype=np.int32)
 
 
 def _open_shard(path: Path | epath.Path) -> np.ndarray | RangedShard:
@@ -82,17 +84,23 @@ def _open_shard(path: Path | epath.Path) -> np.ndarray | RangedShard:
         raise DataError(f"{path} is a folder, not a token shard; rename it or narrow the data pattern")
     size, header = _size_and_header(path)
     if size < HEADER_BYTES:
-        raise DataError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte llm.c header; the file is "
-                        f"truncated or not a token shard (re-create it with python -m mlra_jax.data.prepare)")
+        raise DataError(
+            f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte llm.c header; the file is "
+            f"truncated or not a token shard (re-create it with python -m mlra_jax.data.prepare)"
+        )
     if header[0] != MAGIC:
-        raise DataError(f"{path}: magic number {header[0]} is not llm.c's {MAGIC}; this is not a token shard "
-                        f"(re-create it with python -m mlra_jax.data.prepare)")
+        raise DataError(
+            f"{path}: magic number {header[0]} is not llm.c's {MAGIC}; this is not a token shard "
+            f"(re-create it with python -m mlra_jax.data.prepare)"
+        )
     if header[1] != VERSION:
         raise DataError(f"{path}: shard version {header[1]} is not supported (expected {VERSION}: uint16 tokens)")
     count = int(header[2])
     if size != HEADER_BYTES + 2 * count:
-        raise DataError(f"{path}: the header promises {count} tokens ({HEADER_BYTES + 2 * count} bytes) but the "
-                        f"file has {size} bytes; it is truncated or corrupt (re-create it)")
+        raise DataError(
+            f"{path}: the header promises {count} tokens ({HEADER_BYTES + 2 * count} bytes) but the "
+            f"file has {size} bytes; it is truncated or corrupt (re-create it)"
+        )
     if is_remote(path):
         return RangedShard(epath.Path(path), HEADER_BYTES, count)
     return np.memmap(local_path(path), dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(count,))
@@ -100,28 +108,38 @@ def _open_shard(path: Path | epath.Path) -> np.ndarray | RangedShard:
 
 def find_shards(directory: Path | epath.Path, pattern: str) -> list[Path | epath.Path]:
     if not directory.is_dir():
-        raise DataError(f"data directory {directory} does not exist; create it with "
-                        f"`python -m mlra_jax.data.prepare --input <text files or dataset> --output {directory}` "
-                        f"or train on the shipped corpus with --data.dataset=builtin")
+        raise DataError(
+            f"data directory {directory} does not exist; create it with "
+            f"`python -m mlra_jax.data.prepare --input <text files or dataset> --output {directory}` "
+            f"or train on the shipped corpus with --data.dataset=builtin"
+        )
     paths = sorted(directory.glob(pattern))
     if not paths:
         present = ", ".join(sorted(p.name for p in directory.iterdir())[:8]) or "nothing"
-        raise DataError(f"no file in {directory} matches {pattern!r} (it holds: {present}); set "
-                        f"--data.train_pattern / --data.val_pattern")
+        raise DataError(
+            f"no file in {directory} matches {pattern!r} (it holds: {present}); set "
+            f"--data.train_pattern / --data.val_pattern"
+        )
     folders = [p.name for p in paths if p.is_dir()]
     if folders:
-        raise DataError(f"{directory}: {', '.join(folders[:5])} match the shard pattern {pattern!r} but are folders; "
-                        f"rename them or narrow --data.train_pattern / --data.val_pattern")
+        raise DataError(
+            f"{directory}: {', '.join(folders[:5])} match the shard pattern {pattern!r} but are folders; "
+            f"rename them or narrow --data.train_pattern / --data.val_pattern"
+        )
     record = read_marker(directory)
     if record is not None:  # shards not made by the prepare that wrote the marker would be mixed in silently
         strangers = [p.name for p in paths if p.name not in record["shards"]]
         if strangers:
-            raise DataError(f"{directory}: {', '.join(strangers[:5])} match {pattern!r} but were not written by the "
-                            f"prepare that made this folder ({MARKER}); remove them or narrow the data pattern")
+            raise DataError(
+                f"{directory}: {', '.join(strangers[:5])} match {pattern!r} but were not written by the "
+                f"prepare that made this folder ({MARKER}); remove them or narrow the data pattern"
+            )
         missing = sorted(set(fnmatch.filter(record["shards"], pattern)) - {p.name for p in paths})
         if missing:
-            raise DataError(f"{directory}: {', '.join(missing[:5])} listed in {MARKER} (matching {pattern!r}) are "
-                            f"missing; {_REMAKE}")
+            raise DataError(
+                f"{directory}: {', '.join(missing[:5])} listed in {MARKER} (matching {pattern!r}) are "
+                f"missing; {_REMAKE}"
+            )
         verify_shards(directory, paths, record)
     return paths
 
@@ -134,17 +152,24 @@ def read_marker(directory: Path | epath.Path) -> dict[str, Any] | None:
     try:
         record = json.loads(marker.read_text())
         shards, files = record["shards"], record.get("files", {})
-        if not all(isinstance(tokens, int) for tokens in shards.values()) or \
-                not all(isinstance(file["bytes"], int) for file in files.values()):
+        if not all(isinstance(tokens, int) for tokens in shards.values()) or not all(
+            isinstance(file["bytes"], int) for file in files.values()
+        ):
             raise TypeError("shards")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise DataError(f"{marker} is damaged ({type(err).__name__}); re-create the folder with "
-                        f"python -m mlra_jax.data.prepare --overwrite") from None
+        raise DataError(
+            f"{marker} is damaged ({type(err).__name__}); re-create the folder with "
+            f"python -m mlra_jax.data.prepare --overwrite"
+        ) from None
     return record
 
 
-def verify_shards(directory: Path | epath.Path, paths: Iterable[Path | epath.Path], record: dict[str, Any],
-                  checksums: bool | None = None) -> None:
+def verify_shards(
+    directory: Path | epath.Path,
+    paths: Iterable[Path | epath.Path],
+    record: dict[str, Any],
+    checksums: bool | None = None,
+) -> None:
     """Each of `paths` (shards of `directory` listed in its marker `record`) has the size prepare recorded (from
     the marker's "files", or its token count for markers written before those), and with `checksums` (default:
     the MLRA_JAX_VERIFY_SHARDS variable) the recorded sha256; a DataError naming the first that differs."""
@@ -155,11 +180,15 @@ def verify_shards(directory: Path | epath.Path, paths: Iterable[Path | epath.Pat
         listed = files.get(path.name) or {"bytes": HEADER_BYTES + 2 * int(record["shards"][path.name])}
         size = _size(path)
         if size != listed["bytes"]:
-            raise DataError(f"{path}: {size:,} bytes, but prepare wrote {listed['bytes']:,} bytes under this name "
-                            f"({directory / MARKER}); the shard was replaced or damaged since: {_REMAKE}")
+            raise DataError(
+                f"{path}: {size:,} bytes, but prepare wrote {listed['bytes']:,} bytes under this name "
+                f"({directory / MARKER}); the shard was replaced or damaged since: {_REMAKE}"
+            )
         if checksums and "sha256" in listed and sha256_of(path) != listed["sha256"]:
-            raise DataError(f"{path}: its sha256 differs from the one prepare recorded ({directory / MARKER}); the "
-                            f"shard was replaced or damaged since: {_REMAKE}")
+            raise DataError(
+                f"{path}: its sha256 differs from the one prepare recorded ({directory / MARKER}); the "
+                f"shard was replaced or damaged since: {_REMAKE}"
+            )
 
 
 def sha256_of(path: Path | epath.Path) -> str:
@@ -174,5 +203,7 @@ def _size(path: Path | epath.Path) -> int:
     try:
         return local_path(path).stat().st_size if not is_remote(path) else epath.Path(path).stat().length
     except OSError as err:
-        raise DataError(f"{path}: cannot be read ({err.strerror or err}); check that it is a readable token shard "
-                        f"file and its permissions") from None
+        raise DataError(
+            f"{path}: cannot be read ({err.strerror or err}); check that it is a readable token shard "
+            f"file and its permissions"
+        ) from None

@@ -19,11 +19,17 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|
 @functools.cache
 def gpt2_tokenizer(bpe_file: str | None = None) -> tiktoken.Encoding:
     ranks = load_tiktoken_bpe(str(bpe_file or BPE_FILE), expected_hash=None if bpe_file else BPE_SHA256)
-    return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=EOT + 1)
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=GPT2_PATTERN,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": EOT},
+        explicit_n_vocab=EOT + 1,
+    )
 
 
 def encode_documents(tokenizer: tiktoken.Encoding, texts: list[str], threads: int = 8) -> list[np.ndarray]:
     """Each document as uint16 tokens with <|endoftext|> prepended (the reference's convention)."""
-    return [np.array([EOT, *ids], dtype=np.uint16)
-            for ids in tokenizer.encode_ordinary_batch(texts, num_threads=threads)]
+    return [
+        np.array([EOT, *ids], dtype=np.uint16) for ids in tokenizer.encode_ordinary_batch(texts, num_threads=threads)
+    ]

@@ -50,9 +50,10 @@ class Sampling:
             raise GenerationError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
         temperature_ok = math.isfinite(self.temperature) and self.temperature >= 0
         if not temperature_ok or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise GenerationError(f"temperature={self.temperature} must be >= 0, top_k={self.top_k} >= 0 and "
-                                  f"top_p={self.top_p} in (0, 1]")
-        if not -2**63 <= self.seed < 2**63:  # what jax.random.key takes
+            raise GenerationError(
+                f"temperature={self.temperature} must be >= 0, top_k={self.top_k} >= 0 and top_p={self.top_p} in (0, 1]"
+            )
+        if not -(2**63) <= self.seed < 2**63:  # what jax.random.key takes
             raise GenerationError(f"seed={self.seed} is out of range: give a 64-bit integer, from -2**63 to 2**63 - 1")
 
 
@@ -73,23 +74,31 @@ def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, to
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0, width: int | None = None
-             ) -> tuple[np.ndarray, np.ndarray]:
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad_id: int = 0, width: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(tokens [B, T], starts [B]) with every prompt ending at column T - 1; T is the longest prompt's
     length, or `width` (at least that) to keep the compiled shapes few."""
     width = max(max(len(p) for p in prompts), width or 0)
     tokens = np.full((len(prompts), width), pad_id, np.int32)
     for row, prompt in enumerate(prompts):
-        tokens[row, width - len(prompt):] = prompt
+        tokens[row, width - len(prompt) :] = prompt
     return tokens, np.array([width - len(p) for p in prompts], np.int32)
 
 
 class Generator:
     """Jitted prefill and decode steps over one model; `mesh` shards the cache and the weights' use."""
 
-    def __init__(self, model: Transformer, max_len: int, mesh: jax.sharding.Mesh | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, min_bucket: int = MIN_BUCKET,
-                 serving: ServingModel | None = None, keep_model: bool = True):
+    def __init__(
+        self,
+        model: Transformer,
+        max_len: int,
+        mesh: jax.sharding.Mesh | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
+        min_bucket: int = MIN_BUCKET,
+        serving: ServingModel | None = None,
+        keep_model: bool = True,
+    ):
         """serving: the model already prepared for serving (its weights are a copy of the model's: pass it
         rather than have a second one made); else made on first use with mesh, prefill_chunk and min_bucket.
         keep_model=False prepares the serving model now and keeps no reference to the model's parameters:
@@ -120,13 +129,16 @@ class Generator:
                 raise GenerationError(f"prompt {i} is empty; start it with <|endoftext|> (50256) at least")
             bad = [t for t in prompt if not 0 <= int(t) < self.cfg.vocab_size]
             if bad:
-                raise GenerationError(f"prompt {i} holds token id {bad[0]}, outside the vocabulary [0, "
-                                      f"{self.cfg.vocab_size})")
+                raise GenerationError(
+                    f"prompt {i} holds token id {bad[0]}, outside the vocabulary [0, {self.cfg.vocab_size})"
+                )
         longest = max(len(p) for p in prompts)
         padded = f"{width} tokens padded" if width and width > longest else f"{longest} tokens"
         if max(longest, width or 0) + max_new_tokens > self.max_len:
-            raise GenerationError(f"the longest prompt ({padded}) plus max_new_tokens={max_new_tokens} "
-                                  f"exceeds the cache length max_len={self.max_len}; raise max_len or shorten it")
+            raise GenerationError(
+                f"the longest prompt ({padded}) plus max_new_tokens={max_new_tokens} "
+                f"exceeds the cache length max_len={self.max_len}; raise max_len or shorten it"
+            )
 
     def prefill(self, prompts: Sequence[Sequence[int]], width: int | None = None) -> tuple[jax.Array, DecodeState]:
         """Logits of every prompt position [B, T, V] and the filled cache (T: see left_pad)."""
@@ -140,8 +152,10 @@ class Generator:
 
     def _run(self, fn, tokens, state):
         if self.params is None:
-            raise GenerationError("this Generator was made with keep_model=False: it serves generate only; make one "
-                                  "with keep_model=True for the stacked-cache prefill and step")
+            raise GenerationError(
+                "this Generator was made with keep_model=False: it serves generate only; make one "
+                "with keep_model=True for the stacked-cache prefill and step"
+            )
         if self.mesh is None:
             return fn(self.params, jnp.asarray(tokens), state)
         with jax.set_mesh(self.mesh):
@@ -152,8 +166,9 @@ class Generator:
         serving path's sampled steps compile once for."""
         setting = sampling.temperature, sampling.top_k, sampling.top_p
         if setting not in self._samplers:
-            self._samplers[setting] = jax.jit(functools.partial(sample, temperature=setting[0], top_k=setting[1],
-                                                                top_p=setting[2]))
+            self._samplers[setting] = jax.jit(
+                functools.partial(sample, temperature=setting[0], top_k=setting[1], top_p=setting[2])
+            )
         return self._samplers[setting]
 
     @property
@@ -163,16 +178,23 @@ class Generator:
             self._serving = ServingModel(nnx.merge(self.graphdef, self.params), **self._serving_options)
         return self._serving
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling = Sampling(),
-                 stop: Callable[[int, list[int]], bool] | None = None, width: int | None = None) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling = Sampling(),
+        stop: Callable[[int, list[int]], bool] | None = None,
+        width: int | None = None,
+    ) -> list[list[int]]:
         """New tokens per prompt on the serving path, ending at (and including) EOS or after max_new_tokens.
         `stop(row, tokens)`, asked after each new token of a row still running, ends that row when it returns
         True (a stop sequence reached, say); decoding ends when every row has ended. `width` pads the prompts
         to at least that many columns (fewer compiled shapes across calls)."""
         self.check(prompts, sampling.max_new_tokens, width)
         if sampling.top_k > self.cfg.vocab_size:
-            raise GenerationError(f"top_k={sampling.top_k} exceeds the vocabulary of {self.cfg.vocab_size} tokens; "
-                                  f"use top_k <= {self.cfg.vocab_size} (0 disables it)")
+            raise GenerationError(
+                f"top_k={sampling.top_k} exceeds the vocabulary of {self.cfg.vocab_size} tokens; "
+                f"use top_k <= {self.cfg.vocab_size} (0 disables it)"
+            )
         tokens, starts = left_pad(prompts, width=width)
         logits, session = self.serving.prefill(tokens, starts, sampling.max_new_tokens, self.max_len)
         key, draw_key = jax.random.split(jax.random.key(sampling.seed))

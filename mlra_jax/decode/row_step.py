@@ -37,8 +37,9 @@ def row_kernels_problem(cfg: ModelConfig, mesh: jax.sharding.Mesh | None, interp
     """Why the row kernels cannot run this model's batch-1 decode steps, or None when they can."""
     if mesh is not None:
         return "they run on a single device (a mesh splits the weights)"
-    if not interpret and (target_platform() != "gpu"
-                          or "rocm" in getattr(jax.devices()[0].client, "platform_version", "").lower()):
+    if not interpret and (
+        target_platform() != "gpu" or "rocm" in getattr(jax.devices()[0].client, "platform_version", "").lower()
+    ):
         return f"the Pallas Triton kernels run on NVIDIA GPUs; the backend is {target_platform()!r}"
     if cfg.n_embd % 16:  # the MLP's width is padded to a multiple of 128 (serving.padded_mlp)
         return f"d={cfg.n_embd} must be a multiple of 16"
@@ -59,9 +60,17 @@ def rope_of(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Arra
     return cos.reshape(-1), sin.reshape(-1)
 
 
-def block_step(block: Block, x: jax.Array, cache: dict[str, jax.Array], positions: jax.Array, mask: jax.Array,
-               index: jax.Array, plans: dict, rope: tuple[jax.Array, jax.Array] | None,
-               interpret: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+def block_step(
+    block: Block,
+    x: jax.Array,
+    cache: dict[str, jax.Array],
+    positions: jax.Array,
+    mask: jax.Array,
+    index: jax.Array,
+    plans: dict,
+    rope: tuple[jax.Array, jax.Array] | None,
+    interpret: bool = False,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One block on the token's residual row x [d] (float32): the new x and the cache with the token's entry."""
     attn = block.attn
     if isinstance(attn, LatentAttention):
@@ -73,31 +82,61 @@ def block_step(block: Block, x: jax.Array, cache: dict[str, jax.Array], position
     o_proj = attn.o_proj[...]
     x = matvec_add(heads.reshape(-1), o_proj.reshape(o_proj.shape[0], -1), x, interpret=interpret)
     mlp = block.mlp
-    h = swiglu_norm_matvec(x, mlp.gate_up[...], block.mlp_norm.scale[...], eps=block.mlp_norm.eps,
-                           interpret=interpret)
+    h = swiglu_norm_matvec(x, mlp.gate_up[...], block.mlp_norm.scale[...], eps=block.mlp_norm.eps, interpret=interpret)
     return matvec_add(h, mlp.down_proj[...], x, interpret=interpret), cache
 
 
-def _latent_heads(block: Block, x: jax.Array, cache: dict[str, jax.Array], mask: jax.Array, index: jax.Array,
-                  rope: tuple[jax.Array, jax.Array], interpret: bool) -> tuple[jax.Array, dict[str, jax.Array]]:
+def _latent_heads(
+    block: Block,
+    x: jax.Array,
+    cache: dict[str, jax.Array],
+    mask: jax.Array,
+    index: jax.Array,
+    rope: tuple[jax.Array, jax.Array],
+    interpret: bool,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The latent attention of the token: its heads' output [h, d_h] (gated when the model is) and the cache with
     its entry. x_proj's row holds c_q | the latent blocks | the RoPE key; the kernels read their parts in place."""
     attn: LatentAttention = block.attn
     cos, sin = rope
-    projected = norm_matvec(x, attn.x_proj[...], block.attn_norm.scale[...], eps=block.attn_norm.eps,
-                            interpret=interpret)
+    projected = norm_matvec(
+        x, attn.x_proj[...], block.attn_norm.scale[...], eps=block.attn_norm.eps, interpret=interpret
+    )
     q_up = attn.q_up[...]  # [h, d_h + d_h^R, d_c']
-    q = norm_matvec(projected, q_up.reshape(-1, q_up.shape[-1]), attn.q_norm.scale[...], eps=attn.q_norm.eps,
-                    extra=attn.q_scale, interpret=interpret)
-    entry = LatentEntry(projected, attn.kv_norm.scale[...], offset=attn.q_rank, eps=attn.kv_norm.eps,
-                        latent_scale=attn.kv_scale)
+    q = norm_matvec(
+        projected,
+        q_up.reshape(-1, q_up.shape[-1]),
+        attn.q_norm.scale[...],
+        eps=attn.q_norm.eps,
+        extra=attn.q_scale,
+        interpret=interpret,
+    )
+    entry = LatentEntry(
+        projected, attn.kv_norm.scale[...], offset=attn.q_rank, eps=attn.kv_norm.eps, latent_scale=attn.kv_scale
+    )
     q_latent, q_rope, latent, k_rope = latent_queries(
-        q.reshape(q_up.shape[:2]), attn.kv_up[...], cos, sin, branches=attn.branches, entry=entry,
-        caches=(cache["latent"], cache["k_rope"]), slot=index.reshape(1), interpret=interpret)
-    z = latent_attention(q_rope[None, None], q_latent[None, None], k_rope[:, :, 0], latent,
-                         scale=attn.softmax_scale, mask=mask, impl=attn.impl)
-    heads = latent_output(z[0, 0], attn.kv_up[...], branches=attn.branches, branch_scale=attn.branch_scale,
-                          interpret=interpret)
+        q.reshape(q_up.shape[:2]),
+        attn.kv_up[...],
+        cos,
+        sin,
+        branches=attn.branches,
+        entry=entry,
+        caches=(cache["latent"], cache["k_rope"]),
+        slot=index.reshape(1),
+        interpret=interpret,
+    )
+    z = latent_attention(
+        q_rope[None, None],
+        q_latent[None, None],
+        k_rope[:, :, 0],
+        latent,
+        scale=attn.softmax_scale,
+        mask=mask,
+        impl=attn.impl,
+    )
+    heads = latent_output(
+        z[0, 0], attn.kv_up[...], branches=attn.branches, branch_scale=attn.branch_scale, interpret=interpret
+    )
     if attn.gate_proj is not None:
         heads = attn.gated(block.attn_norm(x[None, None]), heads[None, None])[0, 0]
     return heads, {"latent": latent, "k_rope": k_rope}
@@ -105,5 +144,6 @@ def _latent_heads(block: Block, x: jax.Array, cache: dict[str, jax.Array], mask:
 
 def head_logits(final_norm: RMSNorm, head: jax.Array, x: jax.Array, interpret: bool = False) -> jax.Array:
     """Float32 logits [1, V] of the residual row x [d] against the tied head [V, d], the final norm inside."""
-    return norm_matvec(x, head, final_norm.scale[...], eps=final_norm.eps, out_dtype=jnp.float32,
-                       interpret=interpret)[None]
+    return norm_matvec(x, head, final_norm.scale[...], eps=final_norm.eps, out_dtype=jnp.float32, interpret=interpret)[
+        None
+    ]

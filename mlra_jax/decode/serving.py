@@ -100,8 +100,14 @@ class ServingModel:
     """A model prepared for decoding: weights cast and split per layer; jitted prefill-chunk and decode
     steps over LayerCaches; `traces` counts the compilations by (kind, tokens per call, capacity)."""
 
-    def __init__(self, model: Transformer, mesh: jax.sharding.Mesh | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, min_bucket: int = MIN_BUCKET, row_kernels: str = "auto"):
+    def __init__(
+        self,
+        model: Transformer,
+        mesh: jax.sharding.Mesh | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
+        min_bucket: int = MIN_BUCKET,
+        row_kernels: str = "auto",
+    ):
         """row_kernels: decode steps of one sequence on the row-product kernels (decode.row_step): "auto" where
         they run (NVIDIA GPUs, one device), "on" (a ValueError where they cannot), "off", or "interpret" (Pallas
         interpret mode, for tests on CPU)."""
@@ -113,8 +119,11 @@ class ServingModel:
         blocks = compute_params(params["blocks"], self.cfg.dtype)
         blocks = {**blocks, "mlp": padded_mlp(blocks["mlp"])}
         if mesh is None:  # the layouts a single device's decode steps read best (use_serving_layout)
-            blocks = {**blocks, "attn": shell.blocks.attn.use_serving_layout(blocks["attn"], out_major=self.rows),
-                      "mlp": shell.blocks.mlp.use_serving_layout(blocks["mlp"], out_major=self.rows)}
+            blocks = {
+                **blocks,
+                "attn": shell.blocks.attn.use_serving_layout(blocks["attn"], out_major=self.rows),
+                "mlp": shell.blocks.mlp.use_serving_layout(blocks["mlp"], out_major=self.rows),
+            }
         self.embed_def = nnx.split(shell.embed)[0]
         self.norm_def = nnx.split(shell.final_norm)[0]
         self.block_def = nnx.split(shell.blocks)[0]
@@ -130,14 +139,18 @@ class ServingModel:
         rows = tokens_shape[0] * tokens_shape[1]
         key = absorbed, rows <= TRITON_GEMM_ROWS, sampler
         if key not in self._calls:
-            fn = (functools.partial(self._forward, absorbed=absorbed) if sampler is None
-                  else functools.partial(self._sampled_step, sampler=sampler))
+            fn = (
+                functools.partial(self._forward, absorbed=absorbed)
+                if sampler is None
+                else functools.partial(self._sampled_step, sampler=sampler)
+            )
             self._calls[key] = jax.jit(fn, donate_argnums=(2,), compiler_options=serving_compiler_options(rows))
         return self._calls[key]
 
     # -- the pure forward ------------------------------------------------------------------------
-    def _forward(self, weights: dict[str, Any], tokens: jax.Array, caches: LayerCaches,
-                 absorbed: bool) -> tuple[jax.Array, LayerCaches]:
+    def _forward(
+        self, weights: dict[str, Any], tokens: jax.Array, caches: LayerCaches, absorbed: bool
+    ) -> tuple[jax.Array, LayerCaches]:
         """Float32 logits [B, V] of the last of tokens [B, T], written into the caches at caches.index."""
         self.traces["step" if absorbed else "prefill", tokens.shape[1], caches.max_len] += 1
         positions, mask = slot_mask(caches, tokens.shape[1])
@@ -151,21 +164,31 @@ class ServingModel:
         for layer_weights, cache in zip(weights["layers"], caches.layers):
             block = nnx.merge(self.block_def, layer_weights)
             if rows:
-                x, cache = row_step.block_step(block, x, cache, positions, mask, caches.index, plans, rope,
-                                               self.rows_interpret)
+                x, cache = row_step.block_step(
+                    block, x, cache, positions, mask, caches.index, plans, rope, self.rows_interpret
+                )
             else:
                 x, cache = block.cached(x, positions, cache, mask, caches.index, plans, absorbed)
             layers.append(cache)
         if rows:
             logits = row_step.head_logits(final_norm, weights["head"], x, self.rows_interpret)
         else:
-            logits = einsum("bd,vd->bv", final_norm(x[:, -1]).astype(self.cfg.dtype), weights["head"],
-                            preferred_element_type=jnp.float32)
+            logits = einsum(
+                "bd,vd->bv",
+                final_norm(x[:, -1]).astype(self.cfg.dtype),
+                weights["head"],
+                preferred_element_type=jnp.float32,
+            )
         return logits, dataclasses.replace(caches, layers=tuple(layers), index=caches.index + tokens.shape[1])
 
-    def _sampled_step(self, weights: dict[str, Any], tokens: jax.Array, caches: LayerCaches, key: jax.Array,
-                      sampler: Callable[[jax.Array, jax.Array], jax.Array]
-                      ) -> tuple[jax.Array, jax.Array, LayerCaches]:
+    def _sampled_step(
+        self,
+        weights: dict[str, Any],
+        tokens: jax.Array,
+        caches: LayerCaches,
+        key: jax.Array,
+        sampler: Callable[[jax.Array, jax.Array], jax.Array],
+    ) -> tuple[jax.Array, jax.Array, LayerCaches]:
         """A decode step of tokens [B] and the sampling of the next ones: (next tokens [B], the next key,
         caches); sampler(logits [B, V], key) draws with a key split from `key`, as a separate draw would."""
         logits, caches = self._forward(weights, tokens[:, None], caches, absorbed=True)
@@ -177,8 +200,9 @@ class ServingModel:
         layers = tuple({name: pad(a) for name, a in layer.items()} for layer in caches.layers)
         if self.mesh is not None:
             shardings = layer_cache_shardings(self.cfg, self.mesh)
-            layers = tuple({n: jax.lax.with_sharding_constraint(a, shardings[n]) for n, a in layer.items()}
-                           for layer in layers)
+            layers = tuple(
+                {n: jax.lax.with_sharding_constraint(a, shardings[n]) for n, a in layer.items()} for layer in layers
+            )
         return dataclasses.replace(caches, layers=layers)
 
     def _call(self, fn, *args):
@@ -196,8 +220,9 @@ class ServingModel:
                 raise ValueError(f"{slots} slots exceed the cache limit of {session.limit}")
             session.caches = self._call(self._grow, session.caches, capacity)
 
-    def prefill(self, tokens: np.ndarray, starts: np.ndarray, max_new_tokens: int,
-                max_len: int) -> tuple[jax.Array, Session]:
+    def prefill(
+        self, tokens: np.ndarray, starts: np.ndarray, max_new_tokens: int, max_len: int
+    ) -> tuple[jax.Array, Session]:
         """Left-padded prompts tokens [B, W] (sequence b starting at starts[b]) through the caches in chunks;
         the logits [B, V] of their last position and the session to decode from."""
         chunk = min(self.prefill_chunk, capacity_bucket(tokens.shape[1], self.prefill_chunk, minimum=16))
@@ -211,9 +236,10 @@ class ServingModel:
         logits = None
         for begin in range(0, tokens.shape[1], chunk):
             self.reserve(session, begin + chunk)
-            chunk_tokens = jnp.asarray(tokens[:, begin:begin + chunk])
-            logits, session.caches = self._call(self.compiled(False, chunk_tokens.shape), self.weights, chunk_tokens,
-                                                session.caches)
+            chunk_tokens = jnp.asarray(tokens[:, begin : begin + chunk])
+            logits, session.caches = self._call(
+                self.compiled(False, chunk_tokens.shape), self.weights, chunk_tokens, session.caches
+            )
             session.written = begin + chunk
         return logits, session
 
@@ -224,13 +250,15 @@ class ServingModel:
         session.written += 1
         return logits
 
-    def sampled_step(self, tokens: jax.Array, session: Session, key: jax.Array,
-                     sampler: Callable[[jax.Array, jax.Array], jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def sampled_step(
+        self, tokens: jax.Array, session: Session, key: jax.Array, sampler: Callable[[jax.Array, jax.Array], jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
         """One decode step of tokens [B] that also samples the next tokens, in one call (one dispatch per token:
         the host keeps ahead of the device at batch 1): (next tokens [B], the next key)."""
         self.reserve(session, session.written + 1)
-        tokens, key, session.caches = self._call(self.compiled(True, (tokens.shape[0], 1), sampler), self.weights,
-                                                 tokens, session.caches, key)
+        tokens, key, session.caches = self._call(
+            self.compiled(True, (tokens.shape[0], 1), sampler), self.weights, tokens, session.caches, key
+        )
         session.written += 1
         return tokens, key
 
@@ -243,15 +271,15 @@ def use_row_kernels(mode: str, cfg: ModelConfig, mesh: jax.sharding.Mesh | None)
         return False
     problem = row_step.row_kernels_problem(cfg, mesh, interpret=mode == "interpret")
     if problem is not None and mode != "auto":
-        raise ValueError(f"row_kernels={mode!r}: the row kernels cannot serve this model: {problem}; use "
-                         f"row_kernels='auto' or 'off'")
+        raise ValueError(
+            f"row_kernels={mode!r}: the row kernels cannot serve this model: {problem}; use row_kernels='auto' or 'off'"
+        )
     if problem is not None and target_platform() == "gpu":
         log_once(f"row_kernels='auto': batch-1 decode steps run on XLA ({problem})")
     return problem is None
 
 
-def serving_weights(params: dict[str, Any], blocks: dict[str, Any], dtype: jnp.dtype,
-                    n_layer: int) -> dict[str, Any]:
+def serving_weights(params: dict[str, Any], blocks: dict[str, Any], dtype: jnp.dtype, n_layer: int) -> dict[str, Any]:
     """The weights serving reads: `blocks`, the stacked layers as prepared (cast, padded, laid out), split
     into one pytree per layer; the model's other parameters cast once to `dtype` (compute_params: norm
     scales and the embedding table stay float32), and the tied head's own copy in `dtype`."""
@@ -278,5 +306,9 @@ def padded_mlp(mlp: dict[str, jax.Array], multiple: int = MLP_MULTIPLE) -> dict[
             return padded  # traced (tpu_compile): GSPMD places it; unsharded: where it is
         return jax.device_put(padded, a.sharding)
 
-    return {**mlp, "gate_proj": pad(mlp["gate_proj"], -1), "up_proj": pad(mlp["up_proj"], -1),
-            "down_proj": pad(mlp["down_proj"], -2)}
+    return {
+        **mlp,
+        "gate_proj": pad(mlp["gate_proj"], -1),
+        "up_proj": pad(mlp["up_proj"], -1),
+        "down_proj": pad(mlp["down_proj"], -2),
+    }

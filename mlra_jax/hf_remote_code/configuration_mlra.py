@@ -34,8 +34,13 @@ class MLRAConfig(PretrainedConfig):
 
     model_type = "mlra"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
-    attribute_map = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
-                     "max_position_embeddings": "max_seq_len", "rms_norm_eps": "norm_eps"}
+    attribute_map = {
+        "hidden_size": "n_embd",
+        "num_hidden_layers": "n_layer",
+        "num_attention_heads": "n_head",
+        "max_position_embeddings": "max_seq_len",
+        "rms_norm_eps": "norm_eps",
+    }
 
     variant: str = "mlra4"
     n_layer: int = 2

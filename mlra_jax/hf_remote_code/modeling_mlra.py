@@ -49,8 +49,9 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor) -> torch.Tensor:
     """q [B, T, Hq, Dk] over k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] under mask [B, T, S] -> [B, T, Hq, Dv].
     Query head i reads KV head i // (Hq / Hkv)."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
-                                         enable_gqa=q.shape[2] != k.shape[1])
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[2] != k.shape[1]
+    )
     return out.transpose(1, 2)
 
 
@@ -92,12 +93,14 @@ class Attention(nn.Module):
     def entry(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def attend(self, x: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               mask: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, x: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Cache | None,
-                layer: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Cache | None, layer: int
+    ) -> torch.Tensor:
         keys, values = self.entry(x, positions)
         if cache is not None:
             keys, values = cache.update(keys, values, layer)
@@ -126,7 +129,7 @@ class GroupedQueryAttention(Attention):
 
     def attend(self, x, positions, keys, values, mask):
         q = apply_rope(self.c_q(x).view(*x.shape[:2], self.n_head, self.head_dim), positions, self.config.rope_theta)
-        return attention(q, keys, values, self.head_dim ** -0.5, mask)
+        return attention(q, keys, values, self.head_dim**-0.5, mask)
 
 
 class MultiMatrixFactorizationAttention(Attention):
@@ -149,7 +152,7 @@ class MultiMatrixFactorizationAttention(Attention):
 
     def attend(self, x, positions, keys, values, mask):
         q = self.w_q(self.q_layernorm(self.c_q(x))).view(*x.shape[:2], self.n_head, self.head_dim)
-        return attention(apply_rope(q, positions, self.config.rope_theta), keys, values, self.head_dim ** -0.5, mask)
+        return attention(apply_rope(q, positions, self.config.rope_theta), keys, values, self.head_dim**-0.5, mask)
 
 
 class TPAFactors(nn.Module):
@@ -159,8 +162,14 @@ class TPAFactors(nn.Module):
         super().__init__()
         d, h, dh, r, rq = config.n_embd, config.n_head, config.head_dim, config.tpa_rank, config.tpa_q_rank
         # each weight's 3-D view (in, heads, rank) or (in, rank, d_h), on which the reference draws xavier-uniform
-        views = {"W_A_q": (d, h, rq), "W_A_k": (d, h, r), "W_A_v": (d, h, r),
-                 "W_B_q": (d, rq, dh), "W_B_k": (d, r, dh), "W_B_v": (d, r, dh)}
+        views = {
+            "W_A_q": (d, h, rq),
+            "W_A_k": (d, h, r),
+            "W_A_v": (d, h, r),
+            "W_B_q": (d, rq, dh),
+            "W_B_k": (d, r, dh),
+            "W_B_v": (d, r, dh),
+        }
         for name, (n_in, rows, width) in views.items():
             bound = math.sqrt(6.0 / (rows * width + n_in * width))  # torch's fans of the 3-D view
             setattr(self, name, linear(n_in, rows * width, init_as=bound))
@@ -189,15 +198,17 @@ class TensorProductAttention(Attention):
         b, t, _ = x.shape
         qkv, h, r, dh = self.c_qkv, self.n_head, self.rank, self.head_dim
         b_k = apply_rope(qkv.W_B_k(x).view(b, t, r, dh), positions, self.config.rope_theta)
-        return (self._pack(qkv.W_A_k(x).view(b, t, h, r), b_k),
-                self._pack(qkv.W_A_v(x).view(b, t, h, r), qkv.W_B_v(x).view(b, t, r, dh)))
+        return (
+            self._pack(qkv.W_A_k(x).view(b, t, h, r), b_k),
+            self._pack(qkv.W_A_v(x).view(b, t, h, r), qkv.W_B_v(x).view(b, t, r, dh)),
+        )
 
     def attend(self, x, positions, keys, values, mask):
         b, t, _ = x.shape
         a_q = self.c_qkv.W_A_q(x).view(b, t, self.n_head, self.q_rank)
         b_q = apply_rope(self.c_qkv.W_B_q(x).view(b, t, self.q_rank, self.head_dim), positions, self.config.rope_theta)
         q = torch.einsum("bthr,btrk->bthk", a_q, b_q) / self.q_rank
-        return attention(q, self._product(keys), self._product(values), self.head_dim ** -0.5, mask)
+        return attention(q, self._product(keys), self._product(values), self.head_dim**-0.5, mask)
 
 
 class GroupedTiedAttention(Attention):
@@ -218,10 +229,10 @@ class GroupedTiedAttention(Attention):
 
     def attend(self, x, positions, keys, values, mask):
         q = self.c_q(x).view(*x.shape[:2], self.n_head, self.head_dim)
-        q = torch.cat([q[..., : self.half], apply_rope(q[..., self.half:], positions, self.config.rope_theta)], -1)
+        q = torch.cat([q[..., : self.half], apply_rope(q[..., self.half :], positions, self.config.rope_theta)], -1)
         tied = keys[..., : self.half]
         k = torch.cat([tied, values.expand(tied.shape)], dim=-1)
-        return attention(q, k, keys, self.head_dim ** -0.5, mask)
+        return attention(q, k, keys, self.head_dim**-0.5, mask)
 
 
 class LatentAttention(Attention):
@@ -254,7 +265,7 @@ class LatentAttention(Attention):
             self.kv_b_proj = nn.Parameter(torch.empty(self.blocks, self.block_rank, up_width))
         self.q_scale = math.sqrt(d / dq) if config.latent_scale else 1.0
         self.kv_scale = math.sqrt(d / self.block_rank) if config.latent_scale else 1.0
-        self.branch_scale = self.branches ** -0.5 if config.latent_scale else 1.0
+        self.branch_scale = self.branches**-0.5 if config.latent_scale else 1.0
         self.softmax_scale = (self.nope + self.rope) ** -0.5
 
     def block_norms(self) -> list[RMSNorm]:
@@ -293,10 +304,10 @@ class LatentAttention(Attention):
         b, t, _ = x.shape
         c_q = (self.q_a_layernorm(self.q_a_proj(x)) * self.q_scale).to(x.dtype)
         q = self.q_b_proj(c_q).view(b, t, self.n_head, self.nope + self.rope)
-        q = torch.cat([q[..., : self.nope], apply_rope(q[..., self.nope:], positions, self.config.rope_theta)], -1)
+        q = torch.cat([q[..., : self.nope], apply_rope(q[..., self.nope :], positions, self.config.rope_theta)], -1)
         up = self.kv_up().to(keys.dtype)
         k_nope = torch.einsum("bnsr,nrhk->bnhsk", keys, up[..., : self.nope])
-        v = torch.einsum("bnsr,nrhk->bnhsk", keys, up[..., self.nope:])
+        v = torch.einsum("bnsr,nrhk->bnhsk", keys, up[..., self.nope :])
         k = torch.cat([k_nope, values[:, :, None].expand(k_nope.shape[:-1] + (self.rope,))], dim=-1)
         flat = lambda a: a.reshape(b, self.blocks * self.block_heads, *a.shape[3:])  # noqa: E731
         out = attention(self.per_block(q), flat(k), flat(v), self.softmax_scale, mask)
@@ -304,9 +315,15 @@ class LatentAttention(Attention):
         return out * self.branch_scale
 
 
-ATTENTION = {"mha": GroupedQueryAttention, "mqa": GroupedQueryAttention, "gqa": GroupedQueryAttention,
-             "mfa": MultiMatrixFactorizationAttention, "tpa": TensorProductAttention, "gta": GroupedTiedAttention,
-             **{name: LatentAttention for name in LATENT_LAYOUTS}}
+ATTENTION = {
+    "mha": GroupedQueryAttention,
+    "mqa": GroupedQueryAttention,
+    "gqa": GroupedQueryAttention,
+    "mfa": MultiMatrixFactorizationAttention,
+    "tpa": TensorProductAttention,
+    "gta": GroupedTiedAttention,
+    **{name: LatentAttention for name in LATENT_LAYOUTS},
+}
 
 
 class MLP(nn.Module):
@@ -330,8 +347,9 @@ class MLRABlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.n_embd, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Cache | None,
-                layer: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Cache | None, layer: int
+    ) -> torch.Tensor:
         x = x + self.attn(self.input_layernorm(x), positions, mask, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -372,10 +390,12 @@ class MLRAForCausalLM(MLRAPreTrainedModel, GenerationMixin):
     def __init__(self, config: MLRAConfig):
         config.check_complete()
         super().__init__(config)
-        self.transformer = nn.ModuleDict({
-            "wte": nn.Embedding(config.vocab_size, config.n_embd),
-            "h": nn.ModuleList(MLRABlock(config) for _ in range(config.n_layer)),
-        })
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(config.vocab_size, config.n_embd),
+                "h": nn.ModuleList(MLRABlock(config) for _ in range(config.n_layer)),
+            }
+        )
         self.layernorm = RMSNorm(config.n_embd, config.norm_eps)
         self.lm_head = linear(config.n_embd, config.vocab_size)
         self.post_init()
@@ -392,11 +412,19 @@ class MLRAForCausalLM(MLRAPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
-    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
-                inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
-                use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0, cache: Cache | None = None,
-                **kwargs) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
         """attention_mask: [B, past + T] with 0 at (left) padding; position_ids [B, T] (default: each row counts
         from the cache's length). Padded keys are never attended to. The KV cache comes as `cache` (transformers
         5.24 and later, which pass that name) or `past_key_values` (earlier ones)."""
@@ -424,12 +452,14 @@ class MLRAForCausalLM(MLRAPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits,
-                                      **{_CACHE_FIELD: past_key_values if use_cache else None})
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, **{_CACHE_FIELD: past_key_values if use_cache else None}
+        )
 
     @staticmethod
-    def _mask(attention_mask: torch.Tensor | None, batch: int, past: int, length: int,
-              device: torch.device) -> torch.Tensor:
+    def _mask(
+        attention_mask: torch.Tensor | None, batch: int, past: int, length: int, device: torch.device
+    ) -> torch.Tensor:
         """[B, T, past + T] bool: causal, padded keys hidden; a padded query sees itself (no empty softmax row)."""
         total = past + length
         query, key = torch.arange(past, total, device=device), torch.arange(total, device=device)
@@ -437,7 +467,9 @@ class MLRAForCausalLM(MLRAPreTrainedModel, GenerationMixin):
         if attention_mask is None:
             return causal[None].expand(batch, length, total)
         if attention_mask.ndim != 2 or attention_mask.shape[-1] != total:
-            raise ValueError(f"attention_mask must be [batch, past + new tokens] = [{batch}, {total}] (0 at padding); "
-                             f"got {tuple(attention_mask.shape)}")
+            raise ValueError(
+                f"attention_mask must be [batch, past + new tokens] = [{batch}, {total}] (0 at padding); "
+                f"got {tuple(attention_mask.shape)}"
+            )
         valid = attention_mask.to(device=device, dtype=torch.bool)
         return (causal[None] & valid[:, None, :]) | (key[None, :] == query[:, None])[None]

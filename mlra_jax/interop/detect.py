@@ -25,12 +25,19 @@ def _fits(cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]]) -> bool:
     if set(shapes) - {TIED_KEY} != _names(cfg):
         return False  # the names alone rule it out; shapes (which need the model traced) only for the rest
     expected = reference_shapes(cfg)
-    return set(shapes) <= set(expected) and all(expected[k] == s for k, s in shapes.items()) and \
-        set(expected) - set(shapes) <= {"lm_head.weight"}
+    return (
+        set(shapes) <= set(expected)
+        and all(expected[k] == s for k, s in shapes.items())
+        and set(expected) - set(shapes) <= {"lm_head.weight"}
+    )
 
 
-def detect_config(shapes: Mapping[str, tuple[int, ...]], fields: Mapping[str, Any],
-                  reference_model: str | None = None, variant: str | None = None) -> ModelConfig:
+def detect_config(
+    shapes: Mapping[str, tuple[int, ...]],
+    fields: Mapping[str, Any],
+    reference_model: str | None = None,
+    variant: str | None = None,
+) -> ModelConfig:
     """Our ModelConfig for a reference state_dict of these tensor shapes and GPTConfig `fields`.
 
     `variant` is one of ours (mla) or a reference model file (model/mla_no_scale.py); `reference_model`
@@ -38,8 +45,10 @@ def detect_config(shapes: Mapping[str, tuple[int, ...]], fields: Mapping[str, An
     a ConfigError asks for --variant when several fit. With one of them given, the config is built even
     if it does not fit, so that loading names what differs."""
     if reference_model is not None and not isinstance(reference_model, str):
-        raise ConfigError(f"config.json's reference_model is {reference_model!r}, not the name of an official model "
-                          f"file (a string such as 'model/mlra_4.py'); correct it, or remove it and pass --variant")
+        raise ConfigError(
+            f"config.json's reference_model is {reference_model!r}, not the name of an official model "
+            f"file (a string such as 'model/mlra_4.py'); correct it, or remove it and pass --variant"
+        )
     if variant is not None and variant.endswith(".py"):
         reference_model, variant = variant, None
     if variant is not None and variant not in SPECS:
@@ -60,10 +69,14 @@ def detect_config(shapes: Mapping[str, tuple[int, ...]], fields: Mapping[str, An
     if variant is not None:
         if candidates:
             return (fitting or candidates)[0]  # several: the ungated one; none: loading says what differs
-        raise ConfigError(f"--variant {variant} does not fit this checkpoint: its config.json fields make no "
-                          f"{variant} config, and its tensors look like {guess_variant(set(shapes))}")
+        raise ConfigError(
+            f"--variant {variant} does not fit this checkpoint: its config.json fields make no "
+            f"{variant} config, and its tensors look like {guess_variant(set(shapes))}"
+        )
     if not fitting:
-        raise ConfigError(f"the tensor names and shapes fit none of the paper's variants with these config.json "
-                          f"fields; they look like {guess_variant(set(shapes))}. Pass --variant")
+        raise ConfigError(
+            f"the tensor names and shapes fit none of the paper's variants with these config.json "
+            f"fields; they look like {guess_variant(set(shapes))}. Pass --variant"
+        )
     names = ", ".join(f"{c.variant}{' (gated)' if c.gated else ''}" for c in fitting)
     raise ConfigError(f"the tensor names cannot tell which variant this is ({names} fit); pass --variant")

@@ -21,8 +21,18 @@ from mlra_jax.interop.names import EMBEDDING_KEY, TIED_KEY
 
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "pytorch_model.bin", "pytorch_model.bin.index.json"
 SAFETENSORS_FILE, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
-          "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 class ReferenceFileError(ValueError):
@@ -41,8 +51,9 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError:
-        raise ReferenceFileError("reading and writing PyTorch checkpoints needs torch: pip install "
-                                 "'mlra_jax[torch]'") from None
+        raise ReferenceFileError(
+            "reading and writing PyTorch checkpoints needs torch: pip install 'mlra_jax[torch]'"
+        ) from None
     return torch
 
 
@@ -70,8 +81,9 @@ def _shards(names: list[str], sizes: Mapping[str, int], limit: int) -> list[list
     return shards
 
 
-def write_reference(state_dict: Mapping[str, np.ndarray], config: Mapping[str, Any], out: Path,
-                    shard_size: int) -> list[str]:
+def write_reference(
+    state_dict: Mapping[str, np.ndarray], config: Mapping[str, Any], out: Path, shard_size: int
+) -> list[str]:
     """Write `config.json` and the weights into the (existing, empty) folder `out`; the files written.
 
     The tied `lm_head.weight` shares the embedding's storage, as in the reference model, and is saved
@@ -106,14 +118,18 @@ def _check_torch_header(path: Path) -> None:
         with open(path, "rb") as f:
             head = f.read(4)
     except OSError as err:
-        raise ReferenceFileError(f"{path} cannot be read ({err.strerror or err}); check the path and its "
-                                 f"permissions") from None
+        raise ReferenceFileError(
+            f"{path} cannot be read ({err.strerror or err}); check the path and its permissions"
+        ) from None
     if not head:
-        raise ReferenceFileError(f"{path} is empty (0 bytes): a copy or download that did not finish? Copy the "
-                                 f"checkpoint file again")
+        raise ReferenceFileError(
+            f"{path} is empty (0 bytes): a copy or download that did not finish? Copy the checkpoint file again"
+        )
     if not head.startswith((b"PK\x03\x04", b"\x80")):
-        raise ReferenceFileError(f"{path} is not a PyTorch checkpoint (it starts with {head!r}, neither torch.save's "
-                                 f"zip archive nor its legacy pickle); give the .pt/.bin file that torch.save wrote")
+        raise ReferenceFileError(
+            f"{path} is not a PyTorch checkpoint (it starts with {head!r}, neither torch.save's "
+            f"zip archive nor its legacy pickle); give the .pt/.bin file that torch.save wrote"
+        )
 
 
 def _load_torch_file(path: Path) -> dict[str, Any]:
@@ -127,18 +143,22 @@ def _load_torch_file(path: Path) -> dict[str, Any]:
                 raise
             loaded = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
     except pickle.UnpicklingError as err:
-        raise ReferenceFileError(f"{path} is refused by torch.load(weights_only=True): it holds more than tensors "
-                                 f"(arbitrary pickled objects are never loaded) ({error_summary(err)})") from None
+        raise ReferenceFileError(
+            f"{path} is refused by torch.load(weights_only=True): it holds more than tensors "
+            f"(arbitrary pickled objects are never loaded) ({error_summary(err)})"
+        ) from None
     except Exception as err:  # noqa: BLE001 - torch raises RuntimeError, EOFError, IndexError, ... on damaged files
-        raise ReferenceFileError(f"{path} is not a readable PyTorch checkpoint (truncated or damaged?): "
-                                 f"{error_summary(err)}") from None
+        raise ReferenceFileError(
+            f"{path} is not a readable PyTorch checkpoint (truncated or damaged?): {error_summary(err)}"
+        ) from None
     return _tensor_dict(loaded, path)
 
 
 def _tensor_dict(loaded: Any, path: Path) -> dict[str, Any]:
     torch = _torch()
-    if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                               for k, v in loaded.items()):
+    if not isinstance(loaded, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()
+    ):
         raise ReferenceFileError(f"{path} does not hold a state_dict (a dict of tensor names to tensors)")
     return loaded
 
@@ -151,8 +171,9 @@ def _load_safetensors(path: Path) -> dict[str, Any]:
         with safe_open(str(path), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
-        raise ReferenceFileError(f"{path} is not a readable safetensors file (truncated or damaged?): "
-                                 f"{error_summary(err)}") from None
+        raise ReferenceFileError(
+            f"{path} is not a readable safetensors file (truncated or damaged?): {error_summary(err)}"
+        ) from None
 
 
 def _load_file(path: Path) -> dict[str, Any]:
@@ -164,23 +185,32 @@ def _load_sharded(folder: Path, index_file: str) -> dict[str, Any]:
         weight_map = json.loads((folder / index_file).read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ReferenceFileError(f"{folder / index_file} is not a shard index ({type(err).__name__}: {err})") from None
-    wrong = (f"is a {type(weight_map).__name__}" if not isinstance(weight_map, dict) else
-             next((f"maps {k!r} to {v!r}" for k, v in weight_map.items() if not isinstance(v, str)), None))
+    wrong = (
+        f"is a {type(weight_map).__name__}"
+        if not isinstance(weight_map, dict)
+        else next((f"maps {k!r} to {v!r}" for k, v in weight_map.items() if not isinstance(v, str)), None)
+    )
     if wrong is not None:
-        raise ReferenceFileError(f"{folder / index_file}: its weight_map {wrong}, where it maps each tensor name to "
-                                 f"the file name of its shard; restore the index the checkpoint came with")
+        raise ReferenceFileError(
+            f"{folder / index_file}: its weight_map {wrong}, where it maps each tensor name to "
+            f"the file name of its shard; restore the index the checkpoint came with"
+        )
     shards = sorted(set(weight_map.values()))
     missing = [s for s in shards if not (folder / s).is_file()]
     if missing:
-        raise ReferenceFileError(f"{folder} lacks {len(missing)} of the {len(shards)} shards its {index_file} names: "
-                                 f"{', '.join(missing[:4])}")
+        raise ReferenceFileError(
+            f"{folder} lacks {len(missing)} of the {len(shards)} shards its {index_file} names: "
+            f"{', '.join(missing[:4])}"
+        )
     tensors: dict[str, Any] = {}
     for shard in shards:
         tensors.update(_load_file(folder / shard))
     absent = [k for k, s in weight_map.items() if k not in tensors]
     if absent:
-        raise ReferenceFileError(f"{len(absent)} tensors of {index_file} are not in their shards "
-                                 f"(e.g. {absent[0]} in {weight_map[absent[0]]})")
+        raise ReferenceFileError(
+            f"{len(absent)} tensors of {index_file} are not in their shards "
+            f"(e.g. {absent[0]} in {weight_map[absent[0]]})"
+        )
     return tensors
 
 
@@ -194,8 +224,9 @@ def read_reference(src: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
         else:
             found = [src / f for f in (WEIGHTS_FILE, SAFETENSORS_FILE) if (src / f).is_file()]
             if not found:
-                raise ReferenceFileError(f"{src} holds none of {INDEX_FILE}, {SAFETENSORS_INDEX}, {WEIGHTS_FILE}, "
-                                         f"{SAFETENSORS_FILE}")
+                raise ReferenceFileError(
+                    f"{src} holds none of {INDEX_FILE}, {SAFETENSORS_INDEX}, {WEIGHTS_FILE}, {SAFETENSORS_FILE}"
+                )
             tensors = _load_file(found[0])
         config_path = src / CONFIG_FILE
     elif src.is_file():

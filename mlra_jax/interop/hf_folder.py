@@ -74,15 +74,19 @@ def check_hf_folder(folder: Path, source: str) -> None:
             weight_map = json.loads((folder / SAFETENSORS_INDEX).read_text())["weight_map"]
             wanted += sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-            raise ConfigError(f"{source}: {SAFETENSORS_INDEX} is not a shard index ({type(err).__name__}: {err}); "
-                              f"export the run again with python -m mlra_jax.convert to-hf") from None
+            raise ConfigError(
+                f"{source}: {SAFETENSORS_INDEX} is not a shard index ({type(err).__name__}: {err}); "
+                f"export the run again with python -m mlra_jax.convert to-hf"
+            ) from None
     else:
         wanted.append(SAFETENSORS_FILE)
     missing = [name for name in wanted if not isinstance(name, str) or not (folder / name).is_file()]
     if missing:
-        raise ConfigError(f"{source} is not a complete Hugging Face folder of convert to-hf: it lacks "
-                          f"{', '.join(map(str, missing[:6]))}{' and more' if len(missing) > 6 else ''} (an export "
-                          f"that stopped before its end?); export the run again with python -m mlra_jax.convert to-hf")
+        raise ConfigError(
+            f"{source} is not a complete Hugging Face folder of convert to-hf: it lacks "
+            f"{', '.join(map(str, missing[:6]))}{' and more' if len(missing) > 6 else ''} (an export "
+            f"that stopped before its end?); export the run again with python -m mlra_jax.convert to-hf"
+        )
 
 
 def _has_type(value: Any, annotation: Any) -> bool:
@@ -107,11 +111,16 @@ def model_config_from_hf(config: Mapping[str, Any], source: str) -> ModelConfig:
     if missing:
         raise ConfigError(f"{source}/config.json lacks {', '.join(missing)}; it is not a folder of convert to-hf")
     hints = typing.get_type_hints(ModelConfig)
-    wrong = [f"{k}={v!r} (not {getattr(hints[k], '__name__', str(hints[k]).replace('typing.', ''))})"
-             for k, v in config.items() if k in names and not _has_type(v, hints[k])]
+    wrong = [
+        f"{k}={v!r} (not {getattr(hints[k], '__name__', str(hints[k]).replace('typing.', ''))})"
+        for k, v in config.items()
+        if k in names and not _has_type(v, hints[k])
+    ]
     if wrong:
-        raise ConfigError(f"{source}/config.json has fields of the wrong type: {'; '.join(wrong)}; restore the "
-                          f"values convert to-hf wrote, or export the run again")
+        raise ConfigError(
+            f"{source}/config.json has fields of the wrong type: {'; '.join(wrong)}; restore the "
+            f"values convert to-hf wrote, or export the run again"
+        )
     return ModelConfig(**{k: v for k, v in config.items() if k in names})
 
 
@@ -120,8 +129,10 @@ def hf_step(config: Mapping[str, Any], source: str) -> int:
     record = config.get("mlra_jax") or {}
     step = record.get("step", 0) if isinstance(record, dict) else None
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ConfigError(f"{source}/config.json: mlra_jax.step is {step!r}, not a step number (an integer >= 0); "
-                          f"restore the value convert to-hf wrote, or remove the mlra_jax field")
+        raise ConfigError(
+            f"{source}/config.json: mlra_jax.step is {step!r}, not a step number (an integer >= 0); "
+            f"restore the value convert to-hf wrote, or remove the mlra_jax field"
+        )
     return step
 
 
@@ -133,14 +144,26 @@ def gpt2_hf_tokenizer(max_len: int) -> Any:
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    converted = TikTokenConverter(vocab_file=str(BPE_FILE), pattern=GPT2_PATTERN,
-                                  extra_special_tokens={END_OF_TEXT: EOT}).converted()
-    return PreTrainedTokenizerFast(tokenizer_object=converted, bos_token=END_OF_TEXT, eos_token=END_OF_TEXT,
-                                   unk_token=END_OF_TEXT, model_max_length=max_len)
+    converted = TikTokenConverter(
+        vocab_file=str(BPE_FILE), pattern=GPT2_PATTERN, extra_special_tokens={END_OF_TEXT: EOT}
+    ).converted()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=converted,
+        bos_token=END_OF_TEXT,
+        eos_token=END_OF_TEXT,
+        unk_token=END_OF_TEXT,
+        model_max_length=max_len,
+    )
 
 
-def write_hf_folder(state_dict: Mapping[str, np.ndarray], cfg: ModelConfig, out: Path, dtype: str,
-                    shard_size: int, source: Mapping[str, Any]) -> list[str]:
+def write_hf_folder(
+    state_dict: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    out: Path,
+    dtype: str,
+    shard_size: int,
+    source: Mapping[str, Any],
+) -> list[str]:
     """Write the folder into the (existing, empty) `out`; the files written.
 
     The model is built from the copied code as a user loads it (AutoModelForCausalLM with trust_remote_code,
@@ -150,8 +173,14 @@ def write_hf_folder(state_dict: Mapping[str, np.ndarray], cfg: ModelConfig, out:
     for name in REMOTE_CODE_FILES:
         (out / name).write_text(code.joinpath(name).read_text())
     token = EOT if cfg.vocab_size > EOT else None  # <|endoftext|> starts documents and ends generation
-    fields = {"model_type": MODEL_TYPE, "architectures": ["MLRAForCausalLM"], "auto_map": AUTO_MAP, **hf_fields(cfg),
-              "bos_token_id": token, "eos_token_id": token}
+    fields = {
+        "model_type": MODEL_TYPE,
+        "architectures": ["MLRAForCausalLM"],
+        "auto_map": AUTO_MAP,
+        **hf_fields(cfg),
+        "bos_token_id": token,
+        "eos_token_id": token,
+    }
     (out / CONFIG_FILE).write_text(json.dumps(fields, indent=2) + "\n")
     config = transformers.AutoConfig.from_pretrained(str(out), trust_remote_code=True)
     torch_dtype = getattr(torch, DTYPES[dtype])
@@ -174,8 +203,11 @@ def push_folder(folder: Path, repo: str) -> str:
 
     api = HfApi()
     api.create_repo(repo, repo_type="model", exist_ok=True)
-    return str(api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model",
-                                 commit_message="mlra_jax convert to-hf"))
+    return str(
+        api.upload_folder(
+            folder_path=str(folder), repo_id=repo, repo_type="model", commit_message="mlra_jax convert to-hf"
+        )
+    )
 
 
 def check_repo_id(repo: str) -> None:

@@ -55,7 +55,7 @@ class Linear:
         return x.T.reshape(shape)
 
     def ref_rows(self, shape: tuple[int, ...]) -> int:
-        return math.prod(shape[self.n_in:])
+        return math.prod(shape[self.n_in :])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +111,10 @@ _COMMON_LAYER_RULES = (
 
 
 def _gqa_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
-    return tuple(Rule((f"attn.{ours}",), (f"attn.{ref}.weight",), Linear())
-                 for ours, ref in (("q_proj", "c_q"), ("k_proj", "c_k"), ("v_proj", "c_v")))
+    return tuple(
+        Rule((f"attn.{ours}",), (f"attn.{ref}.weight",), Linear())
+        for ours, ref in (("q_proj", "c_q"), ("k_proj", "c_k"), ("v_proj", "c_v"))
+    )
 
 
 def _latent_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
@@ -138,27 +140,33 @@ def _latent_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
 
 
 def _mfa_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
-    return (Rule(("attn.q_down",), ("attn.c_q.weight",), Linear()),
-            Rule(("attn.q_norm.scale",), ("attn.q_layernorm.weight",), Same()),
-            Rule(("attn.q_up",), ("attn.w_q.weight",), Linear()),
-            Rule(("attn.k_proj",), ("attn.c_k.weight",), Linear()),
-            Rule(("attn.v_proj",), ("attn.c_v.weight",), Linear()))
+    return (
+        Rule(("attn.q_down",), ("attn.c_q.weight",), Linear()),
+        Rule(("attn.q_norm.scale",), ("attn.q_layernorm.weight",), Same()),
+        Rule(("attn.q_up",), ("attn.w_q.weight",), Linear()),
+        Rule(("attn.k_proj",), ("attn.c_k.weight",), Linear()),
+        Rule(("attn.v_proj",), ("attn.c_v.weight",), Linear()),
+    )
 
 
 def _tpa_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
-    return tuple(Rule((f"attn.{f}_{p}",), (f"attn.c_qkv.W_{f.upper()}_{p}.weight",), Linear())
-                 for f in ("a", "b") for p in ("q", "k", "v"))
+    return tuple(
+        Rule((f"attn.{f}_{p}",), (f"attn.c_qkv.W_{f.upper()}_{p}.weight",), Linear())
+        for f in ("a", "b")
+        for p in ("q", "k", "v")
+    )
 
 
 def _gta_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
-    return (Rule(("attn.q_proj",), ("attn.c_q.weight",), Linear()),
-            Rule(("attn.kv_proj",), ("attn.kv_proj.weight",), Linear()),
-            Rule(("attn.k_rope_proj",), ("attn.W_rope_k.weight",), Linear()))
+    return (
+        Rule(("attn.q_proj",), ("attn.c_q.weight",), Linear()),
+        Rule(("attn.kv_proj",), ("attn.kv_proj.weight",), Linear()),
+        Rule(("attn.k_rope_proj",), ("attn.W_rope_k.weight",), Linear()),
+    )
 
 
 # attention family (the variant spec's module) -> its attention parameters' rules
-_FAMILY_RULES = {"gqa": _gqa_rules, "latent": _latent_rules, "mfa": _mfa_rules, "tpa": _tpa_rules,
-                 "gta": _gta_rules}
+_FAMILY_RULES = {"gqa": _gqa_rules, "latent": _latent_rules, "mfa": _mfa_rules, "tpa": _tpa_rules, "gta": _gta_rules}
 
 
 def layer_rules(cfg: ModelConfig) -> tuple[Rule, ...]:

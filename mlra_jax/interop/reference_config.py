@@ -18,31 +18,73 @@ from typing import Any, Mapping
 from mlra_jax.config import ConfigError, ModelConfig
 from mlra_jax.variants import SPECS
 
-OFFICIAL_MODEL_FILES = frozenset(f"model/{stem}.py" for stem in (
-    "gla_2", "gla_2_gated", "gla_2_no_scale", "gla_2_normal_initialization", "gla_4", "gla_4_normal_initialization",
-    "gqa", "gqa_gated", "gqa_normal_initialization", "gta", "gta_normal_initialization", "mfa",
-    "mfa_normal_initialization", "mha", "mha_normal_initialization", "mla", "mla_gated", "mla_no_scale",
-    "mla_normal_initialization", "mlra_2", "mlra_2_gated", "mlra_2_no_scale", "mlra_4", "mlra_4_gated", "tpa",
-    "tpa_normal_initialization"))
+OFFICIAL_MODEL_FILES = frozenset(
+    f"model/{stem}.py"
+    for stem in (
+        "gla_2",
+        "gla_2_gated",
+        "gla_2_no_scale",
+        "gla_2_normal_initialization",
+        "gla_4",
+        "gla_4_normal_initialization",
+        "gqa",
+        "gqa_gated",
+        "gqa_normal_initialization",
+        "gta",
+        "gta_normal_initialization",
+        "mfa",
+        "mfa_normal_initialization",
+        "mha",
+        "mha_normal_initialization",
+        "mla",
+        "mla_gated",
+        "mla_no_scale",
+        "mla_normal_initialization",
+        "mlra_2",
+        "mlra_2_gated",
+        "mlra_2_no_scale",
+        "mlra_4",
+        "mlra_4_gated",
+        "tpa",
+        "tpa_normal_initialization",
+    )
+)
 
 # reference model file stem -> our variant (MQA runs through gqa.py: told apart by its group size)
 _FILE_VARIANTS = {spec.reference_stem: name for name, spec in SPECS.items() if spec.reference_file is None}
 # reference GPTConfig field -> ModelConfig field
-_FIELDS = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "intermediate_size": "intermediate_size",
-           "vocab_size": "vocab_size", "block_size": "max_seq_len", "head_dim": "head_dim",
-           "group_size": "group_size", "q_lora_rank": "q_lora_rank", "share_q_dim": "q_lora_rank",
-           "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
-           "qk_rope_head_dim": "qk_rope_head_dim", "rank": "tpa_rank", "q_rank": "tpa_q_rank"}
-_SUFFIXES = {"_gated": {"gated": True}, "_no_scale": {"latent_scale": False},
-             "_normal_initialization": {"output_init": "normal"}}
+_FIELDS = {
+    "n_layer": "n_layer",
+    "n_head": "n_head",
+    "n_embd": "n_embd",
+    "intermediate_size": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "block_size": "max_seq_len",
+    "head_dim": "head_dim",
+    "group_size": "group_size",
+    "q_lora_rank": "q_lora_rank",
+    "share_q_dim": "q_lora_rank",
+    "kv_lora_rank": "kv_lora_rank",
+    "qk_nope_head_dim": "qk_nope_head_dim",
+    "qk_rope_head_dim": "qk_rope_head_dim",
+    "rank": "tpa_rank",
+    "q_rank": "tpa_q_rank",
+}
+_SUFFIXES = {
+    "_gated": {"gated": True},
+    "_no_scale": {"latent_scale": False},
+    "_normal_initialization": {"output_init": "normal"},
+}
 
 
 def config_from_reference(fields: Mapping[str, Any], reference_model: str, **overrides: Any) -> ModelConfig:
     """ModelConfig from reference GPTConfig fields and its model file (e.g. 'model/mlra_4_gated.py')."""
     path = PurePosixPath(reference_model)
     if f"model/{path.name}" not in OFFICIAL_MODEL_FILES:
-        raise ConfigError(f"reference model file {reference_model!r} is not a model file of the official repository "
-                          f"(those are {', '.join(sorted(OFFICIAL_MODEL_FILES))})")
+        raise ConfigError(
+            f"reference model file {reference_model!r} is not a model file of the official repository "
+            f"(those are {', '.join(sorted(OFFICIAL_MODEL_FILES))})"
+        )
     stem, options = path.stem, {}
     for suffix, option in _SUFFIXES.items():
         if stem.endswith(suffix):
@@ -59,17 +101,27 @@ def config_from_reference(fields: Mapping[str, Any], reference_model: str, **ove
 def reference_file(cfg: ModelConfig) -> str:
     """The official model file that computes `cfg` (see the module docstring); ConfigError where none does."""
     stem = "gqa" if cfg.variant == "mha" and cfg.gated else cfg.spec.reference_stem
-    options = [suffix for suffix, on in (("_gated", cfg.gated),
-                                         ("_no_scale", cfg.spec.latent_layout is not None and not cfg.latent_scale))
-               if on]
+    options = [
+        suffix
+        for suffix, on in (
+            ("_gated", cfg.gated),
+            ("_no_scale", cfg.spec.latent_layout is not None and not cfg.latent_scale),
+        )
+        if on
+    ]
     file = f"model/{stem}{''.join(options)}.py"
     if file not in OFFICIAL_MODEL_FILES:
         wanted = " and ".join({"_gated": "gated attention", "_no_scale": "no latent scales"}[o] for o in options)
-        theirs = sorted(f for f in OFFICIAL_MODEL_FILES if PurePosixPath(f).stem.startswith(stem + "_")
-                        or PurePosixPath(f).stem == stem)
-        raise ConfigError(f"the official code has no {cfg.spec.display_name} with {wanted} (no {file}; its "
-                          f"{cfg.spec.display_name} files are {', '.join(theirs)}), so this model cannot be written "
-                          f"in its format; keep it as a run or export it with `convert to-hf`")
+        theirs = sorted(
+            f
+            for f in OFFICIAL_MODEL_FILES
+            if PurePosixPath(f).stem.startswith(stem + "_") or PurePosixPath(f).stem == stem
+        )
+        raise ConfigError(
+            f"the official code has no {cfg.spec.display_name} with {wanted} (no {file}; its "
+            f"{cfg.spec.display_name} files are {', '.join(theirs)}), so this model cannot be written "
+            f"in its format; keep it as a run or export it with `convert to-hf`"
+        )
     normal = f"model/{stem}_normal_initialization.py"
     if cfg.output_init == "normal" and not options and normal in OFFICIAL_MODEL_FILES:
         return normal
@@ -82,8 +134,11 @@ def reference_config(cfg: ModelConfig) -> tuple[dict[str, Any], str]:
     ref_names = {ours: ref for ref, ours in _FIELDS.items() if ref != "share_q_dim"}
     if cfg.variant == "mfa":
         ref_names["q_lora_rank"] = "share_q_dim"
-    fields = {ref_names[f.name]: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-              if f.name in ref_names and getattr(cfg, f.name) is not None}
+    fields = {
+        ref_names[f.name]: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if f.name in ref_names and getattr(cfg, f.name) is not None
+    }
     if cfg.variant == "mqa":
         fields["group_size"] = cfg.n_head
     if cfg.variant == "mha" and cfg.gated:

@@ -71,9 +71,15 @@ def guess_variant(keys: set[str]) -> str:
     """A best guess at the reference file a state_dict comes from, from its layer-0 names."""
     attn = {k.removeprefix("transformer.h.0.attn.") for k in keys if k.startswith("transformer.h.0.attn.")}
     gated = " (gated)" if attn & {"c_gated.weight", "gated_proj.weight"} else ""
-    for marker, name in (("kv_a_layernorm.weight", "mla"), ("kv_a_layernorm_1.weight", "gla2"),
-                         ("kv_a_layernorms.0.weight", "gla4, mlra2 or mlra4"), ("c_qkv.W_A_q.weight", "tpa"),
-                         ("W_rope_k.weight", "gta"), ("w_q.weight", "mfa"), ("c_q.weight", "mha, mqa or gqa")):
+    for marker, name in (
+        ("kv_a_layernorm.weight", "mla"),
+        ("kv_a_layernorm_1.weight", "gla2"),
+        ("kv_a_layernorms.0.weight", "gla4, mlra2 or mlra4"),
+        ("c_qkv.W_A_q.weight", "tpa"),
+        ("W_rope_k.weight", "gta"),
+        ("w_q.weight", "mfa"),
+        ("c_q.weight", "mha, mqa or gqa"),
+    ):
         if marker in attn:
             return name + gated
     return "unknown"
@@ -83,8 +89,10 @@ def _check_keys(state_dict: Mapping[str, Any], expected: Mapping[str, tuple[int,
     keys, wanted = set(state_dict), set(expected) - {TIED_KEY}
     layers = {int(m.group(1)) for k in keys if (m := re.match(r"transformer\.h\.(\d+)\.", k))}
     if layers and max(layers) + 1 != cfg.n_layer:
-        raise StateDictError(f"state_dict has {max(layers) + 1} layers but the config has n_layer={cfg.n_layer}; "
-                             f"set n_layer={max(layers) + 1}")
+        raise StateDictError(
+            f"state_dict has {max(layers) + 1} layers but the config has n_layer={cfg.n_layer}; "
+            f"set n_layer={max(layers) + 1}"
+        )
     missing, unexpected = sorted(wanted - keys), sorted(keys - set(expected))
     if missing or unexpected:
         detail = []
@@ -92,9 +100,11 @@ def _check_keys(state_dict: Mapping[str, Any], expected: Mapping[str, tuple[int,
             detail.append(f"{len(missing)} missing (e.g. {', '.join(missing[:4])})")
         if unexpected:
             detail.append(f"{len(unexpected)} unexpected (e.g. {', '.join(unexpected[:4])})")
-        raise StateDictError(f"state_dict does not match variant {cfg.variant!r}"
-                             f"{' (gated)' if cfg.gated else ''}: {'; '.join(detail)}. The state_dict looks like "
-                             f"{guess_variant(keys)}; build the model with that variant's config")
+        raise StateDictError(
+            f"state_dict does not match variant {cfg.variant!r}"
+            f"{' (gated)' if cfg.gated else ''}: {'; '.join(detail)}. The state_dict looks like "
+            f"{guess_variant(keys)}; build the model with that variant's config"
+        )
 
 
 def _widened(a: np.ndarray) -> np.ndarray | None:
@@ -104,17 +114,20 @@ def _widened(a: np.ndarray) -> np.ndarray | None:
     return a.astype(np.float32) if a.dtype.itemsize < 4 else a
 
 
-def _check_values(arrays: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]],
-                  dtype: np.dtype) -> None:
+def _check_values(arrays: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]], dtype: np.dtype) -> None:
     wrong = [f"{k}: expected {expected[k]}, got {a.shape}" for k, a in arrays.items() if a.shape != expected[k]]
     if wrong:
-        raise StateDictError(f"{len(wrong)} tensors have the wrong shape for this config (check n_embd, n_head, "
-                             f"head dims, ranks and intermediate_size): {'; '.join(wrong[:4])}")
+        raise StateDictError(
+            f"{len(wrong)} tensors have the wrong shape for this config (check n_embd, n_head, "
+            f"head dims, ranks and intermediate_size): {'; '.join(wrong[:4])}"
+        )
     not_float = [f"{k} ({a.dtype})" for k, a in arrays.items() if not jnp.issubdtype(a.dtype, jnp.floating)]
     if not_float:
-        raise StateDictError(f"{len(not_float)} tensors are not floating point: {', '.join(not_float[:4])}. Weights "
-                             f"are floats; cast to {np.dtype(dtype).name} they would be other numbers than the model "
-                             f"was trained with (a quantized or altered checkpoint?); give the float checkpoint")
+        raise StateDictError(
+            f"{len(not_float)} tensors are not floating point: {', '.join(not_float[:4])}. Weights "
+            f"are floats; cast to {np.dtype(dtype).name} they would be other numbers than the model "
+            f"was trained with (a quantized or altered checkpoint?); give the float checkpoint"
+        )
     widened = {k: w for k, a in arrays.items() if (w := _widened(a)) is not None and w.size}
     bad = [k for k, w in widened.items() if not np.isfinite(w).all()]
     if bad:
@@ -122,12 +135,16 @@ def _check_values(arrays: Mapping[str, np.ndarray], expected: Mapping[str, tuple
     limit = float(jnp.finfo(dtype).max)
     large = [f"{k} (|x| up to {float(np.abs(w).max()):.3g})" for k, w in widened.items() if np.abs(w).max() > limit]
     if large:
-        raise StateDictError(f"{len(large)} tensors hold values beyond the largest {np.dtype(dtype).name} "
-                             f"({limit:.3g}), the parameter dtype they would become inf in: {', '.join(large[:4])}; "
-                             f"load into a wider param_dtype or check the checkpoint")
+        raise StateDictError(
+            f"{len(large)} tensors hold values beyond the largest {np.dtype(dtype).name} "
+            f"({limit:.3g}), the parameter dtype they would become inf in: {', '.join(large[:4])}; "
+            f"load into a wider param_dtype or check the checkpoint"
+        )
     if TIED_KEY in arrays and not np.array_equal(arrays[TIED_KEY], arrays[EMBEDDING_KEY]):
-        raise StateDictError(f"{TIED_KEY} differs from {EMBEDDING_KEY}, but this model ties them; "
-                             f"the checkpoint is not from the reference implementation")
+        raise StateDictError(
+            f"{TIED_KEY} differs from {EMBEDDING_KEY}, but this model ties them; "
+            f"the checkpoint is not from the reference implementation"
+        )
 
 
 def convert_from_reference(state_dict: Mapping[str, Any], cfg: ModelConfig) -> dict[str, Any]:

@@ -43,8 +43,10 @@ def source_model(source: str | os.PathLike) -> ModelConfig:
         return model_config_from_hf(hf, str(source))
     path = as_path(source) / "experiment.json"
     if not path.exists():
-        raise ConfigError(f"--init_from={source} is neither a run directory (no experiment.json) nor a Hugging Face "
-                          f"folder of `convert to-hf` (config.json of model_type mlra)")
+        raise ConfigError(
+            f"--init_from={source} is neither a run directory (no experiment.json) nor a Hugging Face "
+            f"folder of `convert to-hf` (config.json of model_type mlra)"
+        )
     try:
         return experiment_from_dict(read_run_config(path)).model
     except TypeError as err:
@@ -56,11 +58,16 @@ def check_same_model(source: str | os.PathLike, model: ModelConfig) -> None:
     theirs = source_model(source)
     fields = hf_fields(model) if _hf_config(source) is not None else dataclasses.asdict(model)
     source_fields = dataclasses.asdict(theirs)
-    differ = [f"model.{k} is {source_fields[k]!r} there, {v!r} here" for k, v in fields.items()
-              if k not in RUNTIME_FIELDS and source_fields.get(k) != v]
+    differ = [
+        f"model.{k} is {source_fields[k]!r} there, {v!r} here"
+        for k, v in fields.items()
+        if k not in RUNTIME_FIELDS and source_fields.get(k) != v
+    ]
     if differ:
-        raise ConfigError(f"--init_from={source} holds another model: {'; '.join(differ)}. Train the same model "
-                          f"(e.g. --model.FIELD=VALUE as there)")
+        raise ConfigError(
+            f"--init_from={source} holds another model: {'; '.join(differ)}. Train the same model "
+            f"(e.g. --model.FIELD=VALUE as there)"
+        )
 
 
 def _hf_params(folder: str | os.PathLike, abstract_params: Any) -> tuple[Any, int]:
@@ -93,6 +100,9 @@ def source_params(source: str | os.PathLike, abstract_params: Any) -> tuple[Any,
         checkpointer.close()
     if restored is None:
         raise ConfigError(f"--init_from={source} holds no complete checkpoint")
-    check_finite(restored[1]["params"], f"--init_from={source}, step {restored[0]}",
-                 fix="start from a run or folder whose weights are finite")
+    check_finite(
+        restored[1]["params"],
+        f"--init_from={source}, step {restored[0]}",
+        fix="start from a run or folder whose weights are finite",
+    )
     return restored[1]["params"], restored[0]

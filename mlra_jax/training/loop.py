@@ -12,8 +12,8 @@ import contextlib
 import dataclasses
 import logging
 import math
-import signal
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -24,8 +24,14 @@ from etils import epath
 
 from mlra_jax.checkpoint import Checkpointer
 from mlra_jax.config import Experiment
-from mlra_jax.data.pipeline import (check_data, check_token_ids, eval_windows, train_dataset, train_iterator,
-                                    validation_batches)
+from mlra_jax.data.pipeline import (
+    check_data,
+    check_token_ids,
+    eval_windows,
+    train_dataset,
+    train_iterator,
+    validation_batches,
+)
 from mlra_jax.guards import check_finite, check_run_dir
 from mlra_jax.metrics import MetricWriter, format_line, peak_flops, training_flops_per_token
 from mlra_jax.optim import learning_rate_schedule
@@ -92,22 +98,43 @@ class TrainingLoop:
     def _start(self, setup: Setup, workdir: epath.Path) -> None:
         self._restore(workdir)
         tracked = self.is_writer and self.experiment.metrics.wandb_project
-        self.writer = MetricWriter(workdir, enabled=self.is_writer,
-                                   tracker=WandbTracker(self.experiment, workdir) if tracked else None)
+        self.writer = MetricWriter(
+            workdir, enabled=self.is_writer, tracker=WandbTracker(self.experiment, workdir) if tracked else None
+        )
         self.writer.truncate_after(self.step)
         self.profiler = StepProfiler(self.experiment.profile, workdir, self.step)
         train_cfg, data = self.train_cfg, self.experiment.data
         # The data continues at the next unseen example, whatever the batch size now.
-        dataset = train_dataset(data, train_cfg.seq_len, self.cfg.vocab_size, train_cfg.seed, setup.local_batch,
-                                jax.process_index(), jax.process_count(), start_example=self.examples)
+        dataset = train_dataset(
+            data,
+            train_cfg.seq_len,
+            self.cfg.vocab_size,
+            train_cfg.seed,
+            setup.local_batch,
+            jax.process_index(),
+            jax.process_count(),
+            start_example=self.examples,
+        )
         self.iterator = train_iterator(dataset, data)
-        self.val = (validation_batches(data, train_cfg.seq_len, self.cfg.vocab_size, setup.local_batch,
-                                       train_cfg.eval_batches, jax.process_index(), jax.process_count())
-                    if train_cfg.eval_every else [])
+        self.val = (
+            validation_batches(
+                data,
+                train_cfg.seq_len,
+                self.cfg.vocab_size,
+                setup.local_batch,
+                train_cfg.eval_batches,
+                jax.process_index(),
+                jax.process_count(),
+            )
+            if train_cfg.eval_every
+            else []
+        )
         self.eval_sets = {name: self._eval_set_batches(path) for name, path in train_cfg.named_eval_sets.items()}
         self.train_step = jit_train_step(setup)
-        self.eval_step = jax.jit(lambda p, t: loss_fn(setup.graphdef, p, t, train_cfg.loss_chunk),
-                                 in_shardings=(setup.state_shardings["params"], batch_sharding(setup.mesh)))
+        self.eval_step = jax.jit(
+            lambda p, t: loss_fn(setup.graphdef, p, t, train_cfg.loss_chunk),
+            in_shardings=(setup.state_shardings["params"], batch_sharding(setup.mesh)),
+        )
         self.schedule = learning_rate_schedule(train_cfg)
         self.flops_per_token = training_flops_per_token(self.cfg, train_cfg.seq_len)
         self.peak = peak_flops(setup.mesh.devices.flat[0])
@@ -116,8 +143,10 @@ class TrainingLoop:
 
     def _restore(self, workdir: epath.Path) -> None:
         restored = self.checkpointer.restore_latest(
-            self.setup.abstract_state, required_metadata=("step", "examples"),
-            validate=lambda step, state: check_finite(state["params"], f"checkpoint {step}"))
+            self.setup.abstract_state,
+            required_metadata=("step", "examples"),
+            validate=lambda step, state: check_finite(state["params"], f"checkpoint {step}"),
+        )
         # `window`: checked metrics since the last log line, saved with each checkpoint so that resumed
         # averages equal uninterrupted ones.
         if restored is None:
@@ -128,21 +157,29 @@ class TrainingLoop:
                 return
             params, step = source_params(self.init_from, self.setup.abstract_state["params"])
             self.state = state_from_params(self.setup, params)
-            log.info("started a new run in %s from the weights of %s (step %d); fresh optimizer state", workdir,
-                     self.init_from, step)
+            log.info(
+                "started a new run in %s from the weights of %s (step %d); fresh optimizer state",
+                workdir,
+                self.init_from,
+                step,
+            )
             return
         self.step, self.state, metadata = restored
         self.saved_step = self.step
         self.examples, self.window = metadata["examples"], metadata.get("log_window", [])
-        log.info("resumed from %s at step %d (example %d)", self.checkpointer.directory / str(self.step), self.step,
-                 self.examples)
+        log.info(
+            "resumed from %s at step %d (example %d)",
+            self.checkpointer.directory / str(self.step),
+            self.step,
+            self.examples,
+        )
 
     def _eval_set_batches(self, path: str) -> list[np.ndarray]:
         """This process's rows of the first eval_batches global batches of a held-out file's windows."""
         size, seq_len, processes = self.train_cfg.global_batch_size, self.train_cfg.seq_len, jax.process_count()
         windows = eval_windows(path, seq_len, self.train_cfg.eval_batches * size * seq_len, size)
         check_token_ids(windows, path, self.cfg.vocab_size, seq_len, jax.process_index(), jax.process_count())
-        return [windows[i: i + size][jax.process_index()::processes] for i in range(0, len(windows), size)]
+        return [windows[i : i + size][jax.process_index() :: processes] for i in range(0, len(windows), size)]
 
     def run(self) -> TrainResult:
         stop = _StopSignal()
@@ -184,8 +221,11 @@ class TrainingLoop:
         batch = global_batch(self.setup, next(self.iterator))
         state = self.state
         state["params"], state["opt_state"], metrics = self.train_step(state["params"], state["opt_state"], batch)
-        self.step, self.examples, self.timed = self.step + 1, self.examples + self.train_cfg.global_batch_size, \
-            self.timed + 1
+        self.step, self.examples, self.timed = (
+            self.step + 1,
+            self.examples + self.train_cfg.global_batch_size,
+            self.timed + 1,
+        )
         self.pending.append((self.step, metrics))
 
     def check_pending(self) -> None:
@@ -200,7 +240,8 @@ class TrainingLoop:
                     f"parameters {parameters}); training stopped and nothing from this point was saved. The last "
                     f"finite step is {step - 1}; the last good checkpoint is "
                     f"{self.checkpointer.directory / str(good[-1]) if good else 'none'}; lower train.peak_lr or "
-                    f"check the data, then resume")
+                    f"check the data, then resume"
+                )
             self.window.append({"loss": values["loss"], "grad_norm": values["grad_norm"]})
         self.pending.clear()
 
@@ -213,11 +254,14 @@ class TrainingLoop:
         elapsed = time.perf_counter() - self.interval_start - self.paused
         tokens_per_s = self.timed * self.train_cfg.global_batch_size * self.train_cfg.seq_len / elapsed
         self.last_loss = float(np.mean([m["loss"] for m in self.window]))  # the line's loss, reported at the end
-        record = dict(loss=self.last_loss, grad_norm=self.window[-1]["grad_norm"],
-                      lr=float(self.schedule(self.step - 1)), tokens_per_s=tokens_per_s,
-                      step_time_s=elapsed / self.timed,
-                      mfu=(self.flops_per_token * tokens_per_s / (self.peak * self.setup.mesh.size)
-                           if self.peak else None))
+        record = dict(
+            loss=self.last_loss,
+            grad_norm=self.window[-1]["grad_norm"],
+            lr=float(self.schedule(self.step - 1)),
+            tokens_per_s=tokens_per_s,
+            step_time_s=elapsed / self.timed,
+            mfu=(self.flops_per_token * tokens_per_s / (self.peak * self.setup.mesh.size) if self.peak else None),
+        )
         self.window.clear()
         self.timed, self.interval_start, self.paused = 0, time.perf_counter(), 0.0
         return record
@@ -248,38 +292,59 @@ class TrainingLoop:
         start = time.perf_counter()
         self.check_pending()
         self.saved_step = self.step
-        self.checkpointer.save(self.step, self.state, {"step": self.step, "examples": self.examples,
-                                                       "log_window": list(self.window),
-                                                       "experiment": self.experiment.name})
+        self.checkpointer.save(
+            self.step,
+            self.state,
+            {
+                "step": self.step,
+                "examples": self.examples,
+                "log_window": list(self.window),
+                "experiment": self.experiment.name,
+            },
+        )
         self.writer.flush()  # on an object store the metrics up to this checkpoint are in memory only
         self.paused += time.perf_counter() - start
 
 
-def train(experiment: Experiment, workdir: str | os.PathLike, devices: list[jax.Device] | None = None,
-          allow_changed: tuple[str, ...] = (), init_from: str | os.PathLike | None = None) -> TrainResult:
+def train(
+    experiment: Experiment,
+    workdir: str | os.PathLike,
+    devices: list[jax.Device] | None = None,
+    allow_changed: tuple[str, ...] = (),
+    init_from: str | os.PathLike | None = None,
+) -> TrainResult:
     """Train (or resume) `experiment` in `workdir` until train.total_steps or a stop signal.
 
     `allow_changed` names the data-order and schedule fields (resume_check.TRAJECTORY_FIELDS) that
     may differ from the run's experiment.json when resuming. `workdir` is a local folder or a URL
     (gs://bucket/run: checkpoints, metrics and TensorBoard logs go there; no run lock). `init_from`, a run
-    directory or a Hugging Face folder of `convert to-hf`, gives a new run its weights (fresh optimizer state, step 0); a run that has checkpoints
-    resumes from them instead."""
+    directory or a Hugging Face folder of `convert to-hf`, gives a new run its weights (fresh optimizer state,
+    step 0); a run that has checkpoints resumes from them instead."""
     show_library_logs()  # the step lines appear also when train() is called from a notebook or a script
     workdir = as_path(workdir)
     check_available(experiment)  # before anything is written
     if init_from is not None:
         check_same_model(init_from, experiment.model)
     check_run_dir(workdir)
-    log.info("%s", check_data(experiment.data, experiment.train.seq_len, experiment.train.eval_every > 0,
-                              experiment.train.named_eval_sets))  # before the state is built
+    log.info(
+        "%s",
+        check_data(
+            experiment.data, experiment.train.seq_len, experiment.train.eval_every > 0, experiment.train.named_eval_sets
+        ),
+    )  # before the state is built
     with RunLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():  # one writer per run
         has_checkpoints = any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*"))
         check_resume(workdir, experiment, has_checkpoints, allow_changed)
         setup = build_setup(experiment, devices)
         with jax.set_mesh(setup.mesh):  # the model reads the TP degree from the mesh in context
-            log.info("%s: %s parameters, mesh %s over %d devices (%s)", setup.experiment.name,
-                     f"{setup.num_params:,}", dict(setup.mesh.shape), setup.mesh.size,
-                     setup.mesh.devices.flat[0].device_kind)
+            log.info(
+                "%s: %s parameters, mesh %s over %d devices (%s)",
+                setup.experiment.name,
+                f"{setup.num_params:,}",
+                dict(setup.mesh.shape),
+                setup.mesh.size,
+                setup.mesh.devices.flat[0].device_kind,
+            )
             loop = TrainingLoop(setup, workdir, None if has_checkpoints else init_from)
             if jax.process_index() == 0:  # the run started: its record now says what it is
                 record_experiment(workdir, experiment)

@@ -30,8 +30,12 @@ class StepProfiler:
         self.first, self.last = cfg.start_step, cfg.start_step + cfg.steps - 1
         self.active = False
         if cfg.steps and first_step >= self.first:
-            log.warning("not tracing: --profile.start_step=%d is at or before the step this run resumes from "
-                        "(%d); choose a later step", self.first, first_step)
+            log.warning(
+                "not tracing: --profile.start_step=%d is at or before the step this run resumes from "
+                "(%d); choose a later step",
+                self.first,
+                first_step,
+            )
 
     def before_step(self, step: int) -> None:
         """Called before optimizer step `step` (counting from 1) is dispatched."""
@@ -55,6 +59,10 @@ class StepProfiler:
         start = time.perf_counter()
         jax.profiler.stop_trace()
         self.active = False
-        log.info("profiler trace written to %s (tensorboard --logdir %s, or perfetto_trace.json.gz in "
-                 "https://ui.perfetto.dev)", self.directory, self.directory)
+        log.info(
+            "profiler trace written to %s (tensorboard --logdir %s, or perfetto_trace.json.gz in "
+            "https://ui.perfetto.dev)",
+            self.directory,
+            self.directory,
+        )
         return time.perf_counter() - start

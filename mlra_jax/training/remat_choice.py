@@ -41,9 +41,11 @@ MEMORY_FRACTION = 0.9
 def saved_activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, remat: str) -> int:
     """Bytes one block saves for its backward at `batch` sequences of `seq_len` under a remat policy, besides
     its weights and its input; never less than a policy that recomputes more saves."""
-    lighter = REMAT_ORDER[REMAT_ORDER.index(remat) + 1:]
-    return max([_residual_bytes(cfg, batch, seq_len, remat)] +
-               [_residual_bytes(cfg, batch, seq_len, other) for other in lighter])
+    lighter = REMAT_ORDER[REMAT_ORDER.index(remat) + 1 :]
+    return max(
+        [_residual_bytes(cfg, batch, seq_len, remat)]
+        + [_residual_bytes(cfg, batch, seq_len, other) for other in lighter]
+    )
 
 
 @functools.cache
@@ -62,15 +64,39 @@ def _residual_bytes(cfg: ModelConfig, batch: int, seq_len: int, remat: str) -> i
 
     if remat != "none":
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
-    return sum(math.prod(aval.shape) * aval.dtype.itemsize for aval, source in saved_residuals(layer, params, x)
-               if materialized(source, aval.dtype, cfg.dtype))
+    return sum(
+        math.prod(aval.shape) * aval.dtype.itemsize
+        for aval, source in saved_residuals(layer, params, x)
+        if materialized(source, aval.dtype, cfg.dtype)
+    )
 
 
 # Elementwise results that XLA fuses into the backward's consumers (recomputed from what they were made of)
 # rather than keeping: JAX lists them as residuals, but they take no memory of their own.
-_FUSED_ELEMENTWISE = frozenset({"mul", "add", "sub", "div", "neg", "exp", "log", "rsqrt", "sqrt", "tanh", "logistic",
-                                "max", "min", "select_n", "integer_pow", "square", "broadcast_in_dim", "cos", "sin",
-                                "jitted function 'silu'"})
+_FUSED_ELEMENTWISE = frozenset(
+    {
+        "mul",
+        "add",
+        "sub",
+        "div",
+        "neg",
+        "exp",
+        "log",
+        "rsqrt",
+        "sqrt",
+        "tanh",
+        "logistic",
+        "max",
+        "min",
+        "select_n",
+        "integer_pow",
+        "square",
+        "broadcast_in_dim",
+        "cos",
+        "sin",
+        "jitted function 'silu'",
+    }
+)
 
 
 def materialized(source: str, dtype: jnp.dtype, compute_dtype: jnp.dtype) -> bool:
@@ -79,7 +105,7 @@ def materialized(source: str, dtype: jnp.dtype, compute_dtype: jnp.dtype) -> boo
     layer's arguments, constants, or fused elementwise values."""
     if not source.startswith("output of "):
         return False  # an argument (the weights, the layer's input), a literal or a constant
-    producer = source[len("output of "):].split(" from ")[0]
+    producer = source[len("output of ") :].split(" from ")[0]
     if producer == "convert_element_type":
         return dtype == compute_dtype != jnp.float32  # the low-precision operands of the products
     return producer not in _FUSED_ELEMENTWISE
@@ -120,12 +146,15 @@ def choose_remat(experiment: Experiment, fixed_bytes: int, batch: int, memory: i
         estimates.append(f"{remat} {need / 2**30:.1f} GiB")
         if need <= budget:
             return remat, f"estimated {', '.join(estimates)} of {budget / 2**30:.1f} GiB usable"
-    return "full", (f"nothing fits: estimated {', '.join(estimates)} of {budget / 2**30:.1f} GiB usable; lower "
-                    f"train.micro_batch_size or train.max_micro_batch_per_device, or shard over more devices")
+    return "full", (
+        f"nothing fits: estimated {', '.join(estimates)} of {budget / 2**30:.1f} GiB usable; lower "
+        f"train.micro_batch_size or train.max_micro_batch_per_device, or shard over more devices"
+    )
 
 
-def resolve_remat(experiment: Experiment, fixed_bytes: int, batch: int, device: jax.Device,
-                  smaller_batches: tuple[int, ...] = ()) -> Experiment:
+def resolve_remat(
+    experiment: Experiment, fixed_bytes: int, batch: int, device: jax.Device, smaller_batches: tuple[int, ...] = ()
+) -> Experiment:
     """The experiment with remat="auto" replaced by choose_remat's policy (logged); others as they are.
 
     When only `full` fits `batch` sequences per device and the micro-batch came from the per-device cap, the

@@ -23,9 +23,22 @@ from mlra_jax.guards import atomic_write_text
 log = logging.getLogger(__name__)
 
 # Fields whose change alters which examples a resumed run sees or the steps it takes with them.
-TRAJECTORY_FIELDS = ("train.seq_len", "train.global_batch_size", "train.total_steps", "train.warmup_steps",
-                     "train.peak_lr", "train.min_lr_ratio", "train.beta1", "train.beta2", "train.eps",
-                     "train.weight_decay", "train.grad_clip", "train.seed", "data.dataset", "data.train_pattern")
+TRAJECTORY_FIELDS = (
+    "train.seq_len",
+    "train.global_batch_size",
+    "train.total_steps",
+    "train.warmup_steps",
+    "train.peak_lr",
+    "train.min_lr_ratio",
+    "train.beta1",
+    "train.beta2",
+    "train.eps",
+    "train.weight_decay",
+    "train.grad_clip",
+    "train.seed",
+    "data.dataset",
+    "data.train_pattern",
+)
 
 
 def _flatten(config: dict[str, Any]) -> dict[str, Any]:
@@ -35,12 +48,15 @@ def _flatten(config: dict[str, Any]) -> dict[str, Any]:
 def validate_allowed(names: tuple[str, ...]) -> None:
     unknown = [n for n in names if n not in TRAJECTORY_FIELDS]
     if unknown:
-        raise ConfigError(f"--allow_changed names {', '.join(unknown)}, which need no permission or do not exist; "
-                          f"it takes a comma-separated list of: {', '.join(TRAJECTORY_FIELDS)}")
+        raise ConfigError(
+            f"--allow_changed names {', '.join(unknown)}, which need no permission or do not exist; "
+            f"it takes a comma-separated list of: {', '.join(TRAJECTORY_FIELDS)}"
+        )
 
 
-def check_resume(workdir: epath.Path, experiment: Experiment, has_checkpoints: bool,
-                 allow_changed: tuple[str, ...] = ()) -> None:
+def check_resume(
+    workdir: epath.Path, experiment: Experiment, has_checkpoints: bool, allow_changed: tuple[str, ...] = ()
+) -> None:
     """Raise ConfigError if `experiment` may not continue the run in `workdir`. Writes nothing: the trainer
     records the experiment (record_experiment) only once the run has started from its checkpoints or from
     fresh weights, so that experiment.json keeps describing the checkpoints whatever fails before."""
@@ -49,8 +65,9 @@ def check_resume(workdir: epath.Path, experiment: Experiment, has_checkpoints: b
     current = dataclasses.asdict(experiment)
     if path.exists():
         saved, now = _flatten(read_run_config(path)), _flatten(current)
-        changed = {k: (saved.get(k), v) for k, v in now.items()
-                   if (k in saved or k.startswith("model.")) and saved.get(k) != v}
+        changed = {
+            k: (saved.get(k), v) for k, v in now.items() if (k in saved or k.startswith("model.")) and saved.get(k) != v
+        }
         model = [k for k in changed if k.startswith("model.") and k.split(".", 1)[1] not in RUNTIME_FIELDS]
         if model:
             detail = ", ".join(f"{k} was {changed[k][0]!r}, now {changed[k][1]!r}" for k in model)
@@ -58,9 +75,11 @@ def check_resume(workdir: epath.Path, experiment: Experiment, has_checkpoints: b
         refused = [k for k in changed if k in TRAJECTORY_FIELDS and k not in allow_changed] if has_checkpoints else []
         if refused:
             detail = ", ".join(f"{k} was {changed[k][0]!r}, now {changed[k][1]!r}" for k in refused)
-            raise ConfigError(f"{workdir} was trained with other settings ({detail}); resuming would change the data "
-                              f"order or the schedule of the run. Pass --allow_changed={','.join(refused)} to resume "
-                              f"with them anyway (the run continues at the same example), or use another --workdir")
+            raise ConfigError(
+                f"{workdir} was trained with other settings ({detail}); resuming would change the data "
+                f"order or the schedule of the run. Pass --allow_changed={','.join(refused)} to resume "
+                f"with them anyway (the run continues at the same example), or use another --workdir"
+            )
         for key, (old, new) in changed.items():
             log.warning("resuming %s with %s changed from %r to %r", workdir, key, old, new)
 

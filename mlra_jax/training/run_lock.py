@@ -27,8 +27,11 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         if self.path is None:
-            log.warning("%s is on an object store, which has no file locks: training there is not guarded against a "
-                        "second job; running one job per workdir is your responsibility", self.workdir)
+            log.warning(
+                "%s is on an object store, which has no file locks: training there is not guarded against a "
+                "second job; running one job per workdir is your responsibility",
+                self.workdir,
+            )
             return self
         handle = open(self.path, "a+")
         try:
@@ -37,8 +40,10 @@ class RunLock:
             handle.seek(0)
             holder = handle.read().strip() or "an unknown process"
             handle.close()
-            raise ConfigError(f"{self.path.parent} is in use by another training process ({holder}); wait for it "
-                              f"to finish or stop it, or use another --workdir") from None
+            raise ConfigError(
+                f"{self.path.parent} is in use by another training process ({holder}); wait for it "
+                f"to finish or stop it, or use another --workdir"
+            ) from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"host {socket.gethostname()} pid {os.getpid()}\n")

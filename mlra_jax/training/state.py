@@ -16,8 +16,14 @@ from mlra_jax.config import ConfigError, Experiment
 from mlra_jax.model import abstract_model, count_params, init_model
 from mlra_jax.optim import make_optimizer
 from mlra_jax.params import logical_axes
-from mlra_jax.sharding import (batch_sharding, bytes_per_device, data_parallel_size, make_mesh, replicated,
-                               tree_shardings)
+from mlra_jax.sharding import (
+    batch_sharding,
+    bytes_per_device,
+    data_parallel_size,
+    make_mesh,
+    replicated,
+    tree_shardings,
+)
 from mlra_jax.training.remat_choice import resolve_remat
 from mlra_jax.training.step import make_train_step, micro_batch_sharding
 
@@ -44,26 +50,42 @@ def build_setup(experiment: Experiment, devices: list[jax.Device] | None = None)
     cfg, train = experiment.model, experiment.train
     micro = train.global_batch_size // train.accumulation_steps
     if micro % data_parallel:
-        raise ConfigError(f"each micro-batch of {micro} sequences (global_batch_size={train.global_batch_size} / "
-                          f"{train.accumulation_steps} accumulation steps) must split evenly over the {data_parallel} "
-                          f"data-parallel devices of mesh {dict(mesh.shape)}; adjust train.global_batch_size, "
-                          f"train.micro_batch_size or the mesh")
+        raise ConfigError(
+            f"each micro-batch of {micro} sequences (global_batch_size={train.global_batch_size} / "
+            f"{train.accumulation_steps} accumulation steps) must split evenly over the {data_parallel} "
+            f"data-parallel devices of mesh {dict(mesh.shape)}; adjust train.global_batch_size, "
+            f"train.micro_batch_size or the mesh"
+        )
     if train.global_batch_size % jax.process_count():
-        raise ConfigError(f"global_batch_size={train.global_batch_size} must split over {jax.process_count()} processes")
+        raise ConfigError(
+            f"global_batch_size={train.global_batch_size} must split over {jax.process_count()} processes"
+        )
     model = abstract_model(cfg)
     graphdef = nnx.split(model)[0]
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     param_shardings = tree_shardings(params, logical_axes(model), mesh)
     optimizer = make_optimizer(train)
     opt_state = jax.eval_shape(optimizer.init, params)
-    opt_shardings = optax.tree_utils.tree_map_params(optimizer, lambda _, s: s, opt_state, param_shardings,
-                                                     transform_non_params=lambda _: replicated(mesh))
+    opt_shardings = optax.tree_utils.tree_map_params(
+        optimizer, lambda _, s: s, opt_state, param_shardings, transform_non_params=lambda _: replicated(mesh)
+    )
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
     shardings = {"params": param_shardings, "opt_state": opt_shardings, "rng": replicated(mesh)}
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            {"params": params, "opt_state": opt_state, "rng": rng}, shardings)
-    setup = Setup(experiment, mesh, graphdef, optimizer, abstract, shardings, count_params(model),
-                  train.global_batch_size // jax.process_count())
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        {"params": params, "opt_state": opt_state, "rng": rng},
+        shardings,
+    )
+    setup = Setup(
+        experiment,
+        mesh,
+        graphdef,
+        optimizer,
+        abstract,
+        shardings,
+        count_params(model),
+        train.global_batch_size // jax.process_count(),
+    )
     if cfg.remat == "auto":
         per_device, per_replica = micro // data_parallel, train.global_batch_size // data_parallel
         smaller = tuple(d for d in range(1, per_device) if per_replica % d == 0) if capped else ()
@@ -93,8 +115,11 @@ def init_state(setup: Setup) -> dict[str, Any]:
 
     def init() -> dict[str, Any]:
         params = nnx.to_pure_dict(nnx.state(init_model(cfg, seed), nnx.Param))
-        return {"params": params, "opt_state": setup.optimizer.init(params),
-                "rng": jax.random.key_data(jax.random.key(seed))}
+        return {
+            "params": params,
+            "opt_state": setup.optimizer.init(params),
+            "rng": jax.random.key_data(jax.random.key(seed)),
+        }
 
     with jax.set_mesh(setup.mesh):
         return jax.jit(init, out_shardings=setup.state_shardings)()
@@ -109,8 +134,9 @@ def state_from_params(setup: Setup, params: dict[str, Any]) -> dict[str, Any]:
         return {"params": p, "opt_state": setup.optimizer.init(p), "rng": jax.random.key_data(jax.random.key(seed))}
 
     with jax.set_mesh(setup.mesh):
-        return jax.jit(init, in_shardings=(setup.state_shardings["params"],),
-                       out_shardings=setup.state_shardings)(params)
+        return jax.jit(init, in_shardings=(setup.state_shardings["params"],), out_shardings=setup.state_shardings)(
+            params
+        )
 
 
 def memory_estimate(setup: Setup) -> dict[str, int]:
@@ -123,26 +149,37 @@ def memory_estimate(setup: Setup) -> dict[str, int]:
 def compiled_memory(setup: Setup) -> dict[str, int] | None:
     """XLA's own per-device accounting of the compiled train step (activations included)."""
     step = jit_train_step(setup)
-    tokens = jax.ShapeDtypeStruct((setup.experiment.train.global_batch_size, setup.experiment.train.seq_len + 1),
-                                  jnp.int32, sharding=batch_sharding(setup.mesh))
+    tokens = jax.ShapeDtypeStruct(
+        (setup.experiment.train.global_batch_size, setup.experiment.train.seq_len + 1),
+        jnp.int32,
+        sharding=batch_sharding(setup.mesh),
+    )
     state = setup.abstract_state
     with jax.set_mesh(setup.mesh):
         analysis = step.lower(state["params"], state["opt_state"], tokens).compile().memory_analysis()
     if analysis is None:
         return None
-    return {"arguments": analysis.argument_size_in_bytes, "outputs": analysis.output_size_in_bytes,
-            "temporaries": analysis.temp_size_in_bytes, "aliased": analysis.alias_size_in_bytes}
+    return {
+        "arguments": analysis.argument_size_in_bytes,
+        "outputs": analysis.output_size_in_bytes,
+        "temporaries": analysis.temp_size_in_bytes,
+        "aliased": analysis.alias_size_in_bytes,
+    }
 
 
 def jit_train_step(setup: Setup):
     """The train step jitted with the state's shardings; params and optimizer state are donated."""
     train = setup.experiment.train
-    step = make_train_step(setup.graphdef, setup.optimizer, train.accumulation_steps,
-                           micro_batch_sharding(setup.mesh), train.loss_chunk)
+    step = make_train_step(
+        setup.graphdef, setup.optimizer, train.accumulation_steps, micro_batch_sharding(setup.mesh), train.loss_chunk
+    )
     shardings = setup.state_shardings
-    return jax.jit(step, in_shardings=(shardings["params"], shardings["opt_state"], batch_sharding(setup.mesh)),
-                   out_shardings=(shardings["params"], shardings["opt_state"], replicated(setup.mesh)),
-                   donate_argnums=(0, 1))
+    return jax.jit(
+        step,
+        in_shardings=(shardings["params"], shardings["opt_state"], batch_sharding(setup.mesh)),
+        out_shardings=(shardings["params"], shardings["opt_state"], replicated(setup.mesh)),
+        donate_argnums=(0, 1),
+    )
 
 
 def global_batch(setup: Setup, local: np.ndarray) -> jax.Array:

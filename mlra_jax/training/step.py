@@ -44,8 +44,13 @@ def micro_batches(tokens: jax.Array, steps: int, sharding: NamedSharding | None)
     return micro if sharding is None else jax.lax.with_sharding_constraint(micro, sharding)
 
 
-def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, accumulation_steps: int = 1,
-                    micro_sharding: NamedSharding | None = None, loss_chunk: int = 0) -> Callable[..., Any]:
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    accumulation_steps: int = 1,
+    micro_sharding: NamedSharding | None = None,
+    loss_chunk: int = 0,
+) -> Callable[..., Any]:
     """(params, opt_state, tokens [B, T + 1]) -> (params, opt_state, metrics), un-jitted. The metrics say
     on device whether the loss, the gradient norm and every updated parameter are finite (`finite`).
 
@@ -57,22 +62,29 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         if accumulation_steps == 1:
             loss, grads = value_and_grad(params, tokens)
         else:
+
             def accumulate(carry, micro):
                 loss_sum, grad_sum = carry
                 loss, grads = value_and_grad(params, micro)
                 return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
-                                            micro_batches(tokens, accumulation_steps, micro_sharding))
+            (loss, grads), _ = jax.lax.scan(
+                accumulate,
+                (jnp.zeros((), jnp.float32), zeros),
+                micro_batches(tokens, accumulation_steps, micro_sharding),
+            )
             loss, grads = loss / accumulation_steps, jax.tree.map(lambda g: g / accumulation_steps, grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         grad_norm = global_norm(grads)
         params_finite = jnp.all(jnp.stack([jnp.isfinite(p).all() for p in jax.tree.leaves(params)]))
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_finite
-        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "params_finite": params_finite,
-                                   "finite": finite}
+        return (
+            params,
+            opt_state,
+            {"loss": loss, "grad_norm": grad_norm, "params_finite": params_finite, "finite": finite},
+        )
 
     return step
 
