@@ -149,3 +149,12 @@ def test_a_missing_data_folder_is_named_before_the_model_is_built(tmp_path, caps
     assert code == 2 and "nowhere" in err and time.perf_counter() - start < 30  # no 2.9B state built first
     assert train_main(["--experiment=mlra4_tiny", *MICRO, "--dry_run", f"--data.dataset={tmp_path / 'nowhere'}"]) == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+def test_help_examples_keep_their_line_continuations():
+    """A backslash at a line's end in a docstring example must reach --help (a plain string would join the lines)."""
+    from mlra_jax.benchmarks import train as bench_train
+    from mlra_jax.data import prepare
+
+    for module in (prepare, bench_train):
+        assert " \\\n" in module.__doc__, module.__name__

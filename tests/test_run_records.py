@@ -12,7 +12,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import MICRO, ROOT, micro_experiment, subprocess_env
+from helpers import MICRO, ROOT, micro_experiment, run_training, subprocess_env
 from test_run_safety import listing
 
 from mlra_jax import guards
@@ -200,3 +200,15 @@ def test_a_full_disk_exits_2_with_one_message_and_resumes_identically(tmp_path, 
     assert err.count("\n") == 1 and "no space left on the device while writing" in err and "Traceback" not in err
     monkeypatch.setattr(checkpoint.Checkpointer, "save", original)
     assert train_main(run) == 0
+
+
+def test_a_failed_resume_in_a_process_of_its_own_ends_with_one_line(tmp_path):
+    """No traceback of Orbax's threads at exit ("Event loop is closed") after the one-line error."""
+    trained(tmp_path, steps=4)
+    for path in (tmp_path / "checkpoints" / "4").rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"garbage")
+    result = run_training(tmp_path, "--train.total_steps=4", "--train.eval_every=0", check=False)
+    assert result.returncode == 2
+    assert "none of the 1 checkpoints" in result.stderr and "Traceback" not in result.stderr
+    assert "Event loop is closed" not in result.stderr + result.stdout

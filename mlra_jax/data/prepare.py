@@ -4,7 +4,7 @@
     python -m mlra_jax.data.prepare --input docs.jsonl --output data/mine --text_field body
     python -m mlra_jax.data.prepare --input hf:HuggingFaceFW/fineweb-edu:sample-10BT --output data/fineweb_edu
     # an eval set: 0.1B tokens of every 10th validation document, all in _val_ shards
-    python -m mlra_jax.data.prepare --input hf:allenai/c4:en --split validation --every 10 --max_tokens 1e8 \
+    python -m mlra_jax.data.prepare --input hf:allenai/c4:en --split validation --every 10 --max_tokens 1e8 \\
         --val_documents 1000000000 --output data/c4_eval
     # compare a prepared folder's shards with its prepare.json (sizes and sha256)
     python -m mlra_jax.data.prepare --verify data/mine
