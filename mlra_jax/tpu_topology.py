@@ -134,7 +134,9 @@ def topology_devices(topology: Topology) -> list[jax.Device]:
             chip_config_name=topology.chip.chip_config,
             chips_per_host_bounds=(2, 2, 1),
             num_slices=1,
-            wrap=(True,) * 3,
+            # v4 and v5p slices are tori; a v5e or v6e grid wraps only along a full 16-chip side, which libtpu
+            # knows by itself (it refuses wrap-around along a shorter one)
+            **({"wrap": (True, True, True)} if topology.chip.grid_dims == 3 else {}),
         )
     except Exception as err:  # noqa: BLE001 - libtpu's errors are RuntimeErrors of several kinds
         message = str(err).splitlines()[0] if str(err) else type(err).__name__

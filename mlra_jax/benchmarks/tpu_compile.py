@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlra_jax.cli import apply_overrides
     from mlra_jax.config import ConfigError
     from mlra_jax.experiments import experiment_names, get_experiment
+    from mlra_jax.guards import error_summary
     from mlra_jax.tpu_compile import compile_serving, compile_train
     from mlra_jax.tpu_topology import parse_topology
 
@@ -82,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     report = compile_train(apply_overrides(get_experiment(name), args.override), topology)
                     record(name, report.to_json())
-                except ConfigError as err:
-                    record(name, {"topology": topology.slice_name, "step": "train step", "error": str(err)})
+                except Exception as err:  # noqa: BLE001 - a setting that does not compile is recorded; the rest go on
+                    record(name, {"topology": topology.slice_name, "step": "train step", "error": error_summary(err)})
         if args.serving:
             for name, tp in SERVING:
                 cfg = apply_overrides(get_experiment(name), args.override).model
@@ -91,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         for report in compile_serving(cfg, topology, tp, batch, args.context):
                             record(name, report.to_json())
-                    except ConfigError as err:
-                        record(name, {"topology": topology.slice_name, "step": "serving", "error": str(err)})
+                    except Exception as err:  # noqa: BLE001 - as above
+                        record(name, {"topology": topology.slice_name, "step": "serving", "error": error_summary(err)})
     print(f"saved {args.out}")
     return 0
 
