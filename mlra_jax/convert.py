@@ -1,8 +1,8 @@
 """Checkpoints to Hugging Face, and to and from the official PyTorch code: `python -m mlra_jax.convert COMMAND`.
 
-    python -m mlra_jax.convert to-hf --checkpoint runs/mlra4 --out exports/mlra4_hf [--step N] [--dtype bfloat16]
+    python -m mlra_jax.convert to-hf --workdir runs/mlra4 --out exports/mlra4_hf [--step N] [--dtype bfloat16]
         [--shard_size 5GB] [--push USER/NAME]
-    python -m mlra_jax.convert to-reference --checkpoint runs/mlra4 --out exports/mlra4 [--step N] [--shard_size 10GB]
+    python -m mlra_jax.convert to-reference --workdir runs/mlra4 --out exports/mlra4 [--step N] [--shard_size 10GB]
     python -m mlra_jax.convert from-reference --src Soughing-MLRA/mlra_4 --out runs/mlra4_imported [--variant mlra4]
 
 to-hf writes a Hugging Face folder: config.json (model_type "mlra", every field of the variant, auto_map),
@@ -253,7 +253,7 @@ def from_reference(src: Path, out: Path, variant: str | None = None) -> ModelCon
     _fresh_output(out, lambda tmp: write_run(tmp, experiment, flat, str(src)))
     print(
         f"wrote run {out} ({cfg.variant}{' gated' if cfg.gated else ''}, {cfg.n_layer} layers) from {src}; "
-        f"generate with python -m mlra_jax.generate --checkpoint {out}, or train from it with python -m "
+        f"generate with python -m mlra_jax.generate --workdir {out}, or train from it with python -m "
         f"mlra_jax.train --init_from={out} ..."
     )
     return cfg

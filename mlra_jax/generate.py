@@ -1,9 +1,9 @@
-"""Generate text from a trained run: `python -m mlra_jax.generate --checkpoint runs/mlra4_tiny --prompt "..."`.
+"""Generate text from a trained run: `python -m mlra_jax.generate --workdir runs/mlra4_tiny --prompt "..."`.
 
-    python -m mlra_jax.generate --checkpoint runs/mlra4_tiny --prompt "The return value" --prompt "A list" \\
+    python -m mlra_jax.generate --workdir runs/mlra4_tiny --prompt "The return value" --prompt "A list" \\
         --max_new_tokens 40 --temperature 0.8 --top_p 0.95
 
---checkpoint is a run directory (experiment.json and checkpoints/); the newest
+--workdir is a run directory (experiment.json and checkpoints/); the newest
 complete checkpoint is used unless --step names one. Prompts are batched with left
 padding; decoding stops at <|endoftext|> or after --max_new_tokens. Bad input exits 2 with one line
 (mlra_jax/command.py).
