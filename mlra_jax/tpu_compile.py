@@ -258,9 +258,9 @@ def compile_serving(
     cfg: ModelConfig, topology: Topology, tp: int, batch: int, context: int, prefill_chunk: int = 512
 ) -> list[CompileReport]:
     """The serving path's prefill chunk and decode step of `cfg` for `topology` at TP degree `tp`, `batch`
-    sequences and a cache of `context` slots: reports of both, with the cache bytes each chip reads per decode
-    step (`settings`). The other chips serve data parallel, as many as the batch splits over (batch 1: the first
-    `tp` chips alone)."""
+    sequences and a cache of `context` slots: reports of both (the prefill at the largest chunk of at most
+    `prefill_chunk` tokens that fits), with the cache bytes each chip reads per decode step (`settings`). The
+    other chips serve data parallel, as many as the batch splits over (batch 1: the first `tp` chips alone)."""
     from mlra_jax.decode.serving import ServingModel
     from mlra_jax.kv_cache import SLOT_MULTIPLE, init_layer_caches
     from mlra_jax.model import abstract_model
@@ -307,25 +307,27 @@ def compile_serving(
         "cache per chip (GiB)": round(cache_bytes / 2**30, 3),
         "weights per chip (GiB)": round(weight_bytes / 2**30, 3),
     }
-    reports = []
-    for absorbed, tokens_per_call in ((False, prefill_chunk), (True, 1)):
+
+    def compiled(absorbed: bool, tokens_per_call: int) -> CompileReport:
         tokens = jax.ShapeDtypeStruct((batch, tokens_per_call), jnp.int32, sharding=batch_sharding(mesh))
         fn = serving.compiled(absorbed, (batch, tokens_per_call))
         name = "decode step" if absorbed else "prefill chunk"
-        report, _ = compile_step(
-            name,
-            topology,
-            mesh,
-            lambda: fn.lower(weights, tokens, caches),
-            {**settings, "tokens per call": tokens_per_call},
-        )
-        if absorbed and report.memory is not None:
-            read = cache_bytes + weight_bytes  # each decode step reads the weights and the whole cache once
-            report.settings["bytes read per step per chip (GiB)"] = round(read / 2**30, 3)
-            report.estimate = roofline(report, topology)
-            report.estimate["bandwidth_floor_s"] = read / topology.chip.hbm_bandwidth
-        reports.append(report)
-    return reports
+        lower = lambda: fn.lower(weights, tokens, caches)  # noqa: E731
+        return compile_step(name, topology, mesh, lower, {**settings, "tokens per call": tokens_per_call})[0]
+
+    # The prefill chunk: the largest of prefill_chunk, its halves down to 32 tokens, that fits (its scores over the
+    # whole cache grow with batch x chunk x context); the report of the last one tried when none does.
+    for chunk in [c for c in (prefill_chunk, 256, 128, 64, 32) if c <= prefill_chunk]:
+        prefill = compiled(False, chunk)
+        if prefill.fits:
+            break
+    decode = compiled(True, 1)
+    if decode.memory is not None:
+        read = cache_bytes + weight_bytes  # each decode step reads the weights and the whole cache once
+        decode.settings["bytes read per step per chip (GiB)"] = round(read / 2**30, 3)
+        decode.estimate = roofline(decode, topology)
+        decode.estimate["bandwidth_floor_s"] = read / topology.chip.hbm_bandwidth
+    return [prefill, decode]
 
 
 def _cache_shardings(caches: Any, mesh: jax.sharding.Mesh, cfg: ModelConfig) -> Any:
