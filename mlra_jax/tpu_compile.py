@@ -95,7 +95,7 @@ class CompileReport:
             e = self.estimate
             lines.append(
                 f"roofline estimate: {e['step_s']:.3g} s per step ({e['bound']}-bound at the chip's peak)"
-                + (f", MFU at most {e['mfu']:.0%}" if "mfu" in e else "")
+                + (f", MFU {e['mfu_no_overlap']:.0%}-{e['mfu']:.0%}" if "mfu" in e else "")
             )
         return "\n".join(lines)
 
@@ -185,7 +185,8 @@ def roofline(
     """The step time at the chip's peak: the larger of its FLOPs at peak FLOP/s and its bytes at HBM bandwidth.
     FLOPs: the model's count where given, or XLA's (a loop's body times `loop_trips`, plus the FLOPs inside Mosaic
     kernels, which XLA does not count), whichever is larger; bytes: XLA's, times `loop_trips`. XLA counts a nested
-    loop's body once, so both undercount, and the MFU (the model's FLOPs over that time at peak) is an upper bound."""
+    loop's body once, so both undercount, and the MFU (the model's FLOPs over that time at peak) is an upper bound;
+    `mfu_no_overlap` adds the memory time to the compute time instead (no overlap)."""
     flops = max((report.flops or 0.0) * loop_trips + kernel_flops_per_chip, model_flops_per_chip or 0.0)
     compute_s = flops / topology.chip.peak_flops
     memory_s = (report.bytes_accessed or 0.0) * loop_trips / topology.chip.hbm_bandwidth
@@ -197,6 +198,8 @@ def roofline(
     }
     if model_flops_per_chip is not None:
         estimate["mfu"] = model_flops_per_chip / (estimate["step_s"] * topology.chip.peak_flops)
+        # No overlap of compute and memory traffic: the other end of the range
+        estimate["mfu_no_overlap"] = model_flops_per_chip / ((compute_s + memory_s) * topology.chip.peak_flops)
     return estimate
 
 

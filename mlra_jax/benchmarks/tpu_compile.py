@@ -25,7 +25,8 @@ def describe(row: dict[str, Any]) -> str:
     if "error" in row and row.get("memory") is None and "fits" not in row:
         return f"{head} error: {row['error'][:200]}"
     memory = f"{row['memory']['total'] / 2**30:6.1f} GiB" if row.get("memory") else "   > HBM"
-    mfu = f"  MFU<={row['estimate']['mfu']:.0%}" if row.get("estimate", {}).get("mfu") is not None else ""
+    estimate = row.get("estimate", {})
+    mfu = f"  MFU {estimate['mfu_no_overlap']:.0%}-{estimate['mfu']:.0%}" if "mfu_no_overlap" in estimate else ""
     settings = ", ".join(
         f"{k} {v}" for k, v in row["settings"].items() if k in ("micro-batch", "remat", "tp", "batch", "context")
     )

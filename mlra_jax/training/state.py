@@ -96,17 +96,15 @@ def build_setup(experiment: Experiment, devices: list[jax.Device] | None = None)
 
 def state_bytes(setup: Setup) -> int:
     """Bytes per device of what a train step holds besides activations: weights, optimizer state and gradients
-    in their shardings; with accumulation, the gradients' running sum (in and out of the loop); under FSDP, a
-    micro-batch's float32 gradients before their reduce-scatter and the gathered compute-dtype weights (whole
-    along fsdp); without FSDP, the weights cast to the compute dtype. The FSDP terms match XLA's peak for the
-    full 2.9B MLRA-4 on 2 x H100 (experiments/results/LOG.md)."""
+    in their shardings; with accumulation, the gradients' running sum; under FSDP, the compute-dtype weights
+    gathered whole along fsdp, otherwise their sharded compute-dtype copy. For the full 2.9B MLRA-4 with FSDP
+    on 2 x H100 this is 32.1 GiB, against XLA's peak less the activations of 26.5-32.9 GiB
+    (experiments/results/train_fsdp_h100x2.json)."""
     memory = memory_estimate(setup)
     fsdp = setup.mesh.shape.get("fsdp", 1)
-    gathered = memory["params"] * fsdp  # float32 weights, whole along the fsdp axis
-    accumulated = 2 * memory["gradients"] if setup.experiment.train.accumulation_steps > 1 else 0
-    unsharded_gradients = gathered if fsdp > 1 else 0
-    compute_copy = gathered * jnp.dtype(setup.experiment.model.dtype).itemsize // 4
-    return sum(memory.values()) + accumulated + unsharded_gradients + compute_copy
+    accumulated = memory["gradients"] if setup.experiment.train.accumulation_steps > 1 else 0
+    compute_copy = memory["params"] * fsdp * jnp.dtype(setup.experiment.model.dtype).itemsize // 4
+    return sum(memory.values()) + accumulated + compute_copy
 
 
 def init_state(setup: Setup) -> dict[str, Any]:
