@@ -128,3 +128,36 @@ def test_mosaic_kernels_are_named_by_their_op():
         'metadata={op_name="jit(f)/splash_mha_fwd_residuals/pallas_call"}\n'
     )
     assert mosaic_kernels(text) == {"latent_decode_tpu": 1, "splash_mha_fwd_residuals": 1}
+
+
+@pytest.mark.parametrize("heads,dr,r,page", [(24, 64, 128, 64), (128, 64, 512, 128)])  # MLRA-4's block, MLA
+def test_paged_decode_kernel_compiles_for_tpu(heads, dr, r, page):
+    """The Mosaic TPU latent decode kernel on a paged cache (a KV block is one page), lowered by the TPU compiler
+    inside a shard_map over four v5e chips, not interpreted."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_kernels.latent_decode_tpu import latent_decode_tpu
+
+    mesh = Mesh(np.array(tpu_topology.topology_devices(parse_topology("v5e:2x2"))), ("data",))
+    batch, pages_per_sequence, pool = 8, 16, 4 * (2 * 16 + 4)  # two sequences per chip, spare pages
+    shape = jax.ShapeDtypeStruct
+    args = (
+        shape((batch, 1, heads, dr), jnp.bfloat16),
+        shape((batch, 1, heads, r), jnp.bfloat16),
+        shape((pool, page, dr), jnp.bfloat16),
+        shape((pool, page, 1, r), jnp.bfloat16),
+        shape((batch,), jnp.int32),
+        shape((batch,), jnp.int32),
+        shape((batch, pages_per_sequence), jnp.int32),
+    )
+
+    def decode(q_rope, q_latent, k_pages, latent_pages, starts, ends, table):
+        return latent_decode_tpu(q_rope, q_latent, k_pages, latent_pages, starts, ends, scale=0.1, page_table=table)
+
+    sharded = jax.shard_map(decode, mesh=mesh, in_specs=(P("data"),) * 7, out_specs=P("data"), check_vma=False)
+    compiled = jax.jit(sharded).lower(*args).compile()
+    assert mosaic_kernels(compiled.as_text()) == {"latent_decode_tpu": 1}
