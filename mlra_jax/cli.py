@@ -1,21 +1,28 @@
 """What the commands share: overrides of experiment fields (`--model.n_layer=4 --train.peak_lr=3e-4`), the
 experiment to start from (a name, a module's attribute or a run's experiment.json), and their parsers' rules.
 
-Values are parsed by the field's type and validated by the config's own checks, so an error names the field
-and the values it accepts; an unknown option or field gets the closest known one.
+The overrides are parsed by tyro over a mirror of the config dataclasses whose defaults are the chosen
+experiment's values and whose help is config.py's field comments; each value is read by the field's type
+(true/false, none, an int or a float) and validated by the config's own checks, so an error names the field
+and the values it accepts, and an unknown option or field gets the closest known one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
+import functools
+import io
 import json
-import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Annotated, Any, Iterable
+
+import tyro
+from tyro.constructors import PrimitiveConstructorSpec
 
 from mlra_jax.config import (
     OPTIONAL_FIELDS,
@@ -68,31 +75,87 @@ def _parse(name: str, text: str, annotation: Any) -> Any:
         raise ConfigError(f"--{name}={text!r} is not a valid {getattr(annotation, '__name__', annotation)}") from None
 
 
-def _split(args: list[str], options: tuple[str, ...] = ()) -> list[tuple[str, str]]:
-    """['--a.b=1', '--c.d', '2'] -> [('a.b', '1'), ('c.d', '2')]. Only --SECTION.FIELD takes a value: any other
-    --flag is an unknown option of the command (`options`: its own, for a did-you-mean), never a key that
-    would swallow the next argument."""
-    pairs, i = [], 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.field=value")
-        key = arg[2:].split("=", 1)[0]
-        if "." not in key:
+def _check_options(args: list[str], options: tuple[str, ...]) -> None:
+    """Only --SECTION.FIELD is an override: any other --flag is an unknown option of the command (`options`: its
+    own, named in a did-you-mean), never a key that would swallow the next argument."""
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if arg.startswith("--") and "." not in name and name not in ("--help", "-h"):
             raise ConfigError(
-                f"unknown option {arg.split('=', 1)[0]}{did_you_mean(arg.split('=', 1)[0], options)}; "
-                f"overrides are --SECTION.FIELD=VALUE (SECTION one of {', '.join(SECTIONS)})"
+                f"unknown option {name}{did_you_mean(name, options)}; overrides are --SECTION.FIELD=VALUE "
+                f"(SECTION one of {', '.join(SECTIONS)})"
             )
-        if "=" in arg:
-            value = arg[2:].split("=", 1)[1]
-        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-            value = args[i + 1]
-            i += 1
+
+
+def _value_spec(key: str, annotation: Any, field: dataclasses.Field) -> PrimitiveConstructorSpec:
+    """How tyro reads one field: a single value, parsed by `_parse` (our spellings of booleans and none)."""
+    return PrimitiveConstructorSpec(
+        nargs=1,
+        metavar=_allowed(annotation, field),
+        instance_from_str=lambda texts: _parse(key, texts[0], annotation),
+        is_instance=lambda value: True,
+        str_from_instance=lambda value: [str(value)],
+    )
+
+
+@functools.cache
+def _section_mirror(section: str) -> type:
+    """A dataclass with the fields of a config section, each read by `_value_spec` and documented by its comment
+    in config.py; without the section's checks, which run when the real section is built."""
+    cls = SECTIONS[section]
+    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    fields = [
+        (
+            f.name,
+            Annotated[Any, _value_spec(f"{section}.{f.name}", hints[f.name], f), tyro.conf.arg(help=docs.get(f.name))],
+            dataclasses.field(default=f.default) if f.default is not dataclasses.MISSING else dataclasses.field(),
+        )
+        for f in dataclasses.fields(cls)
+    ]
+    return dataclasses.make_dataclass(section, fields, frozen=True, kw_only=True)
+
+
+def _overrides_type(experiment: Experiment | None) -> type:
+    """The parser's root: one mirror per section, defaulting to `experiment`'s values."""
+    sections = []
+    for section in SECTIONS:
+        mirror = _section_mirror(section)
+        if experiment is None:
+            sections.append((section, mirror))
         else:
-            raise ConfigError(f"{arg} needs a value: {arg}=VALUE")
-        pairs.append((key, value))
-        i += 1
-    return pairs
+            values = {f.name: getattr(getattr(experiment, section), f.name) for f in dataclasses.fields(mirror)}
+            sections.append((section, mirror, dataclasses.field(default=mirror(**values))))
+    return dataclasses.make_dataclass("overrides", sections, frozen=True, kw_only=True)
+
+
+def _tyro_message(text: str) -> str:
+    """tyro's boxed error as one line: its title, what went wrong and the closest option."""
+    lines = [line.strip(" \u2502\u256d\u256e\u2570\u256f\u2500") for line in text.splitlines()]
+    lines = [line for line in lines if line.strip("-\u2500 ") and not line.startswith("For full helptext")]
+    if "Argument helptext:" in lines:
+        lines = lines[: lines.index("Argument helptext:")]
+    if "Perhaps you meant:" in lines:
+        at = lines.index("Perhaps you meant:")
+        lines = lines[:at] + [f"(did you mean {lines[at + 1].split()[0]}?)"] if at + 1 < len(lines) else lines[:at]
+    message = " ".join(lines[1:]) if len(lines) > 1 else (lines[0] if lines else "invalid overrides")
+    return message.replace("Unrecognized options:", "unknown option")
+
+
+def _run_tyro(experiment: Experiment | None, args: list[str], prog: str) -> tuple[Any, str]:
+    """(the parsed overrides or None, what tyro printed) for `args`; tyro's exit becomes the printed text."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        try:
+            parsed = tyro.cli(
+                _overrides_type(experiment),
+                args=args,
+                prog=prog,
+                config=(tyro.conf.FlagConversionOff,),
+                use_underscores=True,
+            )
+        except SystemExit:
+            parsed = None
+    return parsed, printed.getvalue()
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:
@@ -107,20 +170,16 @@ def apply_overrides(experiment: Experiment, args: list[str], options: tuple[str,
     flags, named in the did-you-mean of an unknown one. A new --model.variant drops the base experiment's fields
     that the new variant does not use (the latent ranks of an MLRA experiment made GQA, say); fields given here
     are kept, and the new variant's own fields must be given."""
+    _check_options(args, options)
+    if not args:
+        return experiment
+    parsed, printed = _run_tyro(experiment, args, "overrides")
+    if parsed is None:
+        raise ConfigError(_tyro_message(printed))
     changes: dict[str, dict[str, Any]] = {}
-    for key, text in _split(args, options):
+    for key in dict.fromkeys(arg[2:].split("=", 1)[0] for arg in args if arg.startswith("--")):
         section, _, field = key.partition(".")
-        if section not in SECTIONS or not field:
-            raise ConfigError(
-                f"unknown option --{key}{did_you_mean(section, SECTIONS)}; overrides are "
-                f"--SECTION.FIELD=VALUE with SECTION one of {', '.join(SECTIONS)}"
-            )
-        hints = typing.get_type_hints(SECTIONS[section])
-        if field not in hints:
-            raise ConfigError(
-                f"{section} has no field {field!r}{did_you_mean(field, hints)}; its fields are: {', '.join(hints)}"
-            )
-        changes.setdefault(section, {})[field] = _parse(key, text, hints[field])
+        changes.setdefault(section, {})[field] = getattr(getattr(parsed, section), field)
     model = changes.get("model", {})
     if "variant" in model and model["variant"] != experiment.model.variant:
         unused = [
@@ -175,19 +234,9 @@ def _allowed(annotation: Any, field: dataclasses.Field) -> str:
 
 def fields_help(experiment: Experiment | None = None) -> str:
     """Every overridable field with the values it takes, its value in `experiment` (else the default of its
-    dataclass) and what it means (the comments in config.py)."""
-    lines = []
-    for section, cls in SECTIONS.items():
-        hints, docs = typing.get_type_hints(cls), field_docs(cls)
-        for f in dataclasses.fields(cls):
-            if experiment is not None:
-                value = f"value {getattr(getattr(experiment, section), f.name)!r}"
-            else:
-                value = "default " + ("(required)" if f.default is dataclasses.MISSING else repr(f.default))
-            lines.append(f"  --{section}.{f.name}={_allowed(hints[f.name], f)}  {value}")
-            if docs.get(f.name):
-                lines.append(textwrap.fill(docs[f.name], 110, initial_indent=" " * 6, subsequent_indent=" " * 6))
-    return "\n".join(lines)
+    dataclass, or "required") and what it means (the comments in config.py), as tyro writes it."""
+    _, printed = _run_tyro(experiment, ["--help"], "overrides")
+    return printed[printed.index("\n\n") + 2 :] if "\n\n" in printed else printed
 
 
 # -- what every command's parser shares ------------------------------------------------------------------------

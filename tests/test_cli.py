@@ -43,9 +43,10 @@ def test_python_m_mlra_jax_and_the_console_script_are_the_same_entry():
     [
         (["--dry-run"], "unknown option --dry-run (did you mean --dry_run?)"),
         (["--dryrun", "--model.n_layer=2"], "unknown option --dryrun (did you mean --dry_run?)"),
-        (["--model.n_layr=2"], "model has no field 'n_layr' (did you mean n_layer?)"),
-        (["--modle.n_layer=2"], "unknown option --modle.n_layer (did you mean model?)"),
-        (["--model.n_layer"], "--model.n_layer needs a value"),
+        (["--model.n_layr=2"], "unknown option --model.n_layr=2 (did you mean --model.n_layer?)"),
+        (["--modle.n_layer=2"], "unknown option --modle.n_layer=2 (did you mean --model.n_layer?)"),
+        (["--model.n_layer"], "Missing value for argument '--model.n_layer'"),
+        (["--model.scan_layers=maybe"], "--model.scan_layers='maybe' is not a valid bool"),
     ],
 )
 def test_unknown_or_misspelled_options_are_named_with_the_closest_one(argv, message, capsys):
@@ -60,16 +61,21 @@ def test_an_abbreviated_option_is_not_taken_for_another(capsys):
 
 
 def test_help_shows_the_experiments_values_and_what_each_field_means(capsys):
+    def described(out: str, option: str) -> str:
+        """The option's line in --help and the lines of its description after it."""
+        lines = [line.strip() for line in out.splitlines()]
+        at = next(i for i, line in enumerate(lines) if line == option or line.startswith(option + " "))
+        return " ".join(lines[at : at + 3])
+
     with pytest.raises(SystemExit):
         train_main(["--experiment=mlra4_2p9b", "--help"])
     out = capsys.readouterr().out
-    assert (
-        "--model.n_layer=int  value 24" in out and "--model.remat={none,full,dots,dots_attn,auto}  value 'auto'" in out
-    )
-    assert "a fraction of total_steps below 1" in out  # warmup_steps' comment in config.py
+    assert "(default: 24)" in described(out, "--model.n_layer int")
+    assert "(default: auto)" in described(out, "--model.remat {none,full,dots,dots_attn,auto}")
+    assert "a fraction of total_steps below 1" in described(out, "--train.warmup_steps")  # its comment in config.py
     with pytest.raises(SystemExit):
         train_main(["--help"])
-    assert "--model.n_layer=int  default (required)" in capsys.readouterr().out
+    assert "(required)" in described(capsys.readouterr().out, "--model.n_layer int")
 
 
 def test_switching_the_variant_drops_the_fields_it_does_not_use():
