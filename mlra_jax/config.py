@@ -22,8 +22,9 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash", "pallas")
 # auto: the least recomputation that fits the device's memory (training.remat_choice)
 REMAT_POLICIES = ("none", "full", "dots", "dots_attn", "auto")
 LATENT_FORMS = ("expanded", "absorbed")
+MATMUL_DTYPES = ("compute", "float8")  # compute: the compute dtype
 # Fields that choose how a model runs, not what it computes: a run may resume with other values.
-RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers", "compute_dtype", "latent_form")
+RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers", "compute_dtype", "latent_form", "matmul_dtype")
 
 
 class ConfigError(ValueError):
@@ -92,6 +93,10 @@ class ModelConfig:
     # is one KV head ([block || RoPE key], value the block) shared by its query heads. Expanded is the default: it
     # measured faster on an H100 (experiments/results/README.md).
     latent_form: str = dataclasses.field(default="expanded", metadata={"choices": LATENT_FORMS})
+    # Training's projections (attention and MLP; not the tied head, kv_up or the attention core) in the compute
+    # dtype, or "float8": FP8 GEMMs with per-tensor dynamic scaling on GPUs that have them (mlra_jax.fp8), with
+    # a bfloat16 compute_dtype; evaluation, decoding and export stay in the compute dtype
+    matmul_dtype: str = dataclasses.field(default="compute", metadata={"choices": MATMUL_DTYPES})
 
     def __post_init__(self) -> None:
         _check_choice("variant", self.variant, VARIANTS)
@@ -104,6 +109,12 @@ class ModelConfig:
         _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _check_choice("remat", self.remat, REMAT_POLICIES)
         _check_choice("latent_form", self.latent_form, LATENT_FORMS)
+        _check_choice("matmul_dtype", self.matmul_dtype, MATMUL_DTYPES)
+        _require(
+            self.matmul_dtype != "float8" or self.compute_dtype == "bfloat16",
+            f"matmul_dtype='float8' trains with compute_dtype='bfloat16' (now {self.compute_dtype!r}); set "
+            "--model.compute_dtype=bfloat16",
+        )
         _require(
             self.latent_form == "expanded" or self.spec.latent_layout is not None,
             f"latent_form={self.latent_form!r} applies to the latent family (MLA, GLA, MLRA), not variant "

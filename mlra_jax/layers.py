@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mlra_jax import fp8
 from mlra_jax.config import ModelConfig
 from mlra_jax.platform import target_platform
 
@@ -135,7 +136,12 @@ def row_copies(x: jax.Array) -> jax.Array:
 
 
 def project(x: jax.Array, kernel: nnx.Param, spec: str, dtype: jnp.dtype) -> jax.Array:
-    """einsum(spec, x, W) in the compute dtype."""
+    """einsum(spec, x, W) in the compute dtype; as an FP8 matmul inside a train step that asks for one
+    (fp8.matmuls)."""
+    if fp8.active():
+        product = fp8.fp8_project(x, kernel[...], spec, dtype)
+        if product is not None:
+            return product
     return einsum(spec, x.astype(dtype), kernel[...].astype(dtype))
 
 

@@ -277,3 +277,15 @@ def test_reference_annotates_a_saved_record(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         reference.main([str(tmp_path / "none.json"), str(ref)])
     assert exit_info.value.code == 2 and "no such file" in capsys.readouterr().err
+
+
+def test_gemm_calls_are_counted_by_kind():
+    from mlra_jax.benchmarks.train import gemm_calls
+
+    text = (
+        '%a = custom-call(), custom_call_target="__cublas$lt$matmul$f8"\n'
+        '%b = custom-call(), custom_call_target="__cublas$lt$matmul"\n'
+        '%c = custom-call(), custom_call_target="__cublas$gemm"\n'
+        '%d = custom-call(), custom_call_target="__cudnn$fmha"\n'
+    )
+    assert gemm_calls(text) == {"fp8": 1, "other": 2}

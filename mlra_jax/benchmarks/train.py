@@ -29,6 +29,7 @@ import argparse
 import gc
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,12 @@ def top_kernels(kernels_s: dict[str, float], count: int = 25) -> dict[str, Any]:
     return {"by_family_s": by_family, "longest_s": dict(longest)}
 
 
+def gemm_calls(hlo_text: str) -> dict[str, int]:
+    """The cuBLAS GEMM calls of a compiled GPU program by kind (`fp8` for __cublas$lt$matmul$f8)."""
+    calls = re.findall(r'custom_call_target="(__cublas[^"]*)"', hlo_text)
+    return {"fp8": sum(c.endswith("$f8") for c in calls), "other": sum(not c.endswith("$f8") for c in calls)}
+
+
 def measure(name: str, overrides: list[str], steps: int, profile: bool = False, warmup: int = 2) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
@@ -106,6 +113,7 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
         start = time.perf_counter()
         compiled = jit_train_step(setup).lower(state["params"], state["opt_state"], tokens).compile()
         compile_s = time.perf_counter() - start
+        gemms = gemm_calls(compiled.as_text())
         analysis = compiled.memory_analysis()
 
         def run():
@@ -134,6 +142,7 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
         "seq_len": train.seq_len,
         "attention_impl": cfg.attention_impl,
         "kernels": dict(fused.CHOSEN),
+        "gemms": gemms,
         "remat": cfg.remat,
         "remat_setting": requested.model.remat,
         "latent_form": cfg.latent_form,

@@ -15,6 +15,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mlra_jax import fp8
 from mlra_jax.loss import chunked_next_token_loss
 from mlra_jax.params import compute_params
 
@@ -24,11 +25,13 @@ Params = dict[str, Any]
 def loss_fn(graphdef: nnx.GraphDef, params: Params, tokens: jax.Array, loss_chunk: int = 0) -> jax.Array:
     """Loss of the model on tokens [B, T + 1] (inputs tokens[:, :-1], targets tokens[:, 1:]); the
     cross-entropy runs over chunks of `loss_chunk` positions (0: whole)."""
-    dtype = nnx.merge(graphdef, params).config.dtype
+    config = nnx.merge(graphdef, params).config
+    dtype = config.dtype
     if dtype != jnp.float32:
         params = compute_params(params, dtype)
     model = nnx.merge(graphdef, params)
-    hidden = model.hidden(tokens[:, :-1])
+    with fp8.matmuls(fp8.training_matmuls(config.matmul_dtype)):
+        hidden = model.hidden(tokens[:, :-1])
     return chunked_next_token_loss(hidden, model.embed.embedding[...], tokens[:, 1:], dtype, loss_chunk)
 
 

@@ -1,0 +1,194 @@
+"""FP8 training matmuls (mlra_jax.fp8) on the CPU: the products and their gradients against an exact emulation of
+the same quantization and against float32 within FP8's rounding, which products take the path, a train step
+through it, and the fallback where the backend has no FP8 GEMMs."""
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from mlra_jax.experiments import get_experiment
+
+from mlra_jax import fp8
+from mlra_jax.config import ConfigError
+from mlra_jax.layers import einsum
+from mlra_jax.model import init_model
+from mlra_jax.training.step import loss_fn
+
+SPEC = "btd,dhk->bthk"
+
+
+def _operands(seed: int = 0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(keys[0], (2, 48, 96), jnp.float32)
+    w = jax.random.normal(keys[1], (96, 4, 40), jnp.float32) * 0.05
+    cotangent = jax.random.normal(keys[2], (2, 48, 4, 40), jnp.float32)
+    return x, w, cotangent
+
+
+def _emulated(x, w, cotangent):
+    """The same per-tensor quantization, dequantized and multiplied in float32: what the FP8 GEMMs compute."""
+    dequantized = lambda a, dtype: (
+        fp8.quantize(a, fp8.scale_of(a, dtype), dtype).astype(jnp.float32) * fp8.scale_of(a, dtype)
+    )
+    x2, w2, g2 = x.reshape(96, 96), w.reshape(96, 160), cotangent.reshape(96, 160)
+    xq, wq, gq = dequantized(x2, fp8.E4M3), dequantized(w2, fp8.E4M3), dequantized(g2, fp8.E5M2)
+    return xq @ wq, gq @ wq.T, xq.T @ gq
+
+
+@jax.default_matmul_precision("highest")
+def test_products_and_gradients_are_the_fp8_quantized_ones():
+    x, w, cotangent = _operands()
+    out, pullback = jax.vjp(lambda a, b: fp8.fp8_project(a, b, SPEC, jnp.float32), x, w)
+    grad_x, grad_w = pullback(cotangent)
+    want_out, want_grad_x, want_grad_w = _emulated(x, w, cotangent)
+    np.testing.assert_allclose(out.reshape(96, 160), want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grad_x.reshape(96, 96), want_grad_x, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grad_w.reshape(96, 160), want_grad_w, rtol=1e-5, atol=1e-5)
+    assert out.dtype == grad_x.dtype == grad_w.dtype == jnp.float32
+
+
+@jax.default_matmul_precision("highest")
+def test_products_and_gradients_are_within_fp8_rounding_of_float32():
+    """e4m3 keeps 3 mantissa bits, e5m2 2: a few percent of the norm, not more."""
+    x, w, cotangent = _operands(1)
+    out, pullback = jax.vjp(lambda a, b: fp8.fp8_project(a, b, SPEC, jnp.float32), x, w)
+    want, want_pullback = jax.vjp(lambda a, b: einsum(SPEC, a, b), x, w)
+    relative = lambda got, ref: float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+    assert relative(out, want) < 0.05
+    for got, ref in zip(pullback(cotangent), want_pullback(cotangent)):
+        assert 0 < relative(got, ref) < 0.08
+
+
+def test_saturation_and_zero_tensors():
+    big = jnp.array([[1e6, -1e6, 3.0]], jnp.float32)
+    quantized = fp8.quantize(big, jnp.float32(1.0), fp8.E4M3).astype(jnp.float32)
+    np.testing.assert_array_equal(quantized, [[448.0, -448.0, 3.0]])  # saturates, never inf or nan
+    assert float(fp8.scale_of(jnp.zeros((4, 4)), fp8.E4M3)) == 1.0
+    out = fp8.fp8_matmul(jnp.zeros((8, 16)), jnp.ones((16, 8)), jnp.float32)
+    assert bool(jnp.all(out == 0))
+
+
+@pytest.mark.parametrize(
+    "spec,taken",
+    [
+        ("btd,df->btf", True),
+        ("bthk,hkd->btd", True),  # the output projection contracts heads and head width
+        ("btd,dnr->btnr", True),
+        ("btd,gfd->btgf", False),  # serving's out-major layout
+        ("bthk,hkd->bd", False),
+        ("btd,vd->btv", False),  # the tied head's product is not a projection
+    ],
+)
+def test_which_products_take_the_fp8_path(spec, taken):
+    shapes = {"b": 2, "t": 3, "d": 8, "f": 16, "h": 2, "k": 4, "n": 2, "r": 4, "g": 2, "v": 10}
+    x_axes, rest = spec.split(",")
+    w_axes = rest.split("->")[0]
+    x = jnp.ones([shapes[a] for a in x_axes])
+    w = jnp.ones([shapes[a] for a in w_axes])
+    assert (fp8.fp8_project(x, w, spec, jnp.float32) is not None) == taken
+
+
+def _tiny(matmul_dtype: str):
+    experiment = get_experiment("mlra4_tiny")
+    model = dataclasses.replace(experiment.model, compute_dtype="bfloat16", matmul_dtype=matmul_dtype)
+    graphdef, state = nnx.split(init_model(model, seed=0))
+    tokens = jax.random.randint(jax.random.key(3), (2, 33), 0, model.vocab_size)
+    return graphdef, nnx.to_pure_dict(state), tokens
+
+
+def test_a_train_step_runs_its_projections_in_fp8(monkeypatch):
+    """With FP8 GEMMs available (here: pretended), every projection's forward and backward products take FP8
+    operands, and loss and gradients stay close to the bfloat16 step's."""
+    monkeypatch.setattr(fp8, "supported", lambda device=None: True)
+    graphdef, params, tokens = _tiny("float8")
+    step = jax.jit(jax.value_and_grad(lambda p: loss_fn(graphdef, p, tokens)))
+    hlo = step.lower(params).as_text()
+    assert hlo.count("f8E4M3FN") > 0 and hlo.count("f8E5M2") > 0
+    loss, grads = step(params)
+    bf16_graphdef, _, _ = _tiny("compute")
+    want_loss, want_grads = jax.value_and_grad(lambda p: loss_fn(bf16_graphdef, p, tokens))(params)
+    assert abs(float(loss) - float(want_loss)) < 0.01 * float(want_loss)
+    flat, want_flat = jax.tree.leaves(grads), jax.tree.leaves(want_grads)
+    assert all(bool(jnp.isfinite(g).all()) for g in flat)
+    norm = lambda tree: float(jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in tree)))
+    difference = norm([g - h for g, h in zip(flat, want_flat)])
+    assert 0 < difference < 0.1 * norm(want_flat)
+
+
+def test_without_fp8_gemms_the_step_is_the_compute_dtypes_and_says_so(caplog):
+    fp8._report_fallback.cache_clear()
+    graphdef, params, tokens = _tiny("float8")
+    with caplog.at_level(logging.WARNING, logger="mlra_jax.fp8"):
+        loss = loss_fn(graphdef, params, tokens)
+    assert "has no FP8 GEMMs" in caplog.text
+    plain_graphdef, _, _ = _tiny("compute")
+    assert float(loss) == float(loss_fn(plain_graphdef, params, tokens))
+
+
+def test_float8_needs_a_bfloat16_compute_dtype():
+    model = get_experiment("mlra4_tiny").model
+    with pytest.raises(ConfigError, match="matmul_dtype='float8' trains with compute_dtype='bfloat16'"):
+        dataclasses.replace(model, matmul_dtype="float8")
+    with pytest.raises(ConfigError, match="matmul_dtype"):
+        dataclasses.replace(model, compute_dtype="bfloat16", matmul_dtype="int8")
+
+
+def test_supported_reads_the_compute_capability():
+    class Device:
+        platform, device_kind = "gpu", "fake"
+
+        def __init__(self, capability):
+            self.compute_capability = capability
+
+    assert fp8.supported(Device("9.0")) and fp8.supported(Device("8.9"))
+    assert not fp8.supported(Device("8.0")) and not fp8.supported(jax.devices("cpu")[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["mha", "mqa", "gqa", "mla", "mfa", "tpa", "gla2", "gla4", "gta", "mlra2", "mlra4"])
+def test_every_variant_trains_in_fp8_under_tp_and_fsdp(variant, monkeypatch):
+    """Each variant's FP8 loss on 8 CPU devices, with TP=2 and with FSDP, is the unsharded FP8 loss up to the
+    per-shard scales of the tensor-parallel region (FP8 rounding), and its gradients are finite."""
+    from mlra_jax.experiments.tiny import tiny_model
+
+    from mlra_jax.config import MeshConfig
+    from mlra_jax.params import logical_axes
+    from mlra_jax.sharding import batch_sharding, make_mesh, tree_shardings
+
+    monkeypatch.setattr(fp8, "supported", lambda device=None: True)
+    config = tiny_model(variant, n_layer=1, n_head=8, vocab_size=128, output_init="normal")
+    config = dataclasses.replace(config, compute_dtype="bfloat16", matmul_dtype="float8")
+    model = init_model(config, seed=0)
+    graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tokens = jax.random.randint(jax.random.key(0), (8, 17), 0, 128)
+    value_and_grad = jax.jit(jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t)))
+    loss, _ = value_and_grad(params, tokens)
+    for mesh_config in (MeshConfig(data=-1, tensor=2), MeshConfig(data=1, fsdp=-1)):
+        mesh = make_mesh(mesh_config, jax.devices()[:8])
+        with jax.set_mesh(mesh):
+            sharded = jax.device_put(params, tree_shardings(params, logical_axes(model), mesh))
+            mesh_loss, grads = value_and_grad(sharded, jax.device_put(tokens, batch_sharding(mesh)))
+        np.testing.assert_allclose(float(mesh_loss), float(loss), rtol=1e-2, err_msg=str(mesh_config))
+        assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+
+
+def test_gradient_accumulation_in_fp8(monkeypatch):
+    """Two micro-batches of an FP8 step give the loss of one whole batch (the scales are per micro-batch)."""
+    import optax
+
+    from mlra_jax.training.step import make_train_step
+
+    monkeypatch.setattr(fp8, "supported", lambda device=None: True)
+    graphdef, params, _ = _tiny("float8")
+    tokens = jax.random.randint(jax.random.key(4), (4, 33), 0, 50304)
+    whole = make_train_step(graphdef, optax.sgd(0.0), accumulation_steps=1)
+    split = make_train_step(graphdef, optax.sgd(0.0), accumulation_steps=2)
+    whole_metrics = jax.jit(whole)(params, optax.sgd(0.0).init(params), tokens)[2]
+    split_metrics = jax.jit(split)(params, optax.sgd(0.0).init(params), tokens)[2]
+    assert bool(split_metrics["finite"])
+    np.testing.assert_allclose(float(split_metrics["loss"]), float(whole_metrics["loss"]), rtol=1e-2)
+    np.testing.assert_allclose(float(split_metrics["grad_norm"]), float(whole_metrics["grad_norm"]), rtol=5e-2)
