@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mlra_jax.cli import did_you_mean, experiment_from_dict, read_run_config
-from mlra_jax.config import ConfigError, Experiment
+from mlra_jax.config import ConfigError, Experiment, did_you_mean
+from mlra_jax.run_config import experiment_from_dict, read_run_config
 
 _EXPERIMENTS: dict[str, Experiment] = {}
 

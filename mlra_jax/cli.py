@@ -12,42 +12,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import difflib
 import functools
 import io
-import json
 import types
 import typing
-from pathlib import Path
-from typing import Annotated, Any, Iterable
+from typing import Annotated, Any
 
 import tyro
 from tyro.constructors import PrimitiveConstructorSpec
 
-from mlra_jax.config import (
-    OPTIONAL_FIELDS,
-    CheckpointConfig,
-    ConfigError,
-    DataConfig,
-    Experiment,
-    MeshConfig,
-    MetricsConfig,
-    ModelConfig,
-    ProfileConfig,
-    TrainConfig,
-)
+from mlra_jax.config import OPTIONAL_FIELDS, ConfigError, Experiment, did_you_mean  # noqa: F401 (re-exported)
 from mlra_jax.config_docs import field_docs
+from mlra_jax.run_config import SECTIONS, experiment_from_dict, read_run_config  # noqa: F401 (re-exported)
 from mlra_jax.variants import SPECS
 
-SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "train": TrainConfig,
-    "data": DataConfig,
-    "mesh": MeshConfig,
-    "checkpoint": CheckpointConfig,
-    "metrics": MetricsConfig,
-    "profile": ProfileConfig,
-}
 _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 
 
@@ -158,13 +136,6 @@ def _run_tyro(experiment: Experiment | None, args: list[str], prog: str) -> tupl
     return parsed, printed.getvalue()
 
 
-def did_you_mean(word: str, candidates: Iterable[str]) -> str:
-    """'; did you mean X?' for the closest of `candidates` (hyphens and underscores alike), or ''."""
-    normal = {c.replace("-", "_"): c for c in candidates}
-    close = difflib.get_close_matches(word.replace("-", "_"), list(normal), n=1, cutoff=0.6)
-    return f" (did you mean {normal[close[0]]}?)" if close else ""
-
-
 def apply_overrides(experiment: Experiment, args: list[str], options: tuple[str, ...] = ()) -> Experiment:
     """The experiment with `--section.field=value` overrides applied (validated). `options`: the command's own
     flags, named in the did-you-mean of an unknown one. A new --model.variant drops the base experiment's fields
@@ -194,27 +165,6 @@ def apply_overrides(experiment: Experiment, args: list[str], options: tuple[str,
         section: dataclasses.replace(getattr(experiment, section), **fields) for section, fields in changes.items()
     }
     return dataclasses.replace(experiment, **replaced)
-
-
-def experiment_from_dict(data: dict[str, Any]) -> Experiment:
-    """An Experiment from its dataclasses.asdict form (a run's experiment.json)."""
-    sections = {name: cls(**data[name]) for name, cls in SECTIONS.items() if name in data}
-    rest = {k: v for k, v in data.items() if k not in SECTIONS}
-    return Experiment(**rest, **sections)
-
-
-def read_run_config(path: Path) -> dict[str, Any]:
-    """A run's experiment.json as a dict, or a ConfigError that names the file when it is not one."""
-    try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
-            raise ValueError("no 'model' section")
-        return data
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise ConfigError(
-            f"{path} is not a run's experiment.json ({type(err).__name__}: {err}); it records the "
-            f"configuration the run was trained with: restore it, or use another --workdir"
-        ) from None
 
 
 def _allowed(annotation: Any, field: dataclasses.Field) -> str:

@@ -7,8 +7,9 @@ the values it accepts, so a typo never reaches a compiled program.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 import jax.numpy as jnp
 
@@ -29,6 +30,13 @@ RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers", "compute_dtype", "la
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
+
+
+def did_you_mean(word: str, candidates: Iterable[str]) -> str:
+    """'; did you mean X?' for the closest of `candidates` (hyphens and underscores alike), or ''."""
+    normal = {c.replace("-", "_"): c for c in candidates}
+    close = difflib.get_close_matches(word.replace("-", "_"), list(normal), n=1, cutoff=0.6)
+    return f" (did you mean {normal[close[0]]}?)" if close else ""
 
 
 def _require(condition: bool, message: str) -> None:

@@ -20,7 +20,7 @@ import jax
 from flax import nnx
 
 from mlra_jax.checkpoint import Checkpointer, CheckpointError
-from mlra_jax.cli import add_run_argument, command_parser, experiment_from_dict, read_run_config
+from mlra_jax.cli import add_run_argument, command_parser
 from mlra_jax.command import command
 from mlra_jax.config import CheckpointConfig, ConfigError
 from mlra_jax.data.tokenizer import EOT, gpt2_tokenizer
@@ -29,6 +29,7 @@ from mlra_jax.guards import check_finite, error_summary
 from mlra_jax.model import Transformer, abstract_model
 from mlra_jax.paths import as_path
 from mlra_jax.progress import configure_cli_logging
+from mlra_jax.run_config import experiment_from_dict, read_run_config
 
 
 def load_model(

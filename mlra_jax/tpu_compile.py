@@ -140,10 +140,9 @@ def compile_step(
 ) -> tuple[CompileReport, Any]:
     """lower() traced and compiled for the TPU under `mesh`: the report and the compiled program (None when the
     compiler gave up for lack of memory). Other compiler errors propagate."""
-    fused.CHOSEN.clear()
     start = time.perf_counter()
     compiled, error = None, None
-    with compiling_for("tpu"), jax.set_mesh(mesh):
+    with compiling_for("tpu"), jax.set_mesh(mesh), fused.kernels_chosen() as chosen:
         lowered = lower()
         try:
             compiled = lowered.compile()
@@ -162,7 +161,7 @@ def compile_step(
         time.perf_counter() - start,
         None,
         {},
-        dict(fused.CHOSEN),
+        chosen,
         None,
         None,
         settings,

@@ -38,7 +38,7 @@ from mlra_jax.pallas_kernels.latent_decode_common import LOG2E, check_page_table
 CHUNK = 64  # columns per SMEM tile and per wgmma N
 HEADS = 64  # query rows per CTA (the wgmma M of one warpgroup)
 SMEM_BYTES = 220 * 1024
-NUM_SMS = 132
+DEFAULT_SMS = 132  # an H100 SXM: the plan where the device reports no SM count (interpret mode on a CPU)
 COMBINE_COLUMNS = 128  # values per CTA of the split-KV combine: one per thread of a warpgroup
 
 
@@ -62,6 +62,27 @@ def _plan(dr: int, r: int, itemsize: int, block_kv: int | None = None) -> tuple[
         if not by_columns and (stages := stages_for(rows)) >= 4:
             return False, rows, min(stages - stages % 2, 8)
     raise ValueError(f"latent width {r} with RoPE {dr} does not fit the pipeline in shared memory")
+
+
+def sm_count(device: jax.Device | None = None) -> int:
+    """The GPU's streaming multiprocessors (the device's `core_count`: 132 on an H100 SXM, 114 on an H100 PCIe),
+    DEFAULT_SMS where the device reports none."""
+    device = device if device is not None else jax.devices()[0]
+    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return int(count) if count else DEFAULT_SMS
+
+
+def launch_plan(
+    programs: int, slots: int, block_kv: int, by_columns: bool, paged: bool, sms: int, splits: int | None = None
+) -> tuple[int, int]:
+    """(KV splits, halves) for `programs` (batch x blocks x head groups) over `sms` SMs: enough splits to fill
+    the GPU (or `splits` as given). "halves": where the "columns" CTAs fill at most half the GPU (MLA at batch 1
+    and a short context), two CTAs per KV split take half the value columns each, their warpgroups alternating
+    tiles as in "tiles" mode: every tile's scores are computed once per CTA, not once per warpgroup, on twice
+    the SMs."""
+    splits = splits or choose_splits(programs, slots, block_kv * COMPUTE_WGS, sms)
+    halves = 2 if by_columns and not paged and 2 * splits * programs <= sms else 1
+    return splits, halves
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "block_kv"))
@@ -195,11 +216,7 @@ def latent_partials_gpu(
         )
     tile_pages, page_rows = (block_kv // page, page) if 0 < page <= block_kv else (1, block_kv)
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
-    splits = splits or choose_splits(b * n * groups, s, block_kv * COMPUTE_WGS, NUM_SMS)
-    # "halves": where the "columns" CTAs fill at most half the GPU (MLA at batch 1 and a short context), two
-    # CTAs per KV split take half the value columns each, their warpgroups alternating tiles as in "tiles"
-    # mode: every tile's scores are computed once per CTA, not once per warpgroup, on twice the SMs.
-    halves = 2 if by_columns and not paged and 2 * splits * b * n * groups <= NUM_SMS else 1
+    splits, halves = launch_plan(b * n * groups, s, block_kv, by_columns, paged, sm_count(), splits)
     by_columns = by_columns and halves == 1
     wg_chunks = lat_chunks // COMPUTE_WGS if by_columns else lat_chunks // halves  # value chunks per warpgroup
     tile_transforms = (plgpu.TilingTransform((8, CHUNK)), plgpu.SwizzleTransform(128))

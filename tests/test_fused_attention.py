@@ -58,11 +58,12 @@ def test_splash_in_interpret_mode_matches_xla(hq, hkv, dk, dv, length):
 
 def test_auto_on_cpu_is_xla_and_forced_kernels_explain_themselves():
     q, k, v, _ = qkv(4, 2, 32, 32, length=100)
-    fused.CHOSEN.clear()
-    np.testing.assert_array_equal(
-        np.asarray(attention(q, k, v, scale=0.2, impl="auto")), np.asarray(attention(q, k, v, scale=0.2, impl="xla"))
-    )
-    assert fused.CHOSEN == {"xla": 1}
+    with fused.kernels_chosen() as chosen:
+        np.testing.assert_array_equal(
+            np.asarray(attention(q, k, v, scale=0.2, impl="auto")),
+            np.asarray(attention(q, k, v, scale=0.2, impl="xla")),
+        )
+    assert chosen == {"xla": 1}
     with pytest.raises(fused.KernelUnavailable, match="cuDNN needs an NVIDIA GPU"):
         attention(q, k, v, scale=0.2, impl="cudnn")
     with pytest.raises(fused.KernelUnavailable, match="multiple of 128, not 100"):
@@ -142,13 +143,13 @@ def test_cudnn_equals_xla_for_every_variant_on_gpu(variant):
     float32: auto falls back to XLA (cuDNN takes 16-bit inputs), so the two agree to the bit."""
     tokens = jax.random.randint(jax.random.key(3), (4, 257), 0, 256)
     cfg = tiny(variant, compute_dtype="bfloat16")
-    fused.CHOSEN.clear()
-    assert_model_matches(cfg, "auto", tokens, loss_rtol=2e-3, grad_rtol=5e-2)
-    assert set(fused.CHOSEN) == {"cudnn"}, fused.CHOSEN
-    fused.CHOSEN.clear()
-    loss, _ = model_loss_and_grads(tiny(variant), "auto", tokens)
-    want, _ = model_loss_and_grads(tiny(variant), "xla", tokens)
-    assert float(loss) == float(want) and set(fused.CHOSEN) == {"xla"}
+    with fused.kernels_chosen() as chosen:
+        assert_model_matches(cfg, "auto", tokens, loss_rtol=2e-3, grad_rtol=5e-2)
+    assert set(chosen) == {"cudnn"}, chosen
+    with fused.kernels_chosen() as chosen:
+        loss, _ = model_loss_and_grads(tiny(variant), "auto", tokens)
+        want, _ = model_loss_and_grads(tiny(variant), "xla", tokens)
+    assert float(loss) == float(want) and set(chosen) == {"xla"}
 
 
 @on_gpu

@@ -153,6 +153,48 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
     return found
 
 
+# The command-line modules, and the modules that may import them: the commands (python -m ...).
+CLI_MODULES = ("mlra_jax.cli", "mlra_jax.command")
+COMMANDS = (*LAYERS[-1][1], "mlra_jax.__main__", "mlra_jax.data.prepare")
+# What trains (the model, its layers and attention, the step and the loop): none of it knows the serving layer.
+TRAINING = (
+    "mlra_jax.training",
+    "mlra_jax.train",
+    "mlra_jax.loss",
+    "mlra_jax.model",
+    "mlra_jax.layers",
+    "mlra_jax.attention",
+    "mlra_jax.optim",
+    "mlra_jax.params",
+    "mlra_jax.fp8",
+)
+
+
+def within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes)
+
+
+def cli_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Modules that import a command-line module without being a command themselves."""
+    found = {m: sorted(t for t in targets if t in CLI_MODULES) for m, targets in graph.items()}
+    return {m: t for m, t in found.items() if t and m not in CLI_MODULES and not within(m, COMMANDS)}
+
+
+def decode_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Training modules that import the decoding and serving layer (mlra_jax.decode)."""
+    found = {m: sorted(t for t in targets if within(t, ("mlra_jax.decode",))) for m, targets in graph.items()}
+    return {m: t for m, t in found.items() if t and within(m, TRAINING)}
+
+
+def test_no_library_module_imports_a_command_line_module():
+    """Config reading lives in run_config, did_you_mean in config: only the commands import cli and command."""
+    assert cli_imports(import_graph()[0]) == {}
+
+
+def test_training_modules_do_not_import_the_serving_layer():
+    assert decode_imports(import_graph()[0]) == {}
+
+
 def test_every_installed_module_is_seen():
     files = module_files()
     assert {
@@ -198,6 +240,12 @@ def test_hf_remote_code_stands_alone():
 
 
 def test_the_checks_catch_what_they_should():
+    assert cli_imports({"mlra_jax.training.init_from": {"mlra_jax.cli"}, "mlra_jax.eval": {"mlra_jax.cli"}}) == {
+        "mlra_jax.training.init_from": ["mlra_jax.cli"]
+    }
+    assert decode_imports(
+        {"mlra_jax.attention.latent": {"mlra_jax.decode.serving"}, "mlra_jax.generate": {"mlra_jax.decode.generator"}}
+    ) == {"mlra_jax.attention.latent": ["mlra_jax.decode.serving"]}
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
     assert rooms_graph(

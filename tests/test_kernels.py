@@ -240,3 +240,18 @@ def test_pallas_decode_under_data_and_tensor_parallelism(monkeypatch, variant, m
         if re.search(r"= \S+ all-gather\(", line) and re.search(r"\[[\d,]*\b40\b[\d,]*\]", line.split("all-gather(")[0])
     ]
     assert session.caches.max_len == 40 and not gathered, gathered  # nothing with the cache's slots is gathered
+
+
+def test_the_gpu_kernel_plans_for_the_devices_sm_count():
+    """The split-KV plan reads the GPU's SM count: MLA at batch 1 over 8K slots runs 64 splits in two halves on
+    an H100 SXM's 132 SMs, and in one on an H100 PCIe's 114 (two halves would not fit at once)."""
+    from mlra_jax.pallas_kernels.latent_decode_gpu import DEFAULT_SMS, launch_plan, sm_count
+
+    class PCIe:
+        platform, core_count = "gpu", 114
+
+    assert sm_count(PCIe()) == 114 and sm_count(jax.devices("cpu")[0]) == DEFAULT_SMS == 132
+    assert launch_plan(1, 8192, 64, True, False, 132) == (64, 2)
+    assert launch_plan(1, 8192, 64, True, False, sm_count(PCIe())) == (64, 1)
+    assert launch_plan(8, 8192, 64, True, False, 132, splits=8) == (8, 2)  # splits as given
+    assert launch_plan(8, 8192, 64, True, False, 114, splits=8) == (8, 1)

@@ -139,8 +139,7 @@ def test_paged_decode_kernel_compiles_for_tpu(heads, dr, r, page):
     import numpy as np
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
-
-    from pallas_kernels.latent_decode_tpu import latent_decode_tpu
+    from mlra_jax.pallas_kernels.latent_decode_tpu import latent_decode_tpu
 
     mesh = Mesh(np.array(tpu_topology.topology_devices(parse_topology("v5e:2x2"))), ("data",))
     batch, pages_per_sequence, pool = 8, 16, 4 * (2 * 16 + 4)  # two sequences per chip, spare pages

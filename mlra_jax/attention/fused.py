@@ -20,10 +20,12 @@ that cannot take a call is an error (`KernelUnavailable`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +39,8 @@ SPLASH_BLOCK = 512  # splash attention's q / kv tile (a divisor of the sequence;
 BATCH_AXES = ("data", "fsdp")
 HEAD_AXIS = "tensor"
 _FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
-# Kernels chosen while tracing, by name -> calls traced (the benchmark reports them).
-CHOSEN: dict[str, int] = {}
+# The open kernels_chosen() records, innermost last.
+_RECORDS: contextvars.ContextVar[tuple[dict[str, int], ...]] = contextvars.ContextVar("kernels_chosen", default=())
 # Primitives whose outputs hold a fused kernel's forward result and softmax statistics (remat policies keep them).
 KERNEL_PRIMITIVES = frozenset({"dot_product_attention_fwd_wrapper", "dot_product_attention_fwd", "pallas_call"})
 
@@ -239,7 +241,21 @@ def choose(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, masked: bool) ->
     return KERNELS[impl][1]
 
 
+@contextlib.contextmanager
+def kernels_chosen() -> Iterator[dict[str, int]]:
+    """Inside: the attention kernels chosen by what is traced here, by name -> calls traced, in the dict yielded
+    (the benchmarks and the TPU compile report them)."""
+    chosen: dict[str, int] = {}
+    token = _RECORDS.set((*_RECORDS.get(), chosen))
+    try:
+        yield chosen
+    finally:
+        _RECORDS.reset(token)
+
+
 def _record(name: str, q: jax.Array, v: jax.Array) -> None:
     if name == "cudnn" and q.shape[-1] != v.shape[-1]:
         name = "cudnn" if cudnn_native_widths(q.shape[-1], v.shape[-1]) else "cudnn (v padded)"
-    CHOSEN[name] = CHOSEN.get(name, 0) + 1
+    log.debug("attention kernel %s for q %s, v %s", name, q.shape, v.shape)
+    for chosen in _RECORDS.get():
+        chosen[name] = chosen.get(name, 0) + 1

@@ -103,8 +103,7 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
     requested = apply_overrides(get_experiment(name), overrides)
     setup = build_setup(requested)
     train, cfg = setup.experiment.train, setup.experiment.model
-    fused.CHOSEN.clear()
-    with jax.set_mesh(setup.mesh):
+    with jax.set_mesh(setup.mesh), fused.kernels_chosen() as chosen:
         state = init_state(setup)
         tokens = jax.random.randint(
             jax.random.key(0), (train.global_batch_size, train.seq_len + 1), 0, cfg.vocab_size, dtype=jnp.int32
@@ -141,7 +140,7 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
         "accumulation_steps": train.accumulation_steps,
         "seq_len": train.seq_len,
         "attention_impl": cfg.attention_impl,
-        "kernels": dict(fused.CHOSEN),
+        "kernels": chosen,
         "gemms": gemms,
         "remat": cfg.remat,
         "remat_setting": requested.model.remat,

@@ -19,7 +19,6 @@ import jax
 import numpy as np
 
 from mlra_jax.checkpoint import Checkpointer
-from mlra_jax.cli import experiment_from_dict, read_run_config
 from mlra_jax.config import RUNTIME_FIELDS, CheckpointConfig, ConfigError, ModelConfig
 from mlra_jax.guards import check_finite
 from mlra_jax.interop.files import ReferenceFileError, read_reference
@@ -27,6 +26,7 @@ from mlra_jax.interop.hf_folder import check_hf_folder, hf_fields, hf_step, mode
 from mlra_jax.interop.state_dict import StateDictError, from_state_dict
 from mlra_jax.params import unflatten
 from mlra_jax.paths import as_path
+from mlra_jax.run_config import experiment_from_dict, read_run_config
 
 
 def _hf_config(source: str | os.PathLike) -> dict[str, Any] | None:

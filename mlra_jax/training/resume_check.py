@@ -16,9 +16,9 @@ from typing import Any
 
 from etils import epath
 
-from mlra_jax.cli import SECTIONS, read_run_config
 from mlra_jax.config import RUNTIME_FIELDS, ConfigError, Experiment
 from mlra_jax.guards import atomic_write_text
+from mlra_jax.run_config import SECTIONS, read_run_config
 
 log = logging.getLogger(__name__)
 

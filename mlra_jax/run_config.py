@@ -1,0 +1,54 @@
+"""A run's recorded configuration: the sections of an Experiment and its experiment.json, read back.
+
+Library code (resume checks, --init_from, generate) reads runs through this module, never through the
+command-line module `cli`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mlra_jax.config import (
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    Experiment,
+    MeshConfig,
+    MetricsConfig,
+    ModelConfig,
+    ProfileConfig,
+    TrainConfig,
+)
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "mesh": MeshConfig,
+    "checkpoint": CheckpointConfig,
+    "metrics": MetricsConfig,
+    "profile": ProfileConfig,
+}
+
+
+def experiment_from_dict(data: dict[str, Any]) -> Experiment:
+    """An Experiment from its dataclasses.asdict form (a run's experiment.json)."""
+    sections = {name: cls(**data[name]) for name, cls in SECTIONS.items() if name in data}
+    rest = {k: v for k, v in data.items() if k not in SECTIONS}
+    return Experiment(**rest, **sections)
+
+
+def read_run_config(path: Path) -> dict[str, Any]:
+    """A run's experiment.json as a dict, or a ConfigError that names the file when it is not one."""
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+            raise ValueError("no 'model' section")
+        return data
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(
+            f"{path} is not a run's experiment.json ({type(err).__name__}: {err}); it records the "
+            f"configuration the run was trained with: restore it, or use another --workdir"
+        ) from None
