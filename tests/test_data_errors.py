@@ -124,6 +124,7 @@ def test_a_folder_named_like_a_shard_and_an_unreadable_shard_are_named(tmp_path,
         open_shard(tmp_path / "data_val_000000.bin")
 
 
+@pytest.mark.slow  # a short training run
 def test_a_full_disk_during_training_is_one_clear_line(tmp_path, monkeypatch, capsys):
     from mlra_jax import checkpoint
 

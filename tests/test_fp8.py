@@ -176,6 +176,7 @@ def test_every_variant_trains_in_fp8_under_tp_and_fsdp(variant, monkeypatch):
         assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_in_fp8(monkeypatch):
     """Two micro-batches of an FP8 step give the loss of one whole batch (the scales are per micro-batch)."""
     import optax
