@@ -142,6 +142,75 @@ class LatentPlan:
         return (device % self.head_split) * width, width
 
 
+# XLA's CPU compiler crashes on bfloat16 cotangents psum-ed in partially manual shard_maps (jax 0.10): in training
+# the replicated inputs of the latent region enter in float32, so that their cotangents' psum is float32. Kept
+# on every version this package supports (jax < 0.12); check again before raising that bound.
+WIDEN_REPLICATED_TRAINING_INPUTS = jax.__version_info__ < (0, 12)
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionLayout:
+    """How the latent blocks' shard_map over `tensor` is laid out in one mode: the specs of its inputs and output,
+    the mesh axes it makes manual, and which operands it splits by heads rather than by blocks."""
+
+    queries: P
+    stored_kv: tuple[P, P]  # the latent as planned, the one RoPE key replicated over tensor
+    kv_up: P
+    mask: P
+    out: P
+    manual_axes: frozenset[str]
+    heads_sharded_in: bool  # one branch: device d serves exactly head shard d
+    kv_up_by_heads: bool  # kv_up split over its head axis (MLA's replicated block), not its block axis
+    widen_replicated: bool  # replicated floating inputs enter in float32
+
+    def widen(self, x: jax.Array, spec: P) -> jax.Array:
+        """x in float32 when this layout widens replicated inputs and `spec` replicates x."""
+        replicated = all(entry is None for entry in spec)
+        if self.widen_replicated and replicated and jnp.issubdtype(x.dtype, jnp.floating):
+            return x.astype(jnp.float32)
+        return x
+
+
+def _region_layout(
+    plan: LatentPlan, lead: tuple, manual: frozenset[str], widen: bool, has_mask: bool, ndims: tuple[int, int]
+) -> RegionLayout:
+    """The layout for a batch spec `lead` (its first entry), `manual` axes, of a latent and a kv_up of `ndims`."""
+    latent_ndim, kv_up_ndim = ndims
+    heads_sharded_in = plan.branches == 1
+    kv_up_by_heads = not plan.units.sharded and plan.block_heads % plan.tp == 0
+    return RegionLayout(
+        queries=P(*lead, None, TENSOR, None) if heads_sharded_in else P(*lead),
+        stored_kv=(plan.units.spec(latent_ndim, 2, leading=lead), P(*lead)),
+        kv_up=P(None, None, TENSOR, None) if kv_up_by_heads else plan.units.spec(kv_up_ndim, 0),
+        mask=P(*lead) if has_mask else P(),
+        out=P(*lead, None, TENSOR, None) if heads_sharded_in or plan.heads % plan.tp == 0 else P(*lead),
+        manual_axes=manual,
+        heads_sharded_in=heads_sharded_in,
+        kv_up_by_heads=kv_up_by_heads,
+        widen_replicated=widen,
+    )
+
+
+def train_layout(plan: LatentPlan, has_mask: bool, ndims: tuple[int, int]) -> RegionLayout:
+    """Training: only `tensor` is manual (data and fsdp stay with GSPMD); replicated inputs widened."""
+    return _region_layout(plan, (None,), frozenset({TENSOR}), WIDEN_REPLICATED_TRAINING_INPUTS, has_mask, ndims)
+
+
+def prefill_layout(plan: LatentPlan, has_mask: bool, ndims: tuple[int, int]) -> RegionLayout:
+    """A prefill chunk over the cache: only `tensor` is manual, inputs as they come."""
+    return _region_layout(plan, (None,), frozenset({TENSOR}), False, has_mask, ndims)
+
+
+def decode_layout(
+    plan: LatentPlan, has_mask: bool, ndims: tuple[int, int], batch_axes: tuple[str, ...], automatic: frozenset[str]
+) -> RegionLayout:
+    """A decode step: every automatic axis manual, the batch split over `batch_axes` (where it divides), so that
+    the Pallas kernel inside runs on each device's own sequences (a kernel under partly automatic axes fails to
+    compile on GPUs); without batch axes, only `tensor`."""
+    manual = automatic if batch_axes else frozenset({TENSOR})
+    return _region_layout(plan, (batch_axes or None,), manual, False, has_mask, ndims)
+
+
 def per_device_bytes(array: jax.Array) -> int:
     """Bytes of the largest shard one device holds of a (sharded) array."""
     return max(shard.data.nbytes for shard in array.addressable_shards)

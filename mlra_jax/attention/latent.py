@@ -20,13 +20,13 @@ holds the normalized, scaled latent blocks and the roped key (docs/conventions.m
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from mlra_jax.attention.base import Attention, CacheComponent, DecodeShape, KVCache, store_entry
 from mlra_jax.attention.core import attention, latent_attention
@@ -34,7 +34,15 @@ from mlra_jax.attention.latent_kernels import automatic_axes, split_batch_axes
 from mlra_jax.attention.rope import apply_rope
 from mlra_jax.config import ModelConfig
 from mlra_jax.layers import RMSNorm, dense_init, einsum, make_param, project, row_copies
-from mlra_jax.tensor_parallel import TENSOR, LatentPlan, tensor_size
+from mlra_jax.tensor_parallel import (
+    TENSOR,
+    LatentPlan,
+    RegionLayout,
+    decode_layout,
+    prefill_layout,
+    tensor_size,
+    train_layout,
+)
 
 # train: fresh entries, differentiated; prefill: over the cache, keys and values up-projected;
 # decode: over the cache with absorbed weights.
@@ -258,77 +266,73 @@ class LatentAttention(Attention):
         kv_up: jax.Array,
         mask: jax.Array | None,
     ) -> jax.Array:
-        """The blocks in one shard_map over `tensor` (data and fsdp stay automatic): device d runs its latent
-        block(s), their kv_up slices and its cache slice from the heads it serves (`plan`); the branch outputs
-        meet in one psum_scatter that leaves [B, T, h, d_h] split over heads for the row-parallel output
-        projection. queries: q_nope, q_rope [B, T, h, D]; kv: fresh entries in training, else the stored cache.
-
-        Decode steps make every mesh axis manual, the batch split over the data axes (where it divides), so
-        that the Pallas kernel inside runs on each device's own sequences in one shard_map (a kernel under
-        partly automatic axes fails to compile on GPUs). Training and prefill leave data and fsdp to GSPMD.
-
-        In training the replicated inputs enter in float32, so that the psum of their cotangents is float32
-        (XLA's CPU compiler crashes on bfloat16 ones in partially manual shard_maps, jax 0.10); the cache
-        stays in the compute dtype."""
-        units, h, t, out_dtype = plan.units, plan.heads, plan.tp, self.dtype
-        blocks_fn = self.blocks_fn(mode)
-        latent = units.store(kv["latent"], axis=2) if mode == "train" else kv["latent"]  # laid out as the cache
+        """The blocks in one shard_map over `tensor`: device d runs its latent block(s), their kv_up slices and its
+        cache slice from the heads it serves (`plan`); the branch outputs meet in one psum_scatter that leaves
+        [B, T, h, d_h] split over heads for the row-parallel output projection. queries: q_nope, q_rope
+        [B, T, h, D]; kv: fresh entries in training, else the stored cache. The specs and manual axes of each
+        mode come from tensor_parallel's train_layout, prefill_layout and decode_layout."""
+        latent = plan.units.store(kv["latent"], axis=2) if mode == "train" else kv["latent"]  # laid out as the cache
         stored_kv = (latent, kv["k_rope"])
-        heads_sharded_in = plan.branches == 1  # device d serves exactly head shard d
-        # kv_up: the block axis split like the cache, or (MLA) the head axis split when blocks are replicated
-        kv_up_by_heads = not units.sharded and plan.block_heads % t == 0
-        kv_up = units.store(kv_up, axis=0)
-        kv_up_spec = P(None, None, TENSOR, None) if kv_up_by_heads else units.spec(kv_up.ndim, 0)
-
-        def body(queries, stored_kv, kv_up, mask):
-            queries = tuple(x.astype(out_dtype) for x in queries)
-            stored_kv = tuple(x.astype(out_dtype) for x in stored_kv)
-            device = jax.lax.axis_index(TENSOR)
-            first = plan.first_block(device)
-            head_start, width = plan.head_slice(device)
-
-            def mine(x: jax.Array) -> jax.Array:  # this device's [B, T, local_blocks, width, D]
-                if heads_sharded_in:
-                    return x.reshape(x.shape[:2] + (plan.local_blocks, width, x.shape[-1]))
-                blocks = jax.lax.dynamic_slice_in_dim(self.per_block(x), first, plan.local_blocks, axis=2)
-                return jax.lax.dynamic_slice_in_dim(blocks, head_start, width, axis=3)
-
-            up = kv_up if kv_up_by_heads else jax.lax.dynamic_slice_in_dim(kv_up, head_start, width, axis=2)
-            out = blocks_fn(*map(mine, queries), *stored_kv, split_up(up, self.nope_dim), mask).astype(jnp.float32)
-            if heads_sharded_in:
-                return out.reshape(out.shape[:2] + (-1, out.shape[-1])).astype(out_dtype)
-            groups = plan.blocks // plan.branches
-            full = jnp.zeros(out.shape[:2] + (h, out.shape[-1]), jnp.float32)
-            for j in range(plan.local_blocks):  # add each local block's heads into their place among all heads
-                start = ((first + j) % groups) * plan.block_heads + head_start
-                current = jax.lax.dynamic_slice_in_dim(full, start, width, axis=2)
-                full = jax.lax.dynamic_update_slice_in_dim(full, current + out[:, :, j], start, axis=2)
-            full = full * self.branch_scale
-            if h % t == 0:
-                return jax.lax.psum_scatter(full, TENSOR, scatter_dimension=2, tiled=True).astype(out_dtype)
-            return jax.lax.psum(full, TENSOR).astype(out_dtype)
-
-        batch = split_batch_axes(queries[0].shape[0]) if mode == "decode" else ()
-        lead = (batch or None,)
-        q_spec = P(*lead, None, TENSOR, None) if heads_sharded_in else P(*lead)
-        # the latent split as planned, the one RoPE key replicated over tensor
-        kv_specs = (units.spec(latent.ndim, 2, leading=lead), P(*lead))
+        kv_up = plan.units.store(kv_up, axis=0)
+        has_mask, ndims = mask is not None, (latent.ndim, kv_up.ndim)
         if mode == "train":
-            widen = lambda x, spec: (
-                x.astype(jnp.float32) if all(e is None for e in spec) and jnp.issubdtype(x.dtype, jnp.floating) else x
-            )
-            queries = tuple(widen(x, q_spec) for x in queries)
-            stored_kv = tuple(widen(x, spec) for x, spec in zip(stored_kv, kv_specs))
-        out_spec = P(*lead, None, TENSOR, None) if heads_sharded_in or h % t == 0 else P(*lead)
-        manual = set(automatic_axes()) if batch else {TENSOR}
+            layout = train_layout(plan, has_mask, ndims)
+        elif mode == "prefill":
+            layout = prefill_layout(plan, has_mask, ndims)
+        else:
+            batch = split_batch_axes(queries[0].shape[0])
+            layout = decode_layout(plan, has_mask, ndims, batch, frozenset(automatic_axes()))
+        queries = tuple(layout.widen(x, layout.queries) for x in queries)
+        stored_kv = tuple(layout.widen(x, spec) for x, spec in zip(stored_kv, layout.stored_kv))
         mapped = jax.shard_map(
-            body,
-            in_specs=(q_spec, kv_specs, kv_up_spec, P(*lead if mask is not None else ())),
-            out_specs=out_spec,
-            axis_names=manual,
+            functools.partial(self._blocks_on_device, mode, plan, layout),
+            in_specs=(layout.queries, layout.stored_kv, layout.kv_up, layout.mask),
+            out_specs=layout.out,
+            axis_names=set(layout.manual_axes),
             check_vma=False,
         )
         return mapped(queries, stored_kv, kv_up, mask)
+
+    def _blocks_on_device(
+        self,
+        mode: Mode,
+        plan: LatentPlan,
+        layout: RegionLayout,
+        queries: tuple[jax.Array, jax.Array],
+        stored_kv: tuple[jax.Array, jax.Array],
+        kv_up: jax.Array,
+        mask: jax.Array | None,
+    ) -> jax.Array:
+        """The region's body on one device: its blocks' attention, their branches summed into their heads' places,
+        reduced over `tensor`."""
+        h, t, out_dtype = plan.heads, plan.tp, self.dtype
+        queries = tuple(x.astype(out_dtype) for x in queries)
+        stored_kv = tuple(x.astype(out_dtype) for x in stored_kv)
+        device = jax.lax.axis_index(TENSOR)
+        first = plan.first_block(device)
+        head_start, width = plan.head_slice(device)
+
+        def mine(x: jax.Array) -> jax.Array:  # this device's [B, T, local_blocks, width, D]
+            if layout.heads_sharded_in:
+                return x.reshape(x.shape[:2] + (plan.local_blocks, width, x.shape[-1]))
+            blocks = jax.lax.dynamic_slice_in_dim(self.per_block(x), first, plan.local_blocks, axis=2)
+            return jax.lax.dynamic_slice_in_dim(blocks, head_start, width, axis=3)
+
+        up = kv_up if layout.kv_up_by_heads else jax.lax.dynamic_slice_in_dim(kv_up, head_start, width, axis=2)
+        blocks_fn = self.blocks_fn(mode)
+        out = blocks_fn(*map(mine, queries), *stored_kv, split_up(up, self.nope_dim), mask).astype(jnp.float32)
+        if layout.heads_sharded_in:
+            return out.reshape(out.shape[:2] + (-1, out.shape[-1])).astype(out_dtype)
+        groups = plan.blocks // plan.branches
+        full = jnp.zeros(out.shape[:2] + (h, out.shape[-1]), jnp.float32)
+        for j in range(plan.local_blocks):  # add each local block's heads into their place among all heads
+            start = ((first + j) % groups) * plan.block_heads + head_start
+            current = jax.lax.dynamic_slice_in_dim(full, start, width, axis=2)
+            full = jax.lax.dynamic_update_slice_in_dim(full, current + out[:, :, j], start, axis=2)
+        full = full * self.branch_scale
+        if h % t == 0:
+            return jax.lax.psum_scatter(full, TENSOR, scatter_dimension=2, tiled=True).astype(out_dtype)
+        return jax.lax.psum(full, TENSOR).astype(out_dtype)
 
     def attend_blocks(
         self,
