@@ -105,9 +105,11 @@ def test_a_train_step_runs_its_projections_in_fp8(monkeypatch):
     operands, and loss and gradients stay close to the bfloat16 step's."""
     monkeypatch.setattr(fp8, "supported", lambda device=None: True)
     graphdef, params, tokens = _tiny("float8")
-    step = jax.jit(jax.value_and_grad(lambda p: loss_fn(graphdef, p, tokens)))
+    step = jax.jit(jax.value_and_grad(lambda p: loss_fn(graphdef, p, tokens, training=True)))
     hlo = step.lower(params).as_text()
     assert hlo.count("f8E4M3FN") > 0 and hlo.count("f8E5M2") > 0
+    evaluation = jax.jit(lambda p: loss_fn(graphdef, p, tokens)).lower(params).as_text()
+    assert "f8E4M3FN" not in evaluation  # evaluation runs in the compute dtype
     loss, grads = step(params)
     bf16_graphdef, _, _ = _tiny("compute")
     want_loss, want_grads = jax.value_and_grad(lambda p: loss_fn(bf16_graphdef, p, tokens))(params)
@@ -123,7 +125,7 @@ def test_without_fp8_gemms_the_step_is_the_compute_dtypes_and_says_so(caplog):
     fp8._report_fallback.cache_clear()
     graphdef, params, tokens = _tiny("float8")
     with caplog.at_level(logging.WARNING, logger="mlra_jax.fp8"):
-        loss = loss_fn(graphdef, params, tokens)
+        loss = loss_fn(graphdef, params, tokens, training=True)
     assert "has no FP8 GEMMs" in caplog.text
     plain_graphdef, _, _ = _tiny("compute")
     assert float(loss) == float(loss_fn(plain_graphdef, params, tokens))
@@ -165,7 +167,7 @@ def test_every_variant_trains_in_fp8_under_tp_and_fsdp(variant, monkeypatch):
     model = init_model(config, seed=0)
     graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
     tokens = jax.random.randint(jax.random.key(0), (8, 17), 0, 128)
-    value_and_grad = jax.jit(jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t)))
+    value_and_grad = jax.jit(jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t, training=True)))
     loss, _ = value_and_grad(params, tokens)
     for mesh_config in (MeshConfig(data=-1, tensor=2), MeshConfig(data=1, fsdp=-1)):
         mesh = make_mesh(mesh_config, jax.devices()[:8])

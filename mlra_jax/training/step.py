@@ -22,15 +22,19 @@ from mlra_jax.params import compute_params
 Params = dict[str, Any]
 
 
-def loss_fn(graphdef: nnx.GraphDef, params: Params, tokens: jax.Array, loss_chunk: int = 0) -> jax.Array:
+def loss_fn(
+    graphdef: nnx.GraphDef, params: Params, tokens: jax.Array, loss_chunk: int = 0, training: bool = False
+) -> jax.Array:
     """Loss of the model on tokens [B, T + 1] (inputs tokens[:, :-1], targets tokens[:, 1:]); the
-    cross-entropy runs over chunks of `loss_chunk` positions (0: whole)."""
+    cross-entropy runs over chunks of `loss_chunk` positions (0: whole). `training`: the train step's loss,
+    whose projections take model.matmul_dtype (FP8 where asked for and available); evaluation's run in the
+    compute dtype."""
     config = nnx.merge(graphdef, params).config
     dtype = config.dtype
     if dtype != jnp.float32:
         params = compute_params(params, dtype)
     model = nnx.merge(graphdef, params)
-    with fp8.matmuls(fp8.training_matmuls(config.matmul_dtype)):
+    with fp8.matmuls(training and fp8.training_matmuls(config.matmul_dtype)):
         hidden = model.hidden(tokens[:, :-1])
     return chunked_next_token_loss(hidden, model.embed.embedding[...], tokens[:, 1:], dtype, loss_chunk)
 
@@ -59,7 +63,7 @@ def make_train_step(
 
     With accumulation_steps > 1 the batch is split into micro-batches whose gradients
     are averaged in float32 (a scan, so memory holds one micro-batch of activations)."""
-    value_and_grad = jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t, loss_chunk))
+    value_and_grad = jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t, loss_chunk, training=True))
 
     def step(params: Params, opt_state: Any, tokens: jax.Array):
         if accumulation_steps == 1:
