@@ -186,7 +186,9 @@ def fields_help(experiment: Experiment | None = None) -> str:
     """Every overridable field with the values it takes, its value in `experiment` (else the default of its
     dataclass, or "required") and what it means (the comments in config.py), as tyro writes it."""
     _, printed = _run_tyro(experiment, ["--help"], "overrides")
-    return printed[printed.index("\n\n") + 2 :] if "\n\n" in printed else printed
+    lines = printed.splitlines()
+    first = next((i for i, line in enumerate(lines) if line.strip() == "model options"), 0)
+    return "\n".join(line.rstrip() for line in lines[first:])  # from the first section on, without tyro's -h
 
 
 # -- what every command's parser shares ------------------------------------------------------------------------
