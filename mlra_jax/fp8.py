@@ -137,3 +137,13 @@ def training_matmuls(matmul_dtype: str, device: jax.Device | None = None) -> boo
         return True
     _report_fallback(device.device_kind)
     return False
+
+
+def describe(matmul_dtype: str, device: jax.Device | None = None) -> str:
+    """One line on how a train step's projections run on `device` (for --dry_run)."""
+    if matmul_dtype != "float8":
+        return "projections: the compute dtype"
+    device = device or jax.devices()[0]
+    if supported(device):
+        return f"projections: FP8 GEMMs (e4m3 / e5m2, per-tensor dynamic scaling) on {device.device_kind}"
+    return f"projections: float8 asked for, but {device.device_kind} has no FP8 GEMMs: the compute dtype"

@@ -105,6 +105,7 @@ def initialize_distributed(args: argparse.Namespace) -> None:
 
 
 def dry_run(experiment: Experiment, compile_step: bool) -> None:
+    from mlra_jax import fp8
     from mlra_jax.data.pipeline import check_data
     from mlra_jax.training.state import build_setup, compiled_memory, memory_estimate
 
@@ -114,6 +115,7 @@ def dry_run(experiment: Experiment, compile_step: bool) -> None:
     print(json.dumps(dataclasses.asdict(experiment), indent=1))
     print(data)
     print(f"parameters: {setup.num_params:,}")
+    print(fp8.describe(experiment.model.matmul_dtype, setup.mesh.devices.flat[0]))
     print(
         f"mesh: {dict(setup.mesh.shape)} over {setup.mesh.size} {setup.mesh.devices.flat[0].device_kind} "
         f"devices; {setup.experiment.train.accumulation_steps} micro-batch(es) of "

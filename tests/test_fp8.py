@@ -148,6 +148,9 @@ def test_supported_reads_the_compute_capability():
 
     assert fp8.supported(Device("9.0")) and fp8.supported(Device("8.9"))
     assert not fp8.supported(Device("8.0")) and not fp8.supported(jax.devices("cpu")[0])
+    assert "FP8 GEMMs (e4m3 / e5m2" in fp8.describe("float8", Device("9.0"))
+    assert "has no FP8 GEMMs: the compute dtype" in fp8.describe("float8", jax.devices("cpu")[0])
+    assert fp8.describe("compute") == "projections: the compute dtype"
 
 
 @pytest.mark.slow
