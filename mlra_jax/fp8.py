@@ -6,7 +6,9 @@ torchao's tensorwise float8 does): the forward multiplies e4m3 activations by e4
 multiplies the e5m2 output gradient by each. Every GEMM is written with both operands contracting over
 their last axis, the one layout in which Hopper's FP8 GEMMs run at full rate; the transposed copies it
 needs are made by the quantizing fusions. Products accumulate in float32 and are written in the compute
-dtype; the scales are applied to the output, where XLA fuses them into the next elementwise work.
+dtype; the scales are applied to the output, where XLA fuses them into the next elementwise work. Under a
+remat policy that keeps the products, the quantized operands are made again in the backward (elementwise
+passes), not kept.
 
 Only training takes this path (the loss function turns it on); evaluation, decoding and export run in
 the compute dtype. A backend without FP8 GEMMs (a CPU, a GPU before compute capability 8.9) is reported
@@ -48,9 +50,11 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 
 def _gemm(a: jax.Array, b: jax.Array, scale: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
-    """a [M, K] . b [N, K] -> [M, N] (both contracting their last axis), times `scale`, in `out_dtype`."""
-    product = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return (product * scale).astype(out_dtype)
+    """a [M, K] . b [N, K] -> [M, N] (both contracting their last axis), times `scale`, in `out_dtype`. The GEMM
+    accumulates in float32 and writes `out_dtype`, so that a remat policy that keeps the products keeps them
+    in the compute dtype, as it does without FP8 (and as remat="auto" estimates)."""
+    product = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+    return (product.astype(jnp.float32) * scale).astype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -198,3 +198,27 @@ def test_gradient_accumulation_in_fp8(monkeypatch):
     assert bool(split_metrics["finite"])
     np.testing.assert_allclose(float(split_metrics["loss"]), float(whole_metrics["loss"]), rtol=1e-2)
     np.testing.assert_allclose(float(split_metrics["grad_norm"]), float(whole_metrics["grad_norm"]), rtol=5e-2)
+
+
+def test_a_remat_policy_keeps_fp8_products_in_the_compute_dtype():
+    """Under `dots` the kept products are bfloat16, as without FP8: remat="auto"'s estimate holds for FP8 too."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from mlra_jax.model import REMAT_POLICIES, Block, default_positions
+
+    config = dataclasses.replace(get_experiment("mlra4_tiny").model, compute_dtype="bfloat16", matmul_dtype="float8")
+    graphdef, state = nnx.split(Block(config, rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(state)
+    x = jnp.ones((2, 16, config.n_embd), jnp.float32)
+    positions = default_positions(jnp.zeros((2, 16), jnp.int32))
+    with fp8.matmuls(True):
+
+        def layer(p, h):  # defined here: jax.checkpoint caches its trace by function
+            return nnx.merge(graphdef, p)(h, positions)
+
+        kept = [
+            aval
+            for aval, source in saved_residuals(jax.checkpoint(layer, policy=REMAT_POLICIES["dots"]), params, x)
+            if "fp8" in source
+        ]
+    assert len(kept) == 7 and {aval.dtype for aval in kept} == {jnp.dtype(jnp.bfloat16)}
