@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import datetime
 import errno
-import fcntl
 import itertools
 import json
 import math
@@ -38,7 +37,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import sys
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator
@@ -52,6 +50,7 @@ from mlra_jax.command import command
 from mlra_jax.data.documents import input_files, iter_documents
 from mlra_jax.data.shards import MARKER, DataError, read_marker, verify_shards, write_shard
 from mlra_jax.data.tokenizer import encode_documents, gpt2_tokenizer
+from mlra_jax.file_lock import try_lock
 from mlra_jax.guards import atomic_write_text, check_output_path
 from mlra_jax.paths import as_path, is_remote, local_path
 
@@ -161,30 +160,12 @@ class _OutputLock:
     def __enter__(self) -> _OutputLock:
         if self.path is None:
             return self
-        while True:
-            handle = open(self.path, "a+")
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                handle.seek(0)
-                holder = handle.read().strip() or "another process"
-                handle.close()
-                raise DataError(
-                    f"another prepare ({holder}) is writing --output {self.output}; wait for it to finish "
-                    f"or choose another folder. Nothing was written"
-                ) from None
-            try:
-                current = os.stat(self.path)
-            except FileNotFoundError:
-                current = None
-            mine = os.fstat(handle.fileno())
-            if current is not None and (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino):
-                break
-            handle.close()  # its holder removed the file as it finished: lock the one there now
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
-        handle.flush()
+        handle, holder = try_lock(self.path)
+        if handle is None:
+            raise DataError(
+                f"another prepare ({holder or 'another process'}) is writing --output {self.output}; wait for it "
+                f"to finish or choose another folder. Nothing was written"
+            )
         self._file = handle
         return self
 

@@ -1,6 +1,6 @@
 """One writer per run directory: an exclusive lock held by the training process for the whole run.
 
-The lock is an OS file lock (flock) on `WORKDIR/lock`, which the kernel releases when the
+The lock is an OS file lock (flock, mlra_jax.file_lock) on `WORKDIR/lock`, which the kernel releases when the
 process ends however it ends, so a killed run leaves no stale lock; the file keeps the
 holder's host and pid for the message a second writer gets. Local and NFS-style folders only: an
 object store (a gs:// workdir) has no locks, so there the lock is skipped with a warning.
@@ -11,9 +11,9 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import socket
 
 from mlra_jax.config import ConfigError
+from mlra_jax.file_lock import try_lock
 from mlra_jax.paths import is_remote, local_path
 
 log = logging.getLogger(__name__)
@@ -33,21 +33,12 @@ class RunLock:
                 self.workdir,
             )
             return self
-        handle = open(self.path, "a+")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "an unknown process"
-            handle.close()
+        handle, holder = try_lock(self.path)
+        if handle is None:
             raise ConfigError(
-                f"{self.path.parent} is in use by another training process ({holder}); wait for it "
-                f"to finish or stop it, or use another --workdir"
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
-        handle.flush()
+                f"{self.path.parent} is in use by another training process ({holder or 'an unknown process'}); "
+                f"wait for it to finish or stop it, or use another --workdir"
+            )
         self._file = handle
         return self
 
