@@ -153,8 +153,6 @@ class MLP(nnx.Module):
         self.gate_proj = make_param(rngs, (d, f), ("embed", "mlp"), dense_init(cfg), cfg)
         self.up_proj = make_param(rngs, (d, f), ("embed", "mlp"), dense_init(cfg), cfg)
         self.down_proj = make_param(rngs, (f, d), ("mlp", "embed"), output_init(cfg), cfg)
-        self.gate_up: nnx.Param | None = None  # gate_proj and up_proj in one [d, 2, f] (use_serving_layout)
-        self.out_major = False  # serving weights stored [out, in]: gate_up [2, f, d], down_proj [d, f]
         self.dtype = cfg.dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -164,30 +162,9 @@ class MLP(nnx.Module):
         2.9B at batch 1, per layer)."""
         rows = x.shape[0]
         x = row_copies(x)
-        if self.gate_up is None:
-            gate = project(x, self.gate_proj, "btd,df->btf", self.dtype)
-            up = project(x, self.up_proj, "btd,df->btf", self.dtype)
-        else:
-            both = project(x, self.gate_up, "btd,gfd->btgf" if self.out_major else "btd,dgf->btgf", self.dtype)
-            gate, up = both[:, :, 0], both[:, :, 1]
-        out = project(
-            jax.nn.silu(gate) * up, self.down_proj, "btf,df->btd" if self.out_major else "btf,fd->btd", self.dtype
-        )
-        return out[:rows]
-
-    def use_serving_layout(self, params: dict[str, jax.Array], out_major: bool = False) -> dict[str, jax.Array]:
-        """gate_proj and up_proj (stacked over layers or not) as one gate_up [d, 2, f], and the module set to
-        read it: one product of x instead of two, as XLA's DotMerger would make it by copying both on every
-        call (the serving path turns that pass off: serving.SERVING_COMPILER_OPTIONS). out_major: gate_up
-        [2, f, d] and down_proj [d, f], the layout of the batch-1 row kernels (decode.row_step)."""
-        gate_up = jnp.stack([params["gate_proj"], params["up_proj"]], axis=-2)
-        down = params["down_proj"]
-        if out_major:
-            gate_up, down = jnp.moveaxis(gate_up, -3, -1), jnp.swapaxes(down, -1, -2)
-        self.gate_proj = self.up_proj = None
-        self.gate_up = nnx.data(nnx.Param(gate_up))
-        self.out_major = out_major
-        return {"gate_up": gate_up, "down_proj": down}
+        gate = project(x, self.gate_proj, "btd,df->btf", self.dtype)
+        up = project(x, self.up_proj, "btd,df->btf", self.dtype)
+        return project(jax.nn.silu(gate) * up, self.down_proj, "btf,fd->btd", self.dtype)[:rows]
 
 
 class Embed(nnx.Module):

@@ -7,6 +7,7 @@ package-dir: experiments/ is mlra_jax.experiments, pallas_kernels/ is mlra_jax.p
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from pathlib import Path
 
@@ -267,3 +268,18 @@ def test_the_checks_catch_what_they_should():
         "mlra_jax.model (library) imports mlra_jax.benchmarks.common (entry points)",
         "mlra_jax.pallas_kernels.x (kernels) imports mlra_jax.config (config)",
     ]
+
+
+# The serving layouts' names (decode.layouts); the modules that train know none of them.
+SERVING_LAYOUT_NAMES = re.compile(r"\b(out_major|kv_up_layout|gate_up|x_proj|use_serving_layout|serving_layout)\b")
+
+
+def serving_layout_mentions(paths: list[Path]) -> dict[str, list[str]]:
+    found = {str(p.relative_to(ROOT)): sorted(set(SERVING_LAYOUT_NAMES.findall(p.read_text()))) for p in paths}
+    return {name: names for name, names in found.items() if names}
+
+
+def test_the_attention_modules_and_layers_name_no_serving_layout():
+    paths = [*sorted((ROOT / "mlra_jax" / "attention").glob("*.py")), ROOT / "mlra_jax" / "layers.py"]
+    assert len(paths) > 5 and serving_layout_mentions(paths) == {}
+    assert serving_layout_mentions([ROOT / "mlra_jax" / "decode" / "layouts.py"]) != {}  # the check sees them

@@ -15,7 +15,6 @@ import dataclasses
 import math
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from mlra_jax.config import ModelConfig
@@ -85,16 +84,6 @@ class Attention(nnx.Module):
             if cfg.gated
             else None
         )
-        self.out_major = False  # o_proj stored [d, h, d_v] (use_serving_layout(out_major=True))
-
-    def use_serving_layout(self, params: dict[str, jax.Array], out_major: bool = False) -> dict[str, jax.Array]:
-        """This module's parameters (stacked over layers or not) in the layout a single device's decode steps
-        read best, and the module set to read them so. The base class keeps its layout, or with out_major
-        stores o_proj [d, h, d_v], as the batch-1 row kernels read it (decode.row_step)."""
-        if not out_major:
-            return params
-        self.out_major = True
-        return {**params, "o_proj": jnp.moveaxis(params["o_proj"], -1, -3)}
 
     # -- what subclasses implement -------------------------------------------
     @staticmethod
@@ -149,9 +138,7 @@ class Attention(nnx.Module):
         """Optional sigmoid gate computed from x (the attention's input), then the output projection; heads_out
         may hold copies of x's single row (layers.row_copies), and the result has x's rows."""
         heads_out = self.gated(x, heads_out)
-        return project(heads_out, self.o_proj, "bthk,dhk->btd" if self.out_major else "bthk,hkd->btd", self.dtype)[
-            : x.shape[0]
-        ]
+        return project(heads_out, self.o_proj, "bthk,hkd->btd", self.dtype)[: x.shape[0]]
 
     def gated(self, x: jax.Array, heads_out: jax.Array) -> jax.Array:
         """heads_out in the compute dtype, times the sigmoid gate of x (the attention's input) when the model is

@@ -74,8 +74,6 @@ class LatentAttention(Attention):
             init,
             cfg,
         )
-        self.kv_up_layout = "nrhk"  # as stored: the parameter's [n, R, H, 2 d_h], or "2nhrk" (use_serving_layout)
-        self.x_proj: nnx.Param | None = None  # q_down | kv_down | k_rope_proj in one [d, d_c'+n R+d_h^R] (serving)
         self.q_scale = math.sqrt(d / dq) if cfg.latent_scale else 1.0
         self.kv_scale = math.sqrt(d / self.block_rank) if cfg.latent_scale else 1.0
         self.softmax_scale = (dh + dr) ** -0.5
@@ -138,21 +136,15 @@ class LatentAttention(Attention):
 
     def queries_from(self, c_q: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The queries from x's query down-projection c_q [B, T, d_c']."""
-        c_q = self.q_norm(c_q) * self.q_scale
-        q = project(
-            c_q.astype(self.dtype), self.q_up, "btq,hkq->bthk" if self.out_major else "btq,qhk->bthk", self.dtype
-        )
-        return q[..., : self.nope_dim], apply_rope(q[..., self.nope_dim :], positions, self.theta)
+        return self.split_query(project(self.normed_query(c_q), self.q_up, "btq,qhk->bthk", self.dtype), positions)
 
-    def x_projections(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x's three down-projections, c_q [B, T, d_c'], latent [B, T, n, R] and k_rope [B, T, d_h^R]: three
-        products, or one over the serving layout's x_proj."""
-        if self.x_proj is None:
-            return self.q_projection(x), *self.kv_projections(x)
-        latent_width = self.blocks * self.block_rank
-        y = project(x, self.x_proj, "btd,kd->btk" if self.out_major else "btd,dk->btk", self.dtype)
-        c_q, latent, k_rope = jnp.split(y, (self.q_rank, self.q_rank + latent_width), axis=-1)
-        return c_q, latent.reshape(latent.shape[:-1] + (self.blocks, self.block_rank)), k_rope
+    def normed_query(self, c_q: jax.Array) -> jax.Array:
+        """c_q normalized and scaled, in the compute dtype: what q_up multiplies."""
+        return (self.q_norm(c_q) * self.q_scale).astype(self.dtype)
+
+    def split_query(self, q: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The up-projected queries [B, T, h, d_h + d_h^R] as q_nope [B, T, h, d_h] and roped q_rope."""
+        return q[..., : self.nope_dim], apply_rope(q[..., self.nope_dim :], positions, self.theta)
 
     def per_block(self, x: jax.Array) -> jax.Array:
         """[B, T, h, D] -> [B, T, blocks, block_heads, D]: the heads that block b serves."""
@@ -183,9 +175,9 @@ class LatentAttention(Attention):
         plans: dict,
         absorbed: bool,
     ) -> tuple[jax.Array, KVCache]:
-        """Over the cache, x projected down once (x_projections): prefill up-projects keys and values as
-        training does; decode steps absorb the weights (paper Steps 1-3) and form no per-head key or value."""
-        c_q, latent, k_rope = self.x_projections(x)
+        """Over the cache: prefill up-projects keys and values as training does; decode steps absorb the weights
+        (paper Steps 1-3) and form no per-head key or value."""
+        c_q, (latent, k_rope) = self.q_projection(x), self.kv_projections(x)
         cache = store_entry(cache, self.entry_from(latent, k_rope, positions), index, plans)
         if absorbed and tensor_size() == 1:  # one row: q_up and W_UK on its copies (absorbed_blocks)
             c_q = row_copies(c_q)
@@ -202,55 +194,26 @@ class LatentAttention(Attention):
         if tp == 1 and mode == "train" and self.absorbed_training:
             return self.absorbed_attention(q_nope, q_rope, kv["latent"], kv["k_rope"], mask)
         if tp == 1:
-            out = self.blocks_fn(mode)(
-                self.per_block(q_nope), self.per_block(q_rope), kv["latent"], kv["k_rope"], self.up_weights(), mask
-            )
-            return self.merge_branches(out)
-        if self.kv_up_layout != "nrhk":
-            raise ValueError(
-                "the serving layout of kv_up is for a single device; under tensor parallelism keep "
-                "the parameter's layout"
-            )
+            return self.local_blocks(mode, queries, kv, self.up_weights(), mask)
         plan = LatentPlan(self.blocks, self.branches, self.n_head, tp)
         return self.tensor_parallel_blocks(mode, plan, (q_nope, q_rope), kv, self.kv_up[...].astype(self.dtype), mask)
 
-    def up_weights(self) -> tuple[jax.Array, jax.Array]:
-        """W_UK and W_UV [n, R, H, d_h] in the compute dtype, from kv_up in either layout."""
-        w = self.kv_up[...].astype(self.dtype)
-        if self.kv_up_layout == "2nhrk":
-            return jnp.swapaxes(w[0], 1, 2), jnp.swapaxes(w[1], 1, 2)
-        return split_up(w, self.nope_dim)
+    def local_blocks(
+        self,
+        mode: Mode,
+        queries: tuple[jax.Array, jax.Array],
+        kv: KVCache,
+        up: tuple[jax.Array, jax.Array],
+        mask: jax.Array | None,
+    ) -> jax.Array:
+        """Every latent block's attention on one device, with up = (W_UK, W_UV) [n, R, H, d_h]: [B, T, h, d_h]."""
+        q_nope, q_rope = queries
+        out = self.blocks_fn(mode)(self.per_block(q_nope), self.per_block(q_rope), kv["latent"], kv["k_rope"], up, mask)
+        return self.merge_branches(out)
 
-    def use_serving_layout(self, params: dict[str, jax.Array], out_major: bool = False) -> dict[str, jax.Array]:
-        """Two layouts for a single device's decode steps:
-        * kv_up stored as W_UK and W_UV, each head-major, [2, n, H, R, d_h]: the absorbed products batch over
-          block and head, which the parameter's [n, R, H, 2 d_h] interleaves with the rank, so XLA copies a
-          transposed W_UK and W_UV out of it on every decode step (H100, 2.9B MLRA-4 at batch 1: 6.4 us of a
-          layer's 132); each of them must be contiguous too, or XLA copies it out.
-        * q_down, kv_down and k_rope_proj concatenated into x_proj [d, d_c' + n R + d_h^R]: one product of x
-          instead of three (x_projections), each of which at batch 1 takes about twice its bytes' time.
-        out_major: x_proj [d_c' + n R + d_h^R, d], q_up [h, d_h + d_h^R, d_c'] and o_proj [d, h, d_h], the layout
-        of the batch-1 row kernels (decode.row_step)."""
-        params = super().use_serving_layout(params, out_major)
-        up = params["kv_up"]
-        split = up.reshape(up.shape[:-1] + (2, self.nope_dim))  # [..., n, R, H, 2, d_h]
-        self.kv_up_layout = "2nhrk"
-        kv_down = params["kv_down"]
-        x_proj = jnp.concatenate(
-            [params["q_down"], kv_down.reshape(kv_down.shape[:-2] + (-1,)), params["k_rope_proj"]], axis=-1
-        )
-        q_up = params["q_up"]
-        if out_major:
-            x_proj, q_up = jnp.swapaxes(x_proj, -1, -2), jnp.moveaxis(q_up, -3, -1)
-        self.q_down = self.kv_down = self.k_rope_proj = None
-        self.x_proj = nnx.data(nnx.Param(x_proj))
-        rest = {name: a for name, a in params.items() if name not in ("q_down", "kv_down", "k_rope_proj")}
-        return {
-            **rest,
-            "kv_up": jnp.moveaxis(split, (-2, -5, -3, -4), (-5, -4, -3, -2)),
-            "x_proj": x_proj,
-            "q_up": q_up,
-        }
+    def up_weights(self) -> tuple[jax.Array, jax.Array]:
+        """W_UK and W_UV [n, R, H, d_h] in the compute dtype."""
+        return split_up(self.kv_up[...].astype(self.dtype), self.nope_dim)
 
     def blocks_fn(self, mode: Mode) -> Callable[..., jax.Array]:
         if mode == "decode":

@@ -10,8 +10,8 @@ H100, 15 of them elementwise at 1.1-1.6 us each. Here a block is
   swiglu_norm_matvec (MLP norm, gate and up, SwiGLU) | matvec_add (down, residual): 9 kernels;
 * other variants: the attention as the module computes it, then the same output and MLP kernels;
 
-and the tied head is norm_matvec with the final norm. The weights are the serving model's, stored out-major
-([out, in]: use_serving_layout(out_major=True)). Every kernel rounds as the model does, so a step gives the
+and the tied head is norm_matvec with the final norm. The weights are the serving layer's, held out-major
+([out, in]: decode.layouts with out_major). Every kernel rounds as the model does, so a step gives the
 module path's logits up to the float32 summation order.
 """
 
@@ -62,6 +62,7 @@ def rope_of(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Arra
 
 def block_step(
     block: Block,
+    weights: dict,
     x: jax.Array,
     cache: dict[str, jax.Array],
     positions: jax.Array,
@@ -71,23 +72,24 @@ def block_step(
     rope: tuple[jax.Array, jax.Array] | None,
     interpret: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """One block on the token's residual row x [d] (float32): the new x and the cache with the token's entry."""
-    attn = block.attn
+    """One block (a serving shell, decode.layouts) and its layer's serving weights (held: weights["attn"],
+    weights["mlp"]) on the token's residual row x [d] (float32): the new x and the cache with the token's entry."""
+    attn, held = block.attn, weights["attn"]
     if isinstance(attn, LatentAttention):
-        heads, cache = _latent_heads(block, x, cache, mask, index, rope, interpret)
+        heads, cache = _latent_heads(block, held, x, cache, mask, index, rope, interpret)
     else:
         h = block.attn_norm(x[None, None])
         heads, cache = attn.write_and_attend(h, positions, cache, mask, index, plans, True)
         heads = attn.gated(h, heads)[0, 0]
-    o_proj = attn.o_proj[...]
+    o_proj, mlp = held["o_proj"], weights["mlp"]
     x = matvec_add(heads.reshape(-1), o_proj.reshape(o_proj.shape[0], -1), x, interpret=interpret)
-    mlp = block.mlp
-    h = swiglu_norm_matvec(x, mlp.gate_up[...], block.mlp_norm.scale[...], eps=block.mlp_norm.eps, interpret=interpret)
-    return matvec_add(h, mlp.down_proj[...], x, interpret=interpret), cache
+    h = swiglu_norm_matvec(x, mlp["gate_up"], block.mlp_norm.scale[...], eps=block.mlp_norm.eps, interpret=interpret)
+    return matvec_add(h, mlp["down_proj"], x, interpret=interpret), cache
 
 
 def _latent_heads(
     block: Block,
+    held: dict,
     x: jax.Array,
     cache: dict[str, jax.Array],
     mask: jax.Array,
@@ -99,10 +101,8 @@ def _latent_heads(
     its entry. x_proj's row holds c_q | the latent blocks | the RoPE key; the kernels read their parts in place."""
     attn: LatentAttention = block.attn
     cos, sin = rope
-    projected = norm_matvec(
-        x, attn.x_proj[...], block.attn_norm.scale[...], eps=block.attn_norm.eps, interpret=interpret
-    )
-    q_up = attn.q_up[...]  # [h, d_h + d_h^R, d_c']
+    projected = norm_matvec(x, held["x_proj"], block.attn_norm.scale[...], eps=block.attn_norm.eps, interpret=interpret)
+    q_up = held["q_up"]  # [h, d_h + d_h^R, d_c']
     q = norm_matvec(
         projected,
         q_up.reshape(-1, q_up.shape[-1]),
@@ -116,7 +116,7 @@ def _latent_heads(
     )
     q_latent, q_rope, latent, k_rope = latent_queries(
         q.reshape(q_up.shape[:2]),
-        attn.kv_up[...],
+        held["kv_up"],
         cos,
         sin,
         branches=attn.branches,
@@ -135,7 +135,7 @@ def _latent_heads(
         impl=attn.impl,
     )
     heads = latent_output(
-        z[0, 0], attn.kv_up[...], branches=attn.branches, branch_scale=attn.branch_scale, interpret=interpret
+        z[0, 0], held["kv_up"], branches=attn.branches, branch_scale=attn.branch_scale, interpret=interpret
     )
     if attn.gate_proj is not None:
         heads = attn.gated(block.attn_norm(x[None, None]), heads[None, None])[0, 0]

@@ -3,11 +3,12 @@
 * Weights are cast once to the compute dtype (norm scales and the embedding table stay float32,
   as the model reads them; the tied head gets its own copy in the compute dtype) and split into
   one pytree per layer, so a step reads each weight once, as stored. The MLP's hidden width is padded
-  to a multiple of 128 (padded_mlp). On one device the attention and the MLP store their weights in
-  their serving layouts (use_serving_layout: the products of the same input merged into one, the
-  latent family's W_UK and W_UV head-major). A one-row product runs on two rows (layers.two_rows), and a
-  chain of products (the MLP; the latent queries; W_UV and the output projection) on copies of the row,
-  sliced once at its end (layers.row_copies).
+  to a multiple of 128 (padded_mlp). On one device the serving layer holds the products' weights in the
+  layouts its steps read best (decode.layouts: the products of the same input merged into one, the latent
+  family's W_UK and W_UV head-major) and runs the blocks on copies of the modules without them
+  (decode.serving_block); on a mesh the modules run as trained. A one-row product runs on two rows
+  (layers.two_rows), and a chain of products (the MLP; the latent queries; W_UV and the output projection)
+  on copies of the row, sliced once at its end (layers.row_copies).
 * The cache is `LayerCaches`: one buffer per layer and cached tensor, donated to every jitted step
   and updated in place (the layers are unrolled; a layer scan over a stacked cache re-emits and
   copies the whole cache every step).
@@ -21,7 +22,7 @@
   runs (attention.latent_kernels.use_kernel: Hopper GPUs, TPUs) and XLA elsewhere.
 * Decode steps of one sequence run on the row-product kernels where they run (row_kernels="auto": NVIDIA GPUs,
   one device; decode.row_step): each product with its norm, residual add or SwiGLU inside, the latent
-  family's cache write, queries and output as one kernel each. The weights are then stored out-major
+  family's cache write, queries and output as one kernel each. The held weights are then stored out-major
   ([out, in]), which the XLA path (prefill, larger batches) reads as well.
 """
 
@@ -39,7 +40,7 @@ from flax import nnx
 
 from mlra_jax.attention.fused import log_once
 from mlra_jax.config import ModelConfig
-from mlra_jax.decode import row_step
+from mlra_jax.decode import layouts, row_step, serving_block
 from mlra_jax.kv_cache import SLOT_MULTIPLE, LayerCaches, init_layer_caches, layer_cache_shardings, slot_mask
 from mlra_jax.layers import einsum
 from mlra_jax.model import Transformer
@@ -118,16 +119,18 @@ class ServingModel:
         shell = nnx.merge(graphdef, params)
         blocks = compute_params(params["blocks"], self.cfg.dtype)
         blocks = {**blocks, "mlp": padded_mlp(blocks["mlp"])}
-        if mesh is None:  # the layouts a single device's decode steps read best (use_serving_layout)
-            blocks = {
-                **blocks,
-                "attn": shell.blocks.attn.use_serving_layout(blocks["attn"], out_major=self.rows),
-                "mlp": shell.blocks.mlp.use_serving_layout(blocks["mlp"], out_major=self.rows),
-            }
+        # One device: the weights that its decode steps read best in other layouts are held here (decode.layouts)
+        # and the blocks run on a shell of the modules without them; a mesh runs the modules as trained.
+        self.held = mesh is None
+        if self.held:
+            layers = {"block": layouts.module_weights(blocks), **layouts.held_weights(blocks, out_major=self.rows)}
+            self.block_def = nnx.split(layouts.serving_shell(shell.blocks))[0]
+        else:
+            layers = {"block": blocks}
+            self.block_def = nnx.split(shell.blocks)[0]
         self.embed_def = nnx.split(shell.embed)[0]
         self.norm_def = nnx.split(shell.final_norm)[0]
-        self.block_def = nnx.split(shell.blocks)[0]
-        self.weights = serving_weights(params, blocks, self.cfg.dtype, self.cfg.n_layer)
+        self.weights = serving_weights(params, layers, self.cfg.dtype, self.cfg.n_layer)
         self.traces: collections.Counter = collections.Counter()
         self._calls: dict[tuple, Callable] = {}  # (absorbed, few rows, sampler) -> jitted call
         self._grow = jax.jit(self._grown, static_argnums=(1,))  # a new shape: nothing to donate into
@@ -162,10 +165,14 @@ class ServingModel:
             x, rope = x[0, 0], row_step.rope_of(self.cfg, positions)
         layers = []
         for layer_weights, cache in zip(weights["layers"], caches.layers):
-            block = nnx.merge(self.block_def, layer_weights)
+            block = nnx.merge(self.block_def, layer_weights["block"])
             if rows:
                 x, cache = row_step.block_step(
-                    block, x, cache, positions, mask, caches.index, plans, rope, self.rows_interpret
+                    block, layer_weights, x, cache, positions, mask, caches.index, plans, rope, self.rows_interpret
+                )
+            elif self.held:
+                x, cache = serving_block.block_step(
+                    block, layer_weights, x, positions, cache, mask, caches.index, plans, absorbed, self.rows
                 )
             else:
                 x, cache = block.cached(x, positions, cache, mask, caches.index, plans, absorbed)
@@ -279,14 +286,17 @@ def use_row_kernels(mode: str, cfg: ModelConfig, mesh: jax.sharding.Mesh | None)
     return problem is None
 
 
-def serving_weights(params: dict[str, Any], blocks: dict[str, Any], dtype: jnp.dtype, n_layer: int) -> dict[str, Any]:
-    """The weights serving reads: `blocks`, the stacked layers as prepared (cast, padded, laid out), split
-    into one pytree per layer; the model's other parameters cast once to `dtype` (compute_params: norm
+def serving_weights(params: dict[str, Any], layers: dict[str, Any], dtype: jnp.dtype, n_layer: int) -> dict[str, Any]:
+    """The weights serving reads: `layers`, the stacked layers' weights as prepared (cast, padded, laid out),
+    split into one pytree per layer; the model's other parameters cast once to `dtype` (compute_params: norm
     scales and the embedding table stay float32), and the tied head's own copy in `dtype`."""
     cast = compute_params({name: params[name] for name in ("embed", "final_norm")}, dtype)
-    layers = tuple(jax.tree.map(lambda a: a[i], blocks) for i in range(n_layer))
     table = params["embed"]["embedding"]
-    return {**cast, "layers": layers, "head": table if table.dtype == dtype else table.astype(dtype)}
+    return {
+        **cast,
+        "layers": tuple(jax.tree.map(lambda a: a[i], layers) for i in range(n_layer)),
+        "head": table if table.dtype == dtype else table.astype(dtype),
+    }
 
 
 def padded_mlp(mlp: dict[str, jax.Array], multiple: int = MLP_MULTIPLE) -> dict[str, jax.Array]:

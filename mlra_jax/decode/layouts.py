@@ -1,0 +1,84 @@
+"""The weights a single device's decode steps read, laid out for them by pure functions of the trained
+parameters (stacked over layers or not: every axis is counted from the end).
+
+The serving layer holds these itself (`held_weights`); the modules it runs (`serving_shell`) keep only what
+they read in their own layout (norm scales, the gate, the attention of the variants without a latent):
+
+* the SwiGLU's gate_proj and up_proj as one `gate_up` [d, 2, f]: one product of x instead of two, as XLA's
+  DotMerger would make it by copying both on every call (serving turns that pass off);
+* the latent family's q_down, kv_down and k_rope_proj as one `x_proj` [d, d_c' + n R + d_h^R], for the same
+  reason: each of the three at batch 1 takes about twice its bytes' time;
+* the latent family's kv_up as W_UK and W_UV, each head-major, `kv_up` [2, n, H, R, d_h]: the absorbed
+  products batch over block and head, which the parameter's [n, R, H, 2 d_h] interleaves with the rank, so
+  XLA copies a transposed W_UK and W_UV out of it on every decode step (H100, 2.9B MLRA-4 at batch 1: 6.4 us
+  of a layer's 132);
+* out_major: every product's weight stored [out, in] (gate_up [2, f, d], down_proj [d, f], o_proj [d, h, d_v],
+  x_proj [d_c' + n R + d_h^R, d], q_up [h, d_h + d_h^R, d_c']), the layout of the batch-1 row kernels
+  (decode.row_step), which the XLA steps of the same model read as well.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mlra_jax.attention.latent import LatentAttention
+from mlra_jax.model import Block
+
+Weights = dict[str, jax.Array]
+LATENT_HELD = ("q_down", "kv_down", "k_rope_proj", "q_up", "kv_up")  # the latent attention's held weights
+
+
+def is_latent(attn: Weights) -> bool:
+    """Whether attention parameters are the latent family's."""
+    return "kv_up" in attn
+
+
+def mlp_weights(mlp: Weights, out_major: bool) -> Weights:
+    """gate_up [d, 2, f] (out_major: [2, f, d]) and down_proj [f, d] (out_major: [d, f])."""
+    gate_up = jnp.stack([mlp["gate_proj"], mlp["up_proj"]], axis=-2)
+    down = mlp["down_proj"]
+    if out_major:
+        gate_up, down = jnp.moveaxis(gate_up, -3, -1), jnp.swapaxes(down, -1, -2)
+    return {"gate_up": gate_up, "down_proj": down}
+
+
+def attention_weights(attn: Weights, out_major: bool) -> Weights:
+    """o_proj [h, d_v, d] (out_major: [d, h, d_v]); for the latent family also x_proj, q_up and head-major kv_up."""
+    o_proj = attn["o_proj"]
+    held = {"o_proj": jnp.moveaxis(o_proj, -1, -3) if out_major else o_proj}
+    if not is_latent(attn):
+        return held
+    kv_down, up = attn["kv_down"], attn["kv_up"]
+    x_proj = jnp.concatenate([attn["q_down"], kv_down.reshape(kv_down.shape[:-2] + (-1,)), attn["k_rope_proj"]], -1)
+    q_up = attn["q_up"]
+    if out_major:
+        x_proj, q_up = jnp.swapaxes(x_proj, -1, -2), jnp.moveaxis(q_up, -3, -1)
+    split = up.reshape(up.shape[:-1] + (2, up.shape[-1] // 2))  # [..., n, R, H, 2, d_h]
+    kv_up = jnp.moveaxis(split, (-2, -5, -3, -4), (-5, -4, -3, -2))  # [..., 2, n, H, R, d_h]
+    return {**held, "x_proj": x_proj, "q_up": q_up, "kv_up": kv_up}
+
+
+def held_weights(blocks: Weights, out_major: bool) -> Weights:
+    """What the serving layer holds in its own layouts: {"attn": attention_weights, "mlp": mlp_weights}."""
+    return {"attn": attention_weights(blocks["attn"], out_major), "mlp": mlp_weights(blocks["mlp"], out_major)}
+
+
+def module_weights(blocks: Weights) -> Weights:
+    """The block parameters the serving shell's modules keep (their own layout): all but the held ones."""
+    dropped = ("o_proj", *LATENT_HELD) if is_latent(blocks["attn"]) else ("o_proj",)
+    attn = {name: a for name, a in blocks["attn"].items() if name not in dropped}
+    return {name: a for name, a in blocks.items() if name != "mlp"} | {"attn": attn}
+
+
+def serving_shell(block: Block) -> Block:
+    """A copy of `block` without the weights held in serving layouts (module_weights' structure): its norms,
+    gate and (other than the latent family) attention run as trained; the serving steps read the rest."""
+    shell = nnx.merge(*nnx.split(block))
+    shell.mlp = None
+    shell.attn.o_proj = None
+    if isinstance(shell.attn, LatentAttention):
+        for name in LATENT_HELD:
+            setattr(shell.attn, name, None)
+    return shell
