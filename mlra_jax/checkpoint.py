@@ -1,6 +1,6 @@
 """Orbax checkpoints: the training state and its JSON metadata, saved together.
 
-The state (params, optimizer state, RNG) is a pytree saved asynchronously; orbax
+The state (params, optimizer state, FP8 amax histories where kept, RNG) is a pytree saved asynchronously; orbax
 writes each step into a temporary folder and renames it when complete, so a step
 folder is either whole or absent. Restoring takes target shardings, so a checkpoint
 restores onto any mesh or device count. A step that fails to restore is skipped for the
@@ -25,6 +25,11 @@ from mlra_jax.paths import as_path
 log = logging.getLogger(__name__)
 
 
+# Top-level state entries that a checkpoint may lack: the FP8 amax histories (a run resumed with
+# model.matmul_dtype=float8 from checkpoints saved without them starts them fresh).
+OPTIONAL_ENTRIES = ("fp8",)
+
+
 class CheckpointError(RuntimeError):
     """Checkpoints exist but none restores; nothing in the run was changed."""
 
@@ -40,8 +45,10 @@ class Checkpointer:
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
-    def save(self, step: int, state: Any, metadata: dict[str, Any]) -> None:
-        """Start saving (returns before the write finishes when async); `wait` to block."""
+    def save(self, step: int, state: dict[str, Any], metadata: dict[str, Any]) -> None:
+        """Start saving (returns before the write finishes when async); `wait` to block. Empty entries of the
+        state (no FP8 histories) are not written."""
+        state = {name: tree for name, tree in state.items() if jax.tree.leaves(tree)}
         self.manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), metadata=ocp.args.JsonSave(metadata)),
@@ -54,16 +61,22 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def restore_step(self, step: int, abstract_state: Any) -> tuple[int, Any, dict[str, Any]]:
+    def restore_step(self, step: int, abstract_state: dict[str, Any]) -> tuple[int, Any, dict[str, Any]]:
         """`abstract_state` may hold only some top-level entries ({"params": ...} for serving): only those
-        are read."""
-        if set(abstract_state) == {"params", "opt_state", "rng"}:
-            state_args = ocp.args.StandardRestore(abstract_state)
+        are read. Of them, an OPTIONAL entry that the checkpoint lacks (FP8 histories saved by a run without
+        them) is left out of the restored state, for the caller to make fresh; any other is an error."""
+        saved = set(ocp.PyTreeCheckpointHandler().metadata(self.directory / str(step) / "state"))
+        missing = sorted(set(abstract_state) - saved - set(OPTIONAL_ENTRIES))
+        if missing:
+            raise ValueError(f"the checkpoint holds {sorted(saved)}, not {missing}")
+        wanted = {name: tree for name, tree in abstract_state.items() if name in saved}
+        if set(wanted) == saved:
+            state_args = ocp.args.StandardRestore(wanted)
         else:
             state_args = ocp.args.PyTreeRestore(
-                item=abstract_state,
+                item=wanted,
                 partial_restore=True,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
+                restore_args=ocp.checkpoint_utils.construct_restore_args(wanted),
             )
         restored = self.manager.restore(
             step, args=ocp.args.Composite(state=state_args, metadata=ocp.args.JsonRestore())

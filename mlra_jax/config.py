@@ -24,8 +24,17 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash", "pallas")
 REMAT_POLICIES = ("none", "full", "dots", "dots_attn", "auto")
 LATENT_FORMS = ("expanded", "absorbed")
 MATMUL_DTYPES = ("compute", "float8")  # compute: the compute dtype
+FP8_SCALINGS = ("delayed", "dynamic")
 # Fields that choose how a model runs, not what it computes: a run may resume with other values.
-RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers", "compute_dtype", "latent_form", "matmul_dtype")
+RUNTIME_FIELDS = (
+    "attention_impl",
+    "remat",
+    "scan_layers",
+    "compute_dtype",
+    "latent_form",
+    "matmul_dtype",
+    "fp8_scaling",
+)
 
 
 class ConfigError(ValueError):
@@ -102,9 +111,12 @@ class ModelConfig:
     # measured faster on an H100 (experiments/results/README.md).
     latent_form: str = dataclasses.field(default="expanded", metadata={"choices": LATENT_FORMS})
     # Training's projections (attention and MLP; not the tied head, kv_up or the attention core) in the compute
-    # dtype, or "float8": FP8 GEMMs with per-tensor dynamic scaling on GPUs that have them (mlra_jax.fp8), with
-    # a bfloat16 compute_dtype; evaluation, decoding and export stay in the compute dtype
+    # dtype, or "float8": FP8 GEMMs with per-tensor scaling on GPUs that have them (mlra_jax.fp8), with a
+    # bfloat16 compute_dtype; evaluation, decoding and export stay in the compute dtype
     matmul_dtype: str = dataclasses.field(default="compute", metadata={"choices": MATMUL_DTYPES})
+    # FP8 scales: "delayed" from an amax history of the last steps, kept in the train state and checkpoints (one
+    # pass over each tensor); "dynamic" from each tensor's own absolute maximum (two passes, no state)
+    fp8_scaling: str = dataclasses.field(default="delayed", metadata={"choices": FP8_SCALINGS})
 
     def __post_init__(self) -> None:
         _check_choice("variant", self.variant, VARIANTS)
@@ -118,6 +130,7 @@ class ModelConfig:
         _check_choice("remat", self.remat, REMAT_POLICIES)
         _check_choice("latent_form", self.latent_form, LATENT_FORMS)
         _check_choice("matmul_dtype", self.matmul_dtype, MATMUL_DTYPES)
+        _check_choice("fp8_scaling", self.fp8_scaling, FP8_SCALINGS)
         _require(
             self.matmul_dtype != "float8" or self.compute_dtype == "bfloat16",
             f"matmul_dtype='float8' trains with compute_dtype='bfloat16' (now {self.compute_dtype!r}); set "
@@ -213,6 +226,11 @@ class ModelConfig:
         if self.spec.latent_layout is None:
             raise AttributeError(f"variant {self.variant!r} has no latent layout")
         return self.spec.latent_layout
+
+    @property
+    def keeps_fp8_histories(self) -> bool:
+        """Whether the train state holds FP8 amax histories (float8 matmuls with delayed scaling)."""
+        return self.matmul_dtype == "float8" and self.fp8_scaling == "delayed"
 
     @property
     def trains_absorbed(self) -> bool:

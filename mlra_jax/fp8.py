@@ -1,14 +1,25 @@
 """FP8 training matmuls (`model.matmul_dtype=float8`): the projections' products on FP8 tensor cores.
 
-Each product x [M, K] @ W [K, N] runs as cuBLASLt FP8 GEMMs with per-tensor dynamic scaling (the scale of a
-tensor is its absolute maximum over the format's largest value, taken when the tensor is made, as
-torchao's tensorwise float8 does): the forward multiplies e4m3 activations by e4m3 weights, the backward
-multiplies the e5m2 output gradient by each. Every GEMM is written with both operands contracting over
-their last axis, the one layout in which Hopper's FP8 GEMMs run at full rate; the transposed copies it
-needs are made by the quantizing fusions. Products accumulate in float32 and are written in the compute
-dtype; the scales are applied to the output, where XLA fuses them into the next elementwise work. Under a
-remat policy that keeps the products, the quantized operands are made again in the backward (elementwise
-passes), not kept.
+Each product x [M, K] @ W [K, N] runs as cuBLASLt FP8 GEMMs with per-tensor scales: the forward multiplies
+e4m3 activations by e4m3 weights, the backward multiplies the e5m2 output gradient by each. Every GEMM is
+written with both operands contracting over their last axis, the one layout in which Hopper's FP8 GEMMs run at
+full rate; the transposed copies it needs are made by the quantizing fusions. Products accumulate in float32
+and are written in the compute dtype; the scales are applied to the output, where XLA fuses them into the next
+elementwise work. Under a remat policy that keeps the products, the quantized operands are made again in the
+backward (elementwise passes), not kept.
+
+Two scalings (a tensor's scale maps an absolute maximum, its amax, onto the format's largest value):
+- dynamic (`fp8_matmul`): the scale is the tensor's own amax, taken when the tensor is made, as torchao's
+  tensorwise float8 does. Exact, but the tensor is read twice: once for its amax, once to quantize it.
+- delayed (`fp8_matmul_delayed`, as Transformer Engine and flax's fp8_ops do): the scale comes from an amax
+  history of the previous steps, so it is known before the tensor is read, and quantizing the tensor and
+  measuring its amax (for the history) are one pass instead of two. A value above the history's amax saturates
+  at the format's largest value; a fresh (zero) history trains its first step at scale 1.
+Each projection keeps one float32 history [3, H] (`new_history`; H = HISTORY by default): row 0 the activation x,
+row 1 the weight w, row 2 the output gradient, newest amax first. The history is updated by the convention
+"overwrite with gradient" (flax.linen.fp8_ops's): its cotangent is not a gradient but the updated history
+(each row rolled by one, the step's amax at index 0), which the train step takes as the history's new value.
+Micro-batches that started from the same history combine their updated histories with `merge_histories`.
 
 Only training takes this path (the loss function turns it on); evaluation, decoding and export run in
 the compute dtype. A backend without FP8 GEMMs (a CPU, a GPU before compute capability 8.9) is reported
@@ -19,14 +30,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import logging
 import math
 import re
-from typing import Iterator
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +47,38 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 _MAX = {E4M3: float(jnp.finfo(E4M3).max), E5M2: float(jnp.finfo(E5M2).max)}  # 448, 57344
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("mlra_jax_fp8_matmuls", default=False)
+_STACKED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("mlra_jax_fp8_histories", default=None)
+_SITES: contextvars.ContextVar[_Sites | None] = contextvars.ContextVar("mlra_jax_fp8_sites", default=None)
 # "bt<contracted>,<contracted><out>->bt<out>": x's leading batch and time axes, its other axes contracted
 _PROJECTION = re.compile(r"^bt(\w+),(\w+)->bt(\w+)$")
+HISTORY = 16  # the amax history's length, in steps
 
 
 def scale_of(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """The per-tensor scale that maps x's absolute maximum onto `dtype`'s largest value (1 for a zero x)."""
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     return jnp.where(amax > 0, amax / _MAX[dtype], 1.0)
+
+
+def new_history(length: int = HISTORY) -> jax.Array:
+    """A fresh amax history [3, length] (rows: x, w, the output gradient): zeros, so the first step's scale is 1."""
+    return jnp.zeros((3, length), jnp.float32)
+
+
+def scale_from_history(history_row: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """The scale that maps the largest amax of a history row onto `dtype`'s largest value (1 for a zero row)."""
+    amax = jnp.max(history_row).astype(jnp.float32)
+    return jnp.where(amax > 0, amax / _MAX[dtype], 1.0)
+
+
+def merge_histories(a: jax.Array, b: jax.Array) -> jax.Array:
+    """The updated histories of two micro-batches that started from the same history, combined: they differ only
+    in the newest amax, where the maximum is the whole batch's."""
+    return jnp.maximum(a, b)
+
+
+def _amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
 def quantize(x: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -60,31 +97,64 @@ def _gemm(a: jax.Array, b: jax.Array, scale: jax.Array, out_dtype: jnp.dtype) ->
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def fp8_matmul(x: jax.Array, w: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """x [M, K] @ w [K, N] -> [M, N], both and the result (and the gradients) in `dtype`, with FP8 operands in
-    the forward and the backward."""
+    the forward and the backward, each scaled by its own amax (dynamic scaling)."""
     return _forward(x, w, dtype)[0]
 
 
-def _forward(x: jax.Array, w: jax.Array, dtype: jnp.dtype):
-    x_scale, w_scale = scale_of(x, E4M3), scale_of(w, E4M3)
+def _quantized_forward(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array, dtype: jnp.dtype):
     x8, w8_t = quantize(x, x_scale, E4M3), quantize(w.T, w_scale, E4M3)  # w8_t [N, K]
     return _gemm(x8, w8_t, x_scale * w_scale, dtype), (x8, w8_t, x_scale, w_scale)
 
 
-def _backward(dtype: jnp.dtype, residuals, grad: jax.Array):
+def _quantized_backward(residuals, grad: jax.Array, g_scale: jax.Array, dtype: jnp.dtype):
     x8, w8_t, x_scale, w_scale = residuals
-    g_scale = scale_of(grad, E5M2)
     g8 = quantize(grad, g_scale, E5M2)  # [M, N]
     grad_x = _gemm(g8, w8_t.T, g_scale * w_scale, dtype)  # [M, N] . [K, N] -> [M, K]
     grad_w = _gemm(x8.T, g8.T, x_scale * g_scale, dtype)  # [K, M] . [N, M] -> [K, N]
     return grad_x, grad_w
 
 
+def _forward(x: jax.Array, w: jax.Array, dtype: jnp.dtype):
+    return _quantized_forward(x, w, scale_of(x, E4M3), scale_of(w, E4M3), dtype)
+
+
+def _backward(dtype: jnp.dtype, residuals, grad: jax.Array):
+    return _quantized_backward(residuals, grad, scale_of(grad, E5M2), dtype)
+
+
 fp8_matmul.defvjp(_forward, _backward)
 
 
-def fp8_project(x: jax.Array, w: jax.Array, spec: str, dtype: jnp.dtype) -> jax.Array | None:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def fp8_matmul_delayed(x: jax.Array, w: jax.Array, history: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """fp8_matmul with delayed scaling: x, w and the output gradient are scaled by history [3, H]'s rows 0, 1 and
+    2. The cotangent of `history` is not a gradient but the updated history ("overwrite with gradient"): each row
+    rolled by one, newest first, with this product's amax of x, w and the output gradient at index 0."""
+    return _delayed_forward(x, w, history, dtype)[0]
+
+
+def _delayed_forward(x: jax.Array, w: jax.Array, history: jax.Array, dtype: jnp.dtype):
+    x_scale, w_scale = scale_from_history(history[0], E4M3), scale_from_history(history[1], E4M3)
+    product, residuals = _quantized_forward(x, w, x_scale, w_scale, dtype)
+    return product, (residuals, history, _amax(x), _amax(w))  # the amaxes fuse into the quantizing passes
+
+
+def _delayed_backward(dtype: jnp.dtype, residuals, grad: jax.Array):
+    residuals, history, x_amax, w_amax = residuals
+    grad_x, grad_w = _quantized_backward(residuals, grad, scale_from_history(history[2], E5M2), dtype)
+    amaxes = jnp.stack([x_amax, w_amax, _amax(grad)])[:, None]
+    return grad_x, grad_w, jnp.concatenate([amaxes, history[:, :-1]], axis=1).astype(jnp.float32)
+
+
+fp8_matmul_delayed.defvjp(_delayed_forward, _delayed_backward)
+
+
+def fp8_project(
+    x: jax.Array, w: jax.Array, spec: str, dtype: jnp.dtype, history: jax.Array | None = None
+) -> jax.Array | None:
     """einsum(spec, x, w) through fp8_matmul when `spec` is a projection (x [B, T, in...], w [in..., out...],
-    out [B, T, out...]); None for any other product."""
+    out [B, T, out...]), through fp8_matmul_delayed with the projection's amax `history` [3, H] when given; None
+    for any other product."""
     match = _PROJECTION.match(spec.replace(" ", ""))
     if match is None:
         return None
@@ -94,7 +164,8 @@ def fp8_project(x: jax.Array, w: jax.Array, spec: str, dtype: jnp.dtype) -> jax.
     batch, time = x.shape[:2]
     contracted = math.prod(x.shape[2:])
     x, w = x.astype(dtype), w.astype(dtype)
-    result = fp8_matmul(x.reshape(batch * time, contracted), w.reshape(contracted, -1), dtype)
+    x2, w2 = x.reshape(batch * time, contracted), w.reshape(contracted, -1)
+    result = fp8_matmul(x2, w2, dtype) if history is None else fp8_matmul_delayed(x2, w2, history, dtype)
     return result.reshape(batch, time, *w.shape[len(x_in) :])
 
 
@@ -104,13 +175,96 @@ def active() -> bool:
 
 
 @contextlib.contextmanager
-def matmuls(enabled: bool) -> Iterator[None]:
-    """Inside: the projections of a model traced here run as FP8 matmuls when `enabled`."""
-    token = _ACTIVE.set(enabled)
+def matmuls(enabled: bool, histories: dict[str, Any] | None = None) -> Iterator[None]:
+    """Inside: the projections of a model traced here run as FP8 matmuls when `enabled`, with delayed scaling when
+    `histories` (the amax histories of the stacked blocks' projections, nested like their parameters) are given,
+    else dynamic scaling."""
+    tokens = _ACTIVE.set(enabled), _STACKED.set(histories if enabled else None)
     try:
         yield
     finally:
-        _ACTIVE.reset(token)
+        _STACKED.reset(tokens[1])
+        _ACTIVE.reset(tokens[0])
+
+
+def stacked_histories() -> dict[str, Any] | None:
+    """The stacked blocks' amax histories of the enclosing `matmuls` (None without delayed scaling)."""
+    return _STACKED.get()
+
+
+@dataclasses.dataclass
+class _Sites:
+    """One block's projection sites while it is traced: its parameters' paths by identity, their histories, and
+    the paths whose product took the FP8 path."""
+
+    paths: dict[int, tuple[str, ...]]
+    histories: dict[tuple[str, ...], jax.Array]
+    taken: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
+
+
+def _param_paths(block: nnx.Module) -> dict[int, tuple[str, ...]]:
+    return {id(node): tuple(map(str, path)) for path, node in nnx.iter_graph(block) if isinstance(node, nnx.Param)}
+
+
+@contextlib.contextmanager
+def block_histories(block: nnx.Module, histories: dict[str, Any] | None) -> Iterator[None]:
+    """Inside: the projections of `block` (one layer) read their amax history from `histories` (nested like the
+    block's parameters; None: dynamic scaling)."""
+    if histories is None:
+        yield
+        return
+    flat = {tuple(str(k.key) for k in path): h for path, h in jax.tree_util.tree_leaves_with_path(histories)}
+    with _tracing(_Sites(_param_paths(block), flat)):
+        yield
+
+
+def project_param(x: jax.Array, kernel: nnx.Param, spec: str, dtype: jnp.dtype) -> jax.Array | None:
+    """fp8_project of x and a module's parameter, with the parameter's amax history where its block has one
+    (block_histories); None for a product that is not a projection."""
+    sites = _SITES.get()
+    path = sites.paths.get(id(kernel)) if sites is not None else None
+    history = sites.histories.get(path) if path is not None else None
+    product = fp8_project(x, kernel[...], spec, dtype, history)
+    if product is not None and path is not None:
+        sites.taken.add(path)
+    return product
+
+
+def history_paths(block: nnx.Module, *inputs: Any) -> list[tuple[str, ...]]:
+    """The paths of the parameters of `block` (abstract or not) whose products take the FP8 path when it runs on
+    `inputs` (arrays or ShapeDtypeStructs; traced abstractly: nothing is computed)."""
+    graphdef, state = nnx.split(block)
+    taken: set[tuple[str, ...]] = set()
+
+    def run(state: Any, *inputs: Any) -> None:
+        traced = nnx.merge(graphdef, state)
+        sites = _Sites(_param_paths(traced), {})
+        with matmuls(True), _tracing(sites):
+            traced(*inputs)
+        taken.update(sites.taken)
+
+    jax.eval_shape(run, state, *inputs)
+    return sorted(taken)
+
+
+@contextlib.contextmanager
+def _tracing(sites: _Sites) -> Iterator[None]:
+    token = _SITES.set(sites)
+    try:
+        yield
+    finally:
+        _SITES.reset(token)
+
+
+def fresh_histories(paths: list[tuple[str, ...]], layers: int, length: int = HISTORY) -> dict[str, Any]:
+    """Zero amax histories [layers, 3, length] for the projections at `paths`, nested like the parameters."""
+    tree: dict[str, Any] = {}
+    for path in paths:
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = jnp.zeros((layers, 3, length), jnp.float32)
+    return tree
 
 
 def supported(device: jax.Device | None = None) -> bool:
@@ -143,11 +297,25 @@ def training_matmuls(matmul_dtype: str, device: jax.Device | None = None) -> boo
     return False
 
 
-def describe(matmul_dtype: str, device: jax.Device | None = None) -> str:
-    """One line on how a train step's projections run on `device` (for --dry_run)."""
+def describe_histories(histories: dict[str, Any]) -> str:
+    """One line on a train state's amax histories (arrays or ShapeDtypeStructs [layers, 3, H] per projection)."""
+    leaves = jax.tree.leaves(histories)
+    if not leaves:
+        return "FP8 amax histories: none"
+    layers, _, length = leaves[0].shape
+    return (
+        f"FP8 amax histories: {len(leaves)} projections x {layers} layers x 3 tensors (x, w, gradient) x {length} "
+        "steps, in the train state and its checkpoints, replicated"
+    )
+
+
+def describe(matmul_dtype: str, device: jax.Device | None = None, *, scaling: str = "delayed") -> str:
+    """One line on how a train step's projections run on `device` (for --dry_run), with `scaling` "delayed" or
+    "dynamic"."""
     if matmul_dtype != "float8":
         return "projections: the compute dtype"
     device = device or jax.devices()[0]
     if supported(device):
-        return f"projections: FP8 GEMMs (e4m3 / e5m2, per-tensor dynamic scaling) on {device.device_kind}"
+        scales = {"delayed": f"delayed scaling (amax history of {HISTORY})", "dynamic": "dynamic scaling"}[scaling]
+        return f"projections: FP8 GEMMs (e4m3 / e5m2, per-tensor {scales}) on {device.device_kind}"
     return f"projections: float8 asked for, but {device.device_kind} has no FP8 GEMMs: the compute dtype"

@@ -11,13 +11,16 @@ import json
 import sys
 from typing import Any
 
+import jax
+
+from mlra_jax import fp8
 from mlra_jax.cache_accounting import cache_report
 from mlra_jax.cli import command_parser
 from mlra_jax.command import command
 from mlra_jax.config import Experiment, ModelConfig
 from mlra_jax.experiments import all_experiments, resolve_experiment
 from mlra_jax.experiments.paper_tables import TABLE_VARIANTS, TP_DEGREES, analysis_config
-from mlra_jax.model import abstract_model, count_params
+from mlra_jax.model import abstract_model, count_params, fp8_histories
 
 
 def _fmt_d_h(value: float | None) -> str:
@@ -42,6 +45,7 @@ def describe(experiment: Experiment) -> dict[str, Any]:
         "replicated": {str(tp): names for tp, names in report.replicated.items()},
         "decode_tp": decode.tp,
         "decode_arithmetic_intensity": decode.arithmetic_intensity(),
+        "fp8": fp8.describe_histories(jax.eval_shape(lambda: fp8_histories(cfg))) if cfg.keeps_fp8_histories else None,
     }
 
 
@@ -63,6 +67,7 @@ def format_description(info: dict[str, Any], cfg: ModelConfig) -> str:
             f"  per device   {per_device}   (KV cache loaded per token per layer)",
             f"  decode AI    {info['decode_arithmetic_intensity']:.1f} FLOP/byte per device at TP={info['decode_tp']} "
             f"(attention over the cache, 16-bit)",
+            *([f"  FP8          {info['fp8']}"] if info["fp8"] else []),
         ]
     )
 

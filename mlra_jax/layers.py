@@ -137,9 +137,9 @@ def row_copies(x: jax.Array) -> jax.Array:
 
 def project(x: jax.Array, kernel: nnx.Param, spec: str, dtype: jnp.dtype) -> jax.Array:
     """einsum(spec, x, W) in the compute dtype; as an FP8 matmul inside a train step that asks for one
-    (fp8.matmuls)."""
+    (fp8.matmuls), with the amax history of its block's parameter under delayed scaling (fp8.block_histories)."""
     if fp8.active():
-        product = fp8.fp8_project(x, kernel[...], spec, dtype)
+        product = fp8.project_param(x, kernel, spec, dtype)
         if product is not None:
             return product
     return einsum(spec, x.astype(dtype), kernel[...].astype(dtype))

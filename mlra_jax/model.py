@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mlra_jax import fp8
 from mlra_jax.attention import attention_class
 from mlra_jax.attention.fused import KERNEL_PRIMITIVES
 from mlra_jax.config import ModelConfig
@@ -121,19 +122,23 @@ class Transformer(nnx.Module):
         """Thread x through the layers, `(x, y) = apply(block, x, xs[layer])` at each, scanned or
         unrolled; returns x and the ys stacked over layers."""
         graphdef, state = nnx.split(self.blocks)
+        histories = fp8.stacked_histories()  # FP8 amax histories of the blocks' projections (delayed scaling)
+        histories = None if histories is None else histories["blocks"]
 
         def layer(h: jax.Array, inputs: Any) -> tuple[jax.Array, Any]:
-            layer_state, layer_xs = inputs
-            h, ys = apply(nnx.merge(graphdef, layer_state), h, layer_xs)
+            layer_state, layer_xs, layer_histories = inputs
+            block = nnx.merge(graphdef, layer_state)
+            with fp8.block_histories(block, layer_histories):
+                h, ys = apply(block, h, layer_xs)
             return constrain_batch(h), ys
 
         if self.config.remat in REMAT_POLICIES:  # "auto" is resolved by the trainer (training.remat_choice)
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.config.remat])
         if self.config.scan_layers:
-            return jax.lax.scan(layer, x, (state, xs))
+            return jax.lax.scan(layer, x, (state, xs, histories))
         ys = []
         for i in range(self.config.n_layer):
-            x, y = layer(x, jax.tree.map(lambda a: a[i], (state, xs)))
+            x, y = layer(x, jax.tree.map(lambda a: a[i], (state, xs, histories)))
             ys.append(y)
         return x, (None if xs is None else jax.tree.map(lambda *a: jnp.stack(a), *ys))
 
@@ -145,6 +150,17 @@ def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
 def abstract_model(cfg: ModelConfig) -> Transformer:
     """The model with ShapeDtypeStruct leaves: shapes and counts without allocating weights."""
     return nnx.eval_shape(lambda: init_model(cfg))
+
+
+def fp8_histories(cfg: ModelConfig) -> dict[str, Any]:
+    """Fresh FP8 amax histories of the projections that take FP8 GEMMs, {"blocks": nested like the blocks'
+    parameters, [n_layer, 3, fp8.HISTORY] each}; empty unless cfg keeps them (delayed scaling)."""
+    if not cfg.keeps_fp8_histories:
+        return {}
+    block = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0)))
+    x = jax.ShapeDtypeStruct((1, 2, cfg.n_embd), jnp.float32)
+    paths = fp8.history_paths(block, x, jax.ShapeDtypeStruct((1, 2), jnp.int32))
+    return {"blocks": fp8.fresh_histories(paths, cfg.n_layer)}
 
 
 def count_params(model: nnx.Module) -> int:

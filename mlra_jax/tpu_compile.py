@@ -228,7 +228,7 @@ def compile_train(experiment: Experiment, topology: Topology) -> CompileReport:
         "train step",
         topology,
         setup.mesh,
-        lambda: jit_train_step(setup).lower(state["params"], state["opt_state"], tokens),
+        lambda: jit_train_step(setup).lower(state["params"], state["opt_state"], state["fp8"], tokens),
         settings,
     )
     if report.memory is not None:

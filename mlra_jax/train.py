@@ -115,7 +115,10 @@ def dry_run(experiment: Experiment, compile_step: bool) -> None:
     print(json.dumps(dataclasses.asdict(experiment), indent=1))
     print(data)
     print(f"parameters: {setup.num_params:,}")
-    print(fp8.describe(experiment.model.matmul_dtype, setup.mesh.devices.flat[0]))
+    cfg = experiment.model
+    print(fp8.describe(cfg.matmul_dtype, setup.mesh.devices.flat[0], scaling=cfg.fp8_scaling))
+    if cfg.keeps_fp8_histories:
+        print(fp8.describe_histories(setup.abstract_state["fp8"]))
     print(
         f"mesh: {dict(setup.mesh.shape)} over {setup.mesh.size} {setup.mesh.devices.flat[0].device_kind} "
         f"devices; {setup.experiment.train.accumulation_steps} micro-batch(es) of "

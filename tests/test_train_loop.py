@@ -42,11 +42,12 @@ def _poison(monkeypatch, from_step):
     def poisoned(*args, **kwargs):
         step = real(*args, **kwargs)
 
-        def bad(params, opt_state, tokens):
-            params, opt_state, metrics = step(params, opt_state, tokens)
+        def bad(params, opt_state, histories, tokens):
+            params, opt_state, histories, metrics = step(params, opt_state, histories, tokens)
             count = jax.tree.leaves(opt_state)[0]  # the Adam step counter
             nan = jnp.where(count >= from_step, jnp.nan, 1.0)
-            return jax.tree.map(lambda p: p * nan, params), opt_state, dict(metrics, loss=metrics["loss"] * nan)
+            poisoned_params = jax.tree.map(lambda p: p * nan, params)
+            return poisoned_params, opt_state, histories, dict(metrics, loss=metrics["loss"] * nan)
 
         return bad
 

@@ -24,7 +24,7 @@ def train_losses(cfg):
     tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, cfg.vocab_size)
     losses = []
     for _ in range(STEPS):
-        params, opt_state, metrics = step(params, opt_state, tokens)
+        params, opt_state, _, metrics = step(params, opt_state, {}, tokens)
         losses.append(float(metrics["loss"]))
     return losses
 
@@ -64,7 +64,7 @@ def test_gradient_accumulation_matches_one_big_batch():
     results = []
     for steps in (1, 4):
         step = jax.jit(make_train_step(graphdef, optimizer, accumulation_steps=steps))
-        new_params, _, metrics = step(params, optimizer.init(params), tokens)
+        new_params, _, _, metrics = step(params, optimizer.init(params), {}, tokens)
         results.append((jax.tree.leaves(new_params), metrics))
     (one, m1), (four, m4) = results
     np.testing.assert_allclose(float(m4["loss"]), float(m1["loss"]), rtol=1e-6)

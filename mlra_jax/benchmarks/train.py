@@ -110,13 +110,15 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
         )
         tokens = global_batch(setup, jax.device_get(tokens))
         start = time.perf_counter()
-        compiled = jit_train_step(setup).lower(state["params"], state["opt_state"], tokens).compile()
+        compiled = jit_train_step(setup).lower(state["params"], state["opt_state"], state["fp8"], tokens).compile()
         compile_s = time.perf_counter() - start
         gemms = gemm_calls(compiled.as_text())
         analysis = compiled.memory_analysis()
 
         def run():
-            state["params"], state["opt_state"], metrics = compiled(state["params"], state["opt_state"], tokens)
+            state["params"], state["opt_state"], state["fp8"], metrics = compiled(
+                state["params"], state["opt_state"], state["fp8"], tokens
+            )
             return metrics["loss"]
 
         seconds = median_time(run, repeats=steps, warmup=warmup)

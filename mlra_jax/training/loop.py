@@ -43,7 +43,15 @@ from mlra_jax.training.init_from import check_same_model, source_params
 from mlra_jax.training.profile import StepProfiler
 from mlra_jax.training.resume_check import check_resume, record_experiment
 from mlra_jax.training.run_lock import RunLock
-from mlra_jax.training.state import Setup, build_setup, global_batch, init_state, jit_train_step, state_from_params
+from mlra_jax.training.state import (
+    Setup,
+    build_setup,
+    fresh_fp8_histories,
+    global_batch,
+    init_state,
+    jit_train_step,
+    state_from_params,
+)
 from mlra_jax.training.step import loss_fn
 
 log = logging.getLogger(__name__)
@@ -165,6 +173,10 @@ class TrainingLoop:
             )
             return
         self.step, self.state, metadata = restored
+        if "fp8" not in self.state:  # saved without FP8 histories (another matmul_dtype or fp8_scaling)
+            self.state["fp8"] = fresh_fp8_histories(self.setup)
+            if jax.tree.leaves(self.state["fp8"]):
+                log.info("model.matmul_dtype=float8 with delayed scaling: step %d starts fresh FP8 scales", self.step)
         self.saved_step = self.step
         self.examples, self.window = metadata["examples"], metadata.get("log_window", [])
         log.info(
@@ -220,7 +232,9 @@ class TrainingLoop:
         """Dispatch one optimizer step (asynchronously: its metrics are checked later)."""
         batch = global_batch(self.setup, next(self.iterator))
         state = self.state
-        state["params"], state["opt_state"], metrics = self.train_step(state["params"], state["opt_state"], batch)
+        state["params"], state["opt_state"], state["fp8"], metrics = self.train_step(
+            state["params"], state["opt_state"], state["fp8"], batch
+        )
         self.step, self.examples, self.timed = (
             self.step + 1,
             self.examples + self.train_cfg.global_batch_size,

@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 
 from mlra_jax.config import ConfigError, Experiment
-from mlra_jax.model import abstract_model, count_params, init_model
+from mlra_jax.model import abstract_model, count_params, fp8_histories, init_model
 from mlra_jax.optim import make_optimizer
 from mlra_jax.params import logical_axes
 from mlra_jax.sharding import (
@@ -70,10 +70,16 @@ def build_setup(experiment: Experiment, devices: list[jax.Device] | None = None)
         optimizer, lambda _, s: s, opt_state, param_shardings, transform_non_params=lambda _: replicated(mesh)
     )
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    shardings = {"params": param_shardings, "opt_state": opt_shardings, "rng": replicated(mesh)}
+    histories = jax.eval_shape(lambda: fp8_histories(cfg))  # FP8 amax histories: tiny, on every device
+    shardings = {
+        "params": param_shardings,
+        "opt_state": opt_shardings,
+        "fp8": jax.tree.map(lambda _: replicated(mesh), histories),
+        "rng": replicated(mesh),
+    }
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        {"params": params, "opt_state": opt_state, "rng": rng},
+        {"params": params, "opt_state": opt_state, "fp8": histories, "rng": rng},
         shardings,
     )
     setup = Setup(
@@ -108,7 +114,8 @@ def state_bytes(setup: Setup) -> int:
 
 
 def init_state(setup: Setup) -> dict[str, Any]:
-    """Fresh weights, optimizer state and RNG, created directly in their shardings (never whole on one device)."""
+    """Fresh weights, optimizer state, FP8 amax histories and RNG, created directly in their shardings (never whole
+    on one device)."""
     cfg, seed = setup.experiment.model, setup.experiment.train.seed
 
     def init() -> dict[str, Any]:
@@ -116,6 +123,7 @@ def init_state(setup: Setup) -> dict[str, Any]:
         return {
             "params": params,
             "opt_state": setup.optimizer.init(params),
+            "fp8": fp8_histories(cfg),
             "rng": jax.random.key_data(jax.random.key(seed)),
         }
 
@@ -124,17 +132,28 @@ def init_state(setup: Setup) -> dict[str, Any]:
 
 
 def state_from_params(setup: Setup, params: dict[str, Any]) -> dict[str, Any]:
-    """A fresh start from given weights (nested like the abstract params): a new optimizer state and the
-    seed's RNG, as init_state makes them, in the run's shardings."""
-    seed = setup.experiment.train.seed
+    """A fresh start from given weights (nested like the abstract params): a new optimizer state, fresh FP8
+    histories and the seed's RNG, as init_state makes them, in the run's shardings."""
+    cfg, seed = setup.experiment.model, setup.experiment.train.seed
 
     def init(p: dict[str, Any]) -> dict[str, Any]:
-        return {"params": p, "opt_state": setup.optimizer.init(p), "rng": jax.random.key_data(jax.random.key(seed))}
+        return {
+            "params": p,
+            "opt_state": setup.optimizer.init(p),
+            "fp8": fp8_histories(cfg),
+            "rng": jax.random.key_data(jax.random.key(seed)),
+        }
 
     with jax.set_mesh(setup.mesh):
         return jax.jit(init, in_shardings=(setup.state_shardings["params"],), out_shardings=setup.state_shardings)(
             params
         )
+
+
+def fresh_fp8_histories(setup: Setup) -> dict[str, Any]:
+    """Fresh FP8 amax histories ({} unless the model keeps them) in the run's shardings."""
+    with jax.set_mesh(setup.mesh):
+        return jax.jit(lambda: fp8_histories(setup.experiment.model), out_shardings=setup.state_shardings["fp8"])()
 
 
 def memory_estimate(setup: Setup) -> dict[str, int]:
@@ -154,7 +173,7 @@ def compiled_memory(setup: Setup) -> dict[str, int] | None:
     )
     state = setup.abstract_state
     with jax.set_mesh(setup.mesh):
-        analysis = step.lower(state["params"], state["opt_state"], tokens).compile().memory_analysis()
+        analysis = step.lower(state["params"], state["opt_state"], state["fp8"], tokens).compile().memory_analysis()
     if analysis is None:
         return None
     return {
@@ -166,7 +185,7 @@ def compiled_memory(setup: Setup) -> dict[str, int] | None:
 
 
 def jit_train_step(setup: Setup):
-    """The train step jitted with the state's shardings; params and optimizer state are donated."""
+    """The train step jitted with the state's shardings; params, optimizer state and FP8 histories are donated."""
     train = setup.experiment.train
     step = make_train_step(
         setup.graphdef, setup.optimizer, train.accumulation_steps, micro_batch_sharding(setup.mesh), train.loss_chunk
@@ -174,9 +193,9 @@ def jit_train_step(setup: Setup):
     shardings = setup.state_shardings
     return jax.jit(
         step,
-        in_shardings=(shardings["params"], shardings["opt_state"], batch_sharding(setup.mesh)),
-        out_shardings=(shardings["params"], shardings["opt_state"], replicated(setup.mesh)),
-        donate_argnums=(0, 1),
+        in_shardings=(shardings["params"], shardings["opt_state"], shardings["fp8"], batch_sharding(setup.mesh)),
+        out_shardings=(shardings["params"], shardings["opt_state"], shardings["fp8"], replicated(setup.mesh)),
+        donate_argnums=(0, 1, 2),
     )
 
 

@@ -23,18 +23,23 @@ Params = dict[str, Any]
 
 
 def loss_fn(
-    graphdef: nnx.GraphDef, params: Params, tokens: jax.Array, loss_chunk: int = 0, training: bool = False
+    graphdef: nnx.GraphDef,
+    params: Params,
+    tokens: jax.Array,
+    loss_chunk: int = 0,
+    training: bool = False,
+    histories: dict[str, Any] | None = None,
 ) -> jax.Array:
     """Loss of the model on tokens [B, T + 1] (inputs tokens[:, :-1], targets tokens[:, 1:]); the
     cross-entropy runs over chunks of `loss_chunk` positions (0: whole). `training`: the train step's loss,
-    whose projections take model.matmul_dtype (FP8 where asked for and available); evaluation's run in the
-    compute dtype."""
+    whose projections take model.matmul_dtype (FP8 where asked for and available, with delayed scaling from
+    the amax `histories` when given: model.fp8_histories); evaluation's run in the compute dtype."""
     config = nnx.merge(graphdef, params).config
     dtype = config.dtype
     if dtype != jnp.float32:
         params = compute_params(params, dtype)
     model = nnx.merge(graphdef, params)
-    with fp8.matmuls(training and fp8.training_matmuls(config.matmul_dtype)):
+    with fp8.matmuls(training and fp8.training_matmuls(config.matmul_dtype), histories or None):
         hidden = model.hidden(tokens[:, :-1])
     return chunked_next_token_loss(hidden, model.embed.embedding[...], tokens[:, 1:], dtype, loss_chunk)
 
@@ -58,27 +63,33 @@ def make_train_step(
     micro_sharding: NamedSharding | None = None,
     loss_chunk: int = 0,
 ) -> Callable[..., Any]:
-    """(params, opt_state, tokens [B, T + 1]) -> (params, opt_state, metrics), un-jitted. The metrics say
-    on device whether the loss, the gradient norm and every updated parameter are finite (`finite`).
+    """(params, opt_state, histories, tokens [B, T + 1]) -> (params, opt_state, histories, metrics), un-jitted.
+    The metrics say on device whether the loss, the gradient norm and every updated parameter are finite
+    (`finite`). `histories` are the FP8 amax histories (model.fp8_histories; {} without delayed scaling): their
+    "gradients" are their updated values (fp8's overwrite-with-gradient convention), which replace them.
 
     With accumulation_steps > 1 the batch is split into micro-batches whose gradients
-    are averaged in float32 (a scan, so memory holds one micro-batch of activations)."""
-    value_and_grad = jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t, loss_chunk, training=True))
+    are averaged in float32 (a scan, so memory holds one micro-batch of activations); their updated histories
+    are merged (fp8.merge_histories: the batch's amax)."""
+    value_and_grad = jax.value_and_grad(
+        lambda p, h, t: loss_fn(graphdef, p, t, loss_chunk, training=True, histories=h), argnums=(0, 1)
+    )
 
-    def step(params: Params, opt_state: Any, tokens: jax.Array):
+    def step(params: Params, opt_state: Any, histories: dict[str, Any], tokens: jax.Array):
         if accumulation_steps == 1:
-            loss, grads = value_and_grad(params, tokens)
+            loss, (grads, histories) = value_and_grad(params, histories, tokens)
         else:
 
             def accumulate(carry, micro):
-                loss_sum, grad_sum = carry
-                loss, grads = value_and_grad(params, micro)
-                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+                loss_sum, grad_sum, merged = carry
+                loss, (grads, updated) = value_and_grad(params, histories, micro)
+                merged = jax.tree.map(fp8.merge_histories, merged, updated)
+                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), merged), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            (loss, grads), _ = jax.lax.scan(
+            (loss, grads, histories), _ = jax.lax.scan(
                 accumulate,
-                (jnp.zeros((), jnp.float32), zeros),
+                (jnp.zeros((), jnp.float32), zeros, jax.tree.map(jnp.zeros_like, histories)),
                 micro_batches(tokens, accumulation_steps, micro_sharding),
             )
             loss, grads = loss / accumulation_steps, jax.tree.map(lambda g: g / accumulation_steps, grads)
@@ -90,6 +101,7 @@ def make_train_step(
         return (
             params,
             opt_state,
+            histories,
             {"loss": loss, "grad_norm": grad_norm, "params_finite": params_finite, "finite": finite},
         )
 

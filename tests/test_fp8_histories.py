@@ -1,0 +1,110 @@
+"""FP8 delayed scaling in training (model.fp8_scaling=delayed) on the CPU, with FP8 GEMMs pretended available: the
+train step records each projection's amaxes in its history, micro-batches merge theirs, and the histories live in
+the train state: saved, restored bit for bit on resume, and started fresh when a run changes to float8."""
+
+import dataclasses
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import micro_experiment
+from mlra_jax.experiments import get_experiment
+
+from mlra_jax import fp8
+from mlra_jax.checkpoint import Checkpointer
+from mlra_jax.model import fp8_histories, init_model
+from mlra_jax.training.loop import train
+from mlra_jax.training.state import build_setup
+from mlra_jax.training.step import make_train_step
+
+ONE_DEVICE = jax.devices()[:1]
+FLOAT8 = ("--model.compute_dtype=bfloat16", "--model.matmul_dtype=float8")
+
+
+@pytest.fixture
+def fp8_gemms(monkeypatch):
+    monkeypatch.setattr(fp8, "supported", lambda device=None: True)
+
+
+def _tiny():
+    cfg = dataclasses.replace(
+        get_experiment("mlra4_tiny").model,
+        n_layer=2,
+        compute_dtype="bfloat16",
+        matmul_dtype="float8",
+        output_init="normal",
+    )
+    graphdef, state = nnx.split(init_model(cfg, seed=0))
+    return cfg, graphdef, nnx.to_pure_dict(state)
+
+
+def test_a_delayed_step_records_every_projections_amaxes_newest_first(fp8_gemms):
+    cfg, graphdef, params = _tiny()
+    histories = fp8_histories(cfg)
+    assert set(histories["blocks"]["attn"]) == {"q_down", "q_up", "kv_down", "k_rope_proj", "o_proj"}
+    step = jax.jit(make_train_step(graphdef, optax.sgd(0.0)))
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size)
+    assert "f8E4M3FN" in step.lower(params, optax.sgd(0.0).init(params), histories, tokens).as_text()
+    _, _, first, metrics = step(params, optax.sgd(0.0).init(params), histories, tokens)
+    _, _, second, _ = step(params, optax.sgd(0.0).init(params), first, tokens)
+    assert bool(metrics["finite"])
+    for h1, h2 in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        assert h1.shape == (2, 3, fp8.HISTORY) and bool((h1[:, :, 0] > 0).all()) and not h1[:, :, 1:].any()
+        np.testing.assert_array_equal(h2[:, :, 1], h1[:, :, 0])  # rolled: last step's amax one place older
+    weight = params["blocks"]["mlp"]["gate_proj"].astype(jnp.bfloat16)  # row 1: the weight's amax, per layer
+    np.testing.assert_array_equal(first["blocks"]["mlp"]["gate_proj"][:, 1, 0], jnp.abs(weight).max(axis=(1, 2)))
+
+
+def test_micro_batches_merge_their_amaxes(fp8_gemms):
+    cfg, graphdef, params = _tiny()
+    tokens = jax.random.randint(jax.random.key(2), (4, 17), 0, cfg.vocab_size)
+    state = (params, optax.sgd(0.0).init(params), fp8_histories(cfg))
+    split = jax.jit(make_train_step(graphdef, optax.sgd(0.0), accumulation_steps=2))(*state, tokens)[2]
+    whole = jax.jit(make_train_step(graphdef, optax.sgd(0.0)))
+    parts = [whole(*state, tokens[i::2])[2] for i in range(2)]  # micro-batch i: rows i, i + 2 (micro_batches)
+    for got, a, b in zip(jax.tree.leaves(split), *map(jax.tree.leaves, parts)):
+        np.testing.assert_array_equal(got, jnp.maximum(a, b))
+
+
+def _saved_state(workdir, experiment):
+    setup = build_setup(experiment, ONE_DEVICE)
+    checkpointer = Checkpointer(workdir / "checkpoints", experiment.checkpoint, read_only=True)
+    try:
+        return checkpointer.restore_latest(setup.abstract_state)
+    finally:
+        checkpointer.close()
+
+
+@pytest.mark.slow
+def test_histories_resume_bit_for_bit_and_start_fresh_after_a_change_to_float8(tmp_path, fp8_gemms, caplog):
+    steps = ("--train.eval_every=0", "--checkpoint.every=2")
+    whole = micro_experiment("mlra4_tiny", *FLOAT8, *steps, "--train.total_steps=6")
+    train(whole, tmp_path / "whole", devices=ONE_DEVICE)
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "6")  # as if killed before step 6 was saved
+    train(whole, tmp_path / "resumed", devices=ONE_DEVICE)
+    (step, want, _), (resumed_step, got, _) = (
+        _saved_state(tmp_path / "whole", whole),
+        _saved_state(tmp_path / "resumed", whole),
+    )
+    assert step == resumed_step == 6 and jax.tree.leaves(got["fp8"])
+    assert bool(jax.tree.leaves(got["fp8"])[0][:, 0, :6].all())  # six steps of the activation's amaxes
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(a, b)
+
+    bf16 = micro_experiment(
+        "mlra4_tiny", "--model.compute_dtype=bfloat16", *steps, "--train.total_steps=4", "--train.warmup_steps=1"
+    )
+    train(bf16, tmp_path / "changed", devices=ONE_DEVICE)
+    assert "fp8" not in _saved_state(tmp_path / "changed", bf16)[1]  # none kept without float8
+    shutil.rmtree(tmp_path / "changed" / "checkpoints" / "4")  # resume from step 2, now in float8
+    more = micro_experiment("mlra4_tiny", *FLOAT8, *steps, "--train.total_steps=4", "--train.warmup_steps=1")
+    with caplog.at_level("INFO"):
+        train(more, tmp_path / "changed", devices=ONE_DEVICE)
+    assert "step 2 starts fresh FP8 scales" in caplog.text
+    histories = jax.tree.leaves(_saved_state(tmp_path / "changed", more)[1]["fp8"])
+    assert histories and bool(histories[0][:, 0, :2].all()) and not histories[0][:, :, 2:].any()
