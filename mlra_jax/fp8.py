@@ -52,6 +52,7 @@ _SITES: contextvars.ContextVar[_Sites | None] = contextvars.ContextVar("mlra_jax
 # "bt<contracted>,<contracted><out>->bt<out>": x's leading batch and time axes, its other axes contracted
 _PROJECTION = re.compile(r"^bt(\w+),(\w+)->bt(\w+)$")
 HISTORY = 16  # the amax history's length, in steps
+MARGIN = 0  # delayed scaling's headroom: scales map 2**MARGIN times the history's largest amax onto the format's max
 
 
 def scale_of(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -60,15 +61,16 @@ def scale_of(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return jnp.where(amax > 0, amax / _MAX[dtype], 1.0)
 
 
-def new_history(length: int = HISTORY) -> jax.Array:
+def new_history(length: int | None = None) -> jax.Array:
     """A fresh amax history [3, length] (rows: x, w, the output gradient): zeros, so the first step's scale is 1."""
-    return jnp.zeros((3, length), jnp.float32)
+    return jnp.zeros((3, length or HISTORY), jnp.float32)
 
 
 def scale_from_history(history_row: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """The scale that maps the largest amax of a history row onto `dtype`'s largest value (1 for a zero row)."""
+    """The scale that maps 2**MARGIN times the largest amax of a history row onto `dtype`'s largest value (1 for a
+    zero row)."""
     amax = jnp.max(history_row).astype(jnp.float32)
-    return jnp.where(amax > 0, amax / _MAX[dtype], 1.0)
+    return jnp.where(amax > 0, amax * 2.0**MARGIN / _MAX[dtype], 1.0)
 
 
 def merge_histories(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -256,14 +258,14 @@ def _tracing(sites: _Sites) -> Iterator[None]:
         _SITES.reset(token)
 
 
-def fresh_histories(paths: list[tuple[str, ...]], layers: int, length: int = HISTORY) -> dict[str, Any]:
+def fresh_histories(paths: list[tuple[str, ...]], layers: int, length: int | None = None) -> dict[str, Any]:
     """Zero amax histories [layers, 3, length] for the projections at `paths`, nested like the parameters."""
     tree: dict[str, Any] = {}
     for path in paths:
         node = tree
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = jnp.zeros((layers, 3, length), jnp.float32)
+        node[path[-1]] = jnp.zeros((layers, 3, length or HISTORY), jnp.float32)
     return tree
 
 
