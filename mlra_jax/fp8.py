@@ -20,6 +20,9 @@ row 1 the weight w, row 2 the output gradient, newest amax first. The history is
 "overwrite with gradient" (flax.linen.fp8_ops's): its cotangent is not a gradient but the updated history
 (each row rolled by one, the step's amax at index 0), which the train step takes as the history's new value.
 Micro-batches that started from the same history combine their updated histories with `merge_histories`.
+The train state holds the histories of the stacked blocks' projections nested like their parameters
+(model.fp8_histories); the layer loop hands each block its layer's (block_histories), and a projection finds
+its history by its parameter, so the modules hold no FP8 state.
 
 Only training takes this path (the loss function turns it on); evaluation, decoding and export run in
 the compute dtype. A backend without FP8 GEMMs (a CPU, a GPU before compute capability 8.9) is reported
@@ -51,7 +54,7 @@ _STACKED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("mlra_jax
 _SITES: contextvars.ContextVar[_Sites | None] = contextvars.ContextVar("mlra_jax_fp8_sites", default=None)
 # "bt<contracted>,<contracted><out>->bt<out>": x's leading batch and time axes, its other axes contracted
 _PROJECTION = re.compile(r"^bt(\w+),(\w+)->bt(\w+)$")
-HISTORY = 16  # the amax history's length, in steps
+HISTORY = 1  # the amax history's length, in steps (the previous step's amax: experiments/results/README.md)
 MARGIN = 0  # delayed scaling's headroom: scales map 2**MARGIN times the history's largest amax onto the format's max
 
 

@@ -72,8 +72,8 @@ def test_saturation_and_zero_tensors():
     assert bool(jnp.all(out == 0))
 
 
-def _history(x_amax=3.0, w_amax=0.1, g_amax=2.5, length=fp8.HISTORY):
-    """A non-zero history whose largest amaxes (the scales') are not at index 0."""
+def _history(x_amax=3.0, w_amax=0.1, g_amax=2.5, length=4):
+    """A non-zero history of `length` steps whose largest amaxes (the scales') are not at index 0."""
     decay = jnp.linspace(0.5, 1.0, length)
     return jnp.stack([decay * x_amax, decay * w_amax, decay * g_amax]).astype(jnp.float32)
 

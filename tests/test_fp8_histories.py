@@ -28,6 +28,7 @@ FLOAT8 = ("--model.compute_dtype=bfloat16", "--model.matmul_dtype=float8")
 @pytest.fixture
 def fp8_gemms(monkeypatch):
     monkeypatch.setattr(fp8, "supported", lambda device=None: True)
+    monkeypatch.setattr(fp8, "HISTORY", 4)  # longer than the default's one step: the rolling shows
 
 
 def _tiny():
@@ -92,7 +93,7 @@ def test_histories_resume_bit_for_bit_and_start_fresh_after_a_change_to_float8(t
         _saved_state(tmp_path / "resumed", whole),
     )
     assert step == resumed_step == 6 and jax.tree.leaves(got["fp8"])
-    assert bool(jax.tree.leaves(got["fp8"])[0][:, 0, :6].all())  # six steps of the activation's amaxes
+    assert bool(jax.tree.leaves(got["fp8"])[0][:, 0, :4].all())  # the last four steps' activation amaxes
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_array_equal(a, b)
 
