@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from xla_test_flags import IN_PROCESS
 
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {IN_PROCESS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ["JAX_PLATFORMS"] == "cpu":  # JAX_PLATFORMS=cuda pytest -m gpu: the GPU's XLA rejects the CPU flags
+    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {IN_PROCESS}")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 

@@ -3,6 +3,7 @@ train step records each projection's amaxes in its history, micro-batches merge 
 the train state: saved, restored bit for bit on resume, and started fresh when a run changes to float8."""
 
 import dataclasses
+import re
 import shutil
 
 import jax
@@ -11,10 +12,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import micro_experiment
+from helpers import micro_experiment, on_gpu
 from mlra_jax.experiments import get_experiment
 
 from mlra_jax import fp8
+from mlra_jax.benchmarks.train import gemm_calls
 from mlra_jax.checkpoint import Checkpointer
 from mlra_jax.model import fp8_histories, init_model
 from mlra_jax.training.loop import train
@@ -109,3 +111,43 @@ def test_histories_resume_bit_for_bit_and_start_fresh_after_a_change_to_float8(t
     assert "step 2 starts fresh FP8 scales" in caplog.text
     histories = jax.tree.leaves(_saved_state(tmp_path / "changed", more)[1]["fp8"])
     assert histories and bool(histories[0][:, 0, :2].all()) and not histories[0][:, :, 2:].any()
+
+
+def fp8_dots(hlo: str) -> int:
+    """The dots of an HLO module whose operands are all FP8 (each computation's names resolved to their types)."""
+    count = 0
+    for computation in hlo.split("\n\n"):
+        types = dict(re.findall(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = \(?(\w+)\[", computation, re.M))
+        for operands in re.findall(r" dot\(([^)]*)\)", computation):
+            names = [operand.strip().split()[-1].lstrip("%") for operand in operands.split(",")]
+            count += all(types.get(name, "").startswith("f8") for name in names)
+    return count
+
+
+def test_the_step_multiplies_fp8_operands_in_each_projection(fp8_gemms):
+    """Before XLA's optimizations (CPUs upcast FP8 dots after): each projection's forward and two backward dots."""
+    cfg, graphdef, params = _tiny()
+    histories = fp8_histories(cfg)
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size)
+    step = jax.jit(make_train_step(graphdef, optax.sgd(0.0)))
+    hlo = step.lower(params, optax.sgd(0.0).init(params), histories, tokens).as_text("hlo")
+    assert fp8_dots(hlo) == 3 * len(jax.tree.leaves(histories))  # the scanned layer's dots appear once
+
+
+@on_gpu
+def test_the_compiled_gpu_step_runs_its_projections_as_fp8_gemms():
+    """On a GPU with FP8 tensor cores the step's projections are cuBLASLt FP8 GEMMs, and a step fills the histories."""
+    if not fp8.supported():
+        pytest.skip("this GPU has no FP8 GEMMs")
+    cfg, graphdef, params = _tiny()
+    histories = fp8_histories(cfg)
+    step = jax.jit(make_train_step(graphdef, optax.sgd(0.0)))
+    tokens = jax.random.randint(jax.random.key(1), (2, 129), 0, cfg.vocab_size)
+    compiled = step.lower(params, optax.sgd(0.0).init(params), histories, tokens).compile()
+    hlo = compiled.as_text()
+    # FP8 GEMMs as cuBLASLt calls, or (small ones, Triton GEMM fusions on) dots of FP8 operands in XLA's fusions
+    fp8_gemms = gemm_calls(hlo)["fp8"] + fp8_dots(hlo)
+    projections = len(jax.tree.leaves(histories))  # per layer (a scanned layer's GEMMs appear once)
+    assert fp8_gemms >= 3 * projections, (fp8_gemms, gemm_calls(hlo))  # each: a forward and two backward GEMMs
+    updated = compiled(params, optax.sgd(0.0).init(params), histories, tokens)[2]
+    assert all(bool((h[:, :2, 0] > 0).all()) for h in jax.tree.leaves(updated))
