@@ -54,7 +54,7 @@ _STACKED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("mlra_jax
 _SITES: contextvars.ContextVar[_Sites | None] = contextvars.ContextVar("mlra_jax_fp8_sites", default=None)
 # "bt<contracted>,<contracted><out>->bt<out>": x's leading batch and time axes, its other axes contracted
 _PROJECTION = re.compile(r"^bt(\w+),(\w+)->bt(\w+)$")
-HISTORY = 1  # the amax history's length, in steps (the previous step's amax: experiments/results/README.md)
+HISTORY = 1  # the amax history's length, in steps: the previous step's (docs/performance.md has the loss study)
 MARGIN = 0  # delayed scaling's headroom: scales map 2**MARGIN times the history's largest amax onto the format's max
 
 
