@@ -17,7 +17,8 @@ from mlra_jax.experiments.tiny import tiny_model
 import mlra_jax.attention.latent as latent_module
 import mlra_jax.layers as layers_module
 from mlra_jax.decode.generator import GenerationError, Generator, Sampling, left_pad, sample
-from mlra_jax.decode.serving import ServingModel, capacity_bucket, padded_mlp
+from mlra_jax.decode.layouts import padded_mlp
+from mlra_jax.decode.serving import ServingModel, capacity_bucket
 from mlra_jax.kv_cache import init_cache, init_layer_caches
 from mlra_jax.layers import MLP, ROW_COPIES, row_copies, single_row_axes, two_rows
 from mlra_jax.model import init_model

@@ -41,7 +41,7 @@ def row_kernels_problem(cfg: ModelConfig, mesh: jax.sharding.Mesh | None, interp
         target_platform() != "gpu" or "rocm" in getattr(jax.devices()[0].client, "platform_version", "").lower()
     ):
         return f"the Pallas Triton kernels run on NVIDIA GPUs; the backend is {target_platform()!r}"
-    if cfg.n_embd % 16:  # the MLP's width is padded to a multiple of 128 (serving.padded_mlp)
+    if cfg.n_embd % 16:  # the MLP's width is padded to a multiple of 128 (decode.layouts.padded_mlp)
         return f"d={cfg.n_embd} must be a multiple of 16"
     if cfg.spec.latent_layout:
         blocks, _ = cfg.latent_layout

@@ -3,7 +3,7 @@
 * Weights are cast once to the compute dtype (norm scales and the embedding table stay float32,
   as the model reads them; the tied head gets its own copy in the compute dtype) and split into
   one pytree per layer, so a step reads each weight once, as stored. The MLP's hidden width is padded
-  to a multiple of 128 (padded_mlp). On one device the serving layer holds the products' weights in the
+  to a multiple of 128 (layouts.padded_mlp). On one device the serving layer holds the products' weights in the
   layouts its steps read best (decode.layouts: the products of the same input merged into one, the latent
   family's W_UK and W_UV head-major) and runs the blocks on copies of the modules without them
   (decode.serving_block); on a mesh the modules run as trained. A one-row product runs on two rows
@@ -58,8 +58,6 @@ SERVING_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 # GEMMs split K and add a reduction kernel each; at 64 tokens the SwiGLU's input projections take 1.46 ms
 # with Triton and 1.20 with cuBLAS.
 TRITON_GEMM_ROWS = 16
-# The MLP's hidden width in serving weights is padded with zeros to a multiple of this (padded_mlp).
-MLP_MULTIPLE = 128
 PREFILL_CHUNK = 512  # prompt tokens per prefill call
 
 
@@ -118,7 +116,7 @@ class ServingModel:
         graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
         shell = nnx.merge(graphdef, params)
         blocks = compute_params(params["blocks"], self.cfg.dtype)
-        blocks = {**blocks, "mlp": padded_mlp(blocks["mlp"])}
+        blocks = {**blocks, "mlp": layouts.padded_mlp(blocks["mlp"])}
         # One device: the weights that its decode steps read best in other layouts are held here (decode.layouts)
         # and the blocks run on a shell of the modules without them; a mesh runs the modules as trained.
         self.held = mesh is None
@@ -296,29 +294,4 @@ def serving_weights(params: dict[str, Any], layers: dict[str, Any], dtype: jnp.d
         **cast,
         "layers": tuple(jax.tree.map(lambda a: a[i], layers) for i in range(n_layer)),
         "head": table if table.dtype == dtype else table.astype(dtype),
-    }
-
-
-def padded_mlp(mlp: dict[str, jax.Array], multiple: int = MLP_MULTIPLE) -> dict[str, jax.Array]:
-    """The SwiGLU's weights (stacked over layers or not) with its hidden width padded with zeros to a
-    multiple of `multiple`: the same output (a padded unit's gate and up are 0, and silu(0) * 0 = 0 meets
-    zero rows of down_proj), and weights that XLA's Triton GEMMs read as stored. They pad an odd width
-    (9880 in the 2.9B models) on every call: H100, 2.9B MLRA-4 at 8K tokens, 1 ms of each step (the
-    profile's "loop_pad_fusion")."""
-    width = mlp["down_proj"].shape[-2]
-    extra = round_up(width, multiple) - width
-    if not extra:
-        return mlp
-
-    def pad(a: jax.Array, axis: int) -> jax.Array:
-        padded = jnp.pad(a, [(0, extra if i == axis % a.ndim else 0) for i in range(a.ndim)])
-        if isinstance(a, jax.core.Tracer) or not isinstance(a.sharding, jax.sharding.NamedSharding):
-            return padded  # traced (tpu_compile): GSPMD places it; unsharded: where it is
-        return jax.device_put(padded, a.sharding)
-
-    return {
-        **mlp,
-        "gate_proj": pad(mlp["gate_proj"], -1),
-        "up_proj": pad(mlp["up_proj"], -1),
-        "down_proj": pad(mlp["down_proj"], -2),
     }
