@@ -151,3 +151,18 @@ def test_the_compiled_gpu_step_runs_its_projections_as_fp8_gemms():
     assert fp8_gemms >= 3 * projections, (fp8_gemms, gemm_calls(hlo))  # each: a forward and two backward GEMMs
     updated = compiled(params, optax.sgd(0.0).init(params), histories, tokens)[2]
     assert all(bool((h[:, :2, 0] > 0).all()) for h in jax.tree.leaves(updated))
+
+
+def test_info_and_dry_run_describe_the_histories(capsys):
+    from mlra_jax.info import describe, format_description
+    from mlra_jax.train import main as train_main
+
+    experiment = micro_experiment("mlra4_tiny", *FLOAT8)
+    info = describe(experiment)
+    assert info["fp8"].startswith(
+        f"FP8 amax histories: 8 projections x 1 layers x 3 tensors (x, w, gradient) x {fp8.HISTORY}"
+    )
+    assert info["fp8"] in format_description(info, experiment.model)
+    assert describe(micro_experiment("mlra4_tiny"))["fp8"] is None
+    assert train_main(["--experiment=mlra4_tiny", *FLOAT8, "--dry_run"]) == 0
+    assert "FP8 amax histories: 8 projections x 4 layers" in capsys.readouterr().out
