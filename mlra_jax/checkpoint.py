@@ -30,6 +30,15 @@ log = logging.getLogger(__name__)
 OPTIONAL_ENTRIES = ("fp8",)
 
 
+def saved_entries(state_dir: epath.Path) -> set[str]:
+    """The top-level entries of a saved state, from its metadata (the handler's thread is closed after)."""
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        return set(handler.metadata(state_dir))
+    finally:
+        handler.close()
+
+
 class CheckpointError(RuntimeError):
     """Checkpoints exist but none restores; nothing in the run was changed."""
 
@@ -65,7 +74,7 @@ class Checkpointer:
         """`abstract_state` may hold only some top-level entries ({"params": ...} for serving): only those
         are read. Of them, an OPTIONAL entry that the checkpoint lacks (FP8 histories saved by a run without
         them) is left out of the restored state, for the caller to make fresh; any other is an error."""
-        saved = set(ocp.PyTreeCheckpointHandler().metadata(self.directory / str(step) / "state"))
+        saved = saved_entries(self.directory / str(step) / "state")
         missing = sorted(set(abstract_state) - saved - set(OPTIONAL_ENTRIES))
         if missing:
             raise ValueError(f"the checkpoint holds {sorted(saved)}, not {missing}")
