@@ -121,6 +121,16 @@ def _tyro_message(text: str) -> str:
 
 def _run_tyro(experiment: Experiment | None, args: list[str], prog: str) -> tuple[Any, str]:
     """(the parsed overrides or None, what tyro printed) for `args`; tyro's exit becomes the printed text."""
+    try:
+        return _tyro_once(experiment, args, prog)
+    except SystemError as err:  # tyro reads help from config.py's source with ast.parse, which CPython before
+        # 3.11.8 can fail spuriously while another thread runs (CPython gh-106905): parse once more
+        if "AST constructor recursion depth mismatch" not in str(err):
+            raise
+        return _tyro_once(experiment, args, prog)
+
+
+def _tyro_once(experiment: Experiment | None, args: list[str], prog: str) -> tuple[Any, str]:
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
         try:

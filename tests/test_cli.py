@@ -164,3 +164,27 @@ def test_help_examples_keep_their_line_continuations():
 
     for module in (prepare, bench_train):
         assert " \\\n" in module.__doc__, module.__name__
+
+
+def test_a_spurious_ast_error_of_cpython_before_3_11_8_is_parsed_past(monkeypatch):
+    """CPython gh-106905: ast.parse (tyro reads the fields' help from source) may raise a SystemError while another
+    thread runs; the overrides are parsed once more. Any other SystemError is raised."""
+    import tyro
+
+    from mlra_jax.cli import apply_overrides
+
+    real, calls = tyro.cli, []
+
+    def flaky(*args, message="AST constructor recursion depth mismatch (before=192, after=241)", **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise SystemError(message)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tyro, "cli", flaky)
+    assert apply_overrides(get_experiment("mlra4_tiny"), ["--train.total_steps=7"]).train.total_steps == 7
+    assert len(calls) == 2
+    calls.clear()
+    monkeypatch.setattr(tyro, "cli", lambda *a, **k: flaky(*a, message="something else", **k))
+    with pytest.raises(SystemError, match="something else"):
+        apply_overrides(get_experiment("mlra4_tiny"), ["--train.total_steps=7"])
