@@ -42,7 +42,7 @@ from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, traverse_util
 
 log = logging.getLogger(__name__)
 
@@ -218,8 +218,7 @@ def block_histories(block: nnx.Module, histories: dict[str, Any] | None) -> Iter
     if histories is None:
         yield
         return
-    flat = {tuple(str(k.key) for k in path): h for path, h in jax.tree_util.tree_leaves_with_path(histories)}
-    with _tracing(_Sites(_param_paths(block), flat)):
+    with _tracing(_Sites(_param_paths(block), traverse_util.flatten_dict(histories))):
         yield
 
 
@@ -263,13 +262,8 @@ def _tracing(sites: _Sites) -> Iterator[None]:
 
 def fresh_histories(paths: list[tuple[str, ...]], layers: int, length: int | None = None) -> dict[str, Any]:
     """Zero amax histories [layers, 3, length] for the projections at `paths`, nested like the parameters."""
-    tree: dict[str, Any] = {}
-    for path in paths:
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = jnp.zeros((layers, 3, length or HISTORY), jnp.float32)
-    return tree
+    shape = (layers, 3, length or HISTORY)
+    return traverse_util.unflatten_dict({path: jnp.zeros(shape, jnp.float32) for path in paths})
 
 
 def supported(device: jax.Device | None = None) -> bool:

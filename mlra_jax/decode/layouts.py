@@ -79,7 +79,7 @@ def module_weights(blocks: Weights) -> Weights:
 def serving_shell(block: Block) -> Block:
     """A copy of `block` without the weights held in serving layouts (module_weights' structure): its norms,
     gate and (other than the latent family) attention run as trained; the serving steps read the rest."""
-    shell = nnx.merge(*nnx.split(block))
+    shell = nnx.clone(block)
     shell.mlp = None
     shell.attn.o_proj = None
     if isinstance(shell.attn, LatentAttention):
