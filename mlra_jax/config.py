@@ -21,7 +21,7 @@ OPTIONAL_FIELDS = ("head_dim", "group_size", "tpa_rank", "tpa_q_rank", *LATENT_F
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash", "pallas")
 # auto: the least recomputation that fits the device's memory (training.remat_choice)
-REMAT_POLICIES = ("none", "full", "dots", "dots_attn", "auto")
+REMAT_POLICIES = ("none", "full", "dots", "dots_attn", "dots_attn_kv", "dots_attn_qkv", "auto")
 LATENT_FORMS = ("expanded", "absorbed")
 MATMUL_DTYPES = ("compute", "float8")  # compute: the compute dtype
 FP8_SCALINGS = ("delayed", "dynamic")

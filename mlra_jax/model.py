@@ -16,6 +16,7 @@ from flax import nnx
 
 from mlra_jax import fp8
 from mlra_jax.attention import attention_class
+from mlra_jax.attention.core import ATTENTION_INPUTS
 from mlra_jax.attention.fused import KERNEL_PRIMITIVES
 from mlra_jax.config import ModelConfig
 from mlra_jax.kv_cache import DecodeState, slot_mask
@@ -31,10 +32,22 @@ def _dots_and_attention(prim: Any, *args: Any, **params: Any) -> bool:
     )
 
 
+def _dots_attention_and(*names: str) -> Callable[..., bool]:
+    """dots_attn's policy, also keeping the values named (jax.ad_checkpoint.checkpoint_name) `names`."""
+    return jax.checkpoint_policies.save_from_both_policies(
+        _dots_and_attention, jax.checkpoint_policies.save_only_these_names(*names)
+    )
+
+
 REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
     "full": None,  # save nothing, recompute the whole block
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projections, recompute attention
     "dots_attn": _dots_and_attention,  # keep projections and fused attention outputs; recompute elementwise work
+    # dots_attn and the attention kernel's keys and values (the per-head up-projections with RoPE): the backward
+    # reruns no product; it recomputes the norms, the queries' RoPE and the SwiGLU product
+    "dots_attn_kv": _dots_attention_and(*ATTENTION_INPUTS[1:]),
+    # and the queries too: the backward recomputes the norms and the SwiGLU product only
+    "dots_attn_qkv": _dots_attention_and(*ATTENTION_INPUTS),
 }
 
 

@@ -9,7 +9,7 @@ import pytest
 from mlra_jax.experiments import benchmarks
 from mlra_jax.experiments.tiny import tiny_model
 
-from mlra_jax.benchmarks import decode, decode_throughput, latent_kernel, row_products, train
+from mlra_jax.benchmarks import decode, decode_throughput, latent_kernel, optimizer, row_products, train
 from mlra_jax.benchmarks.common import call_times, split_calls
 
 pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
@@ -164,6 +164,25 @@ def test_train_benchmark_settings(tmp_path):
     fsdp, bad = json.loads(out.read_text())["results"]
     assert fsdp["mesh"]["fsdp"] == 8 and fsdp["accumulation_steps"] == 2 and fsdp["micro_batch"] == 16
     assert "not a multiple" in bad["error"]
+    train.main([*common, "--fsdp", "--global_batch=32", "--batch_per_device=auto", "--remat=auto"])
+    (auto,) = json.loads(out.read_text())["results"]
+    # the trainer's cap (max_micro_batch_per_device) on 8 CPU devices; remat=auto takes none without a memory limit
+    assert auto["batch_per_device_setting"] == "auto" and auto["remat"] == "none" and auto["remat_setting"] == "auto"
+    assert auto["micro_batch"] * auto["accumulation_steps"] == 32 and "error" not in auto
+
+
+def test_optimizer_benchmark_times_the_update_against_its_floor(tmp_path):
+    from mlra_jax.model import abstract_model, count_params
+
+    out = tmp_path / "optimizer.json"
+    optimizer.main(["--experiments=mlra4_tiny", "--n_layer=1", "--steps=2", f"--out={out}"])
+    record = json.loads(out.read_text())
+    (result,) = record["results"]
+    assert record["benchmark"] == "optimizer" and record["device"] == "cpu" and record["date"] and record["command"]
+    model = abstract_model(tiny_model("mlra4", n_layer=1))
+    assert result["n_layer"] == 1 and result["parameters"] == count_params(model)
+    floor = optimizer.BYTES_PER_PARAMETER * result["parameters"] / result["copy_bandwidth_bytes_per_s"]
+    assert result["floor_s"] == pytest.approx(floor) and result["passes"] == pytest.approx(result["time_s"] / floor)
 
 
 def test_row_products_benchmark_reads_its_tilings_and_refuses_a_cpu(tmp_path, capsys):

@@ -71,7 +71,8 @@ def test_help_shows_the_experiments_values_and_what_each_field_means(capsys):
         train_main(["--experiment=mlra4_2p9b", "--help"])
     out = capsys.readouterr().out
     assert "(default: 24)" in described(out, "--model.n_layer int")
-    assert "(default: auto)" in described(out, "--model.remat {none,full,dots,dots_attn,auto}")
+    remat_choices = "{none,full,dots,dots_attn,dots_attn_kv,dots_attn_qkv,auto}"
+    assert "(default: auto)" in described(out, f"--model.remat {remat_choices}")
     assert "a fraction of total_steps below 1" in described(out, "--train.warmup_steps")  # its comment in config.py
     with pytest.raises(SystemExit):
         train_main(["--help"])

@@ -116,7 +116,7 @@ def test_help_lists_experiments_and_fields(capsys):
     out = capsys.readouterr().out
     assert "mlra4_2p9b" in out and "gqa_tiny" in out and "--train.peak_lr float" in out
     for allowed in (
-        "--model.remat {none,full,dots,dots_attn,auto}",
+        "--model.remat {none,full,dots,dots_attn,dots_attn_kv,dots_attn_qkv,auto}",
         "--model.compute_dtype {float32,bfloat16,float16}",
         "--model.attention_impl {auto,xla,cudnn,splash,pallas}",
         "--model.output_init {zero,normal}",

@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from helpers import micro_experiment
@@ -41,6 +42,65 @@ def test_dots_attn_remat_never_reruns_the_attention_kernel(remat, kernels):
     tokens = jnp.zeros((2, 129), jnp.int32)
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss_fn(graphdef, p, tokens)))(params)
     assert count_primitive(jaxpr.jaxpr, "pallas_call") == kernels
+
+
+def grad_jaxpr(cfg, tokens):
+    model = init_model(cfg)
+    graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return jax.make_jaxpr(jax.grad(lambda p: loss_fn(graphdef, p, tokens)))(params).jaxpr
+
+
+def test_named_remat_policies_keep_the_attention_inputs_so_the_backward_reruns_fewer_products():
+    """MLRA-4's per-head keys and values come from a batched product (the W_UK / W_UV up-projection) that
+    dots_attn recomputes in the backward; dots_attn_kv and dots_attn_qkv keep the kernel's keys and values by
+    name, so their backward has that product's forward no more, and none has the fewest products."""
+    tokens = jnp.zeros((2, 129), jnp.int32)
+    dots = {
+        remat: count_primitive(
+            grad_jaxpr(tiny_model("mlra4", n_layer=1, vocab_size=256, attention_impl="splash", remat=remat), tokens),
+            "dot_general",
+        )
+        for remat in ("none", "dots_attn_qkv", "dots_attn_kv", "dots_attn")
+    }
+    assert dots["none"] == dots["dots_attn_qkv"] == dots["dots_attn_kv"] < dots["dots_attn"], dots
+
+
+@pytest.mark.parametrize("variant", ["mlra4", "gqa", "mla"])
+def test_named_remat_policies_keep_what_they_name(variant):
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from mlra_jax.model import REMAT_POLICIES, Block, default_positions
+
+    cfg = tiny_model(variant, n_layer=1, vocab_size=256, attention_impl="splash")
+    graphdef, state = nnx.split(Block(cfg, rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(state)
+    x = jnp.ones((2, 128, cfg.n_embd), jnp.float32)
+    positions = default_positions(jnp.zeros((2, 128), jnp.int32))
+
+    def names(remat):
+        layer = jax.checkpoint(lambda p, h: nnx.merge(graphdef, p)(h, positions), policy=REMAT_POLICIES[remat])
+        return {source.split("'")[1] for _, source in saved_residuals(layer, params, x) if source.startswith("named")}
+
+    assert names("dots_attn") == set()
+    assert names("dots_attn_kv") == {"attention_k", "attention_v"}
+    assert names("dots_attn_qkv") == {"attention_q", "attention_k", "attention_v"}
+
+
+@pytest.mark.parametrize("variant", ["mlra4", "gqa"])
+def test_every_remat_policy_gives_the_gradients_of_none(variant):
+    tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, 256)
+    model = init_model(tiny_model(variant, n_layer=2, vocab_size=256))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+    def grads(remat):
+        cfg = tiny_model(variant, n_layer=2, vocab_size=256, remat=remat)
+        graphdef = nnx.split(init_model(cfg))[0]
+        return jax.jit(jax.value_and_grad(lambda p: loss_fn(graphdef, p, tokens)))(params)
+
+    expected = grads("none")
+    for remat in ("dots_attn_qkv", "dots_attn_kv", "dots_attn", "dots", "full"):
+        got = grads(remat)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, expected)
 
 
 def test_weights_enter_the_step_in_the_compute_dtype_but_norms_and_embedding_stay_float32():
@@ -86,7 +146,8 @@ def remat_inputs(**train_changes):
 def test_auto_remat_takes_the_least_recomputation_that_fits():
     experiment, fixed = remat_inputs()
     needs = {remat: remat_choice.step_bytes(experiment, fixed, 4, remat) for remat in remat_choice.REMAT_ORDER}
-    assert needs["none"] >= needs["dots_attn"] > needs["dots"] > needs["full"] > fixed
+    assert needs["none"] >= needs["dots_attn_qkv"] > needs["dots_attn_kv"] > needs["dots_attn"] > needs["dots"]
+    assert needs["dots"] > needs["full"] > fixed
     for need in needs.values():
         chosen, reason = remat_choice.choose_remat(experiment, fixed, 4, int(need / remat_choice.MEMORY_FRACTION) + 1)
         assert chosen == next(r for r in remat_choice.REMAT_ORDER if needs[r] <= need), reason
@@ -150,19 +211,26 @@ def test_a_run_resumes_under_other_runtime_settings_but_not_another_model(tmp_pa
         train(micro_experiment("mlra4_tiny", "--model.n_embd=32"), tmp_path, devices=devices)
 
 
-def test_auto_remat_takes_a_smaller_micro_batch_before_recomputing_everything(monkeypatch):
-    """With the micro-batch from the per-device cap, a memory where only `full` fits 8 sequences per device but
-    a lighter policy fits 4 takes 4 (twice the accumulation steps); an explicit micro_batch_size is kept."""
+def test_auto_remat_takes_a_smaller_micro_batch_before_rerunning_products(monkeypatch):
+    """With the micro-batch from the per-device cap, a memory where 8 sequences per device fit only under `dots`
+    (which reruns the attention) but 4 fit under dots_attn takes 4 (twice the accumulation steps); an explicit
+    micro_batch_size is kept."""
     experiment, fixed = remat_inputs(global_batch_size=16, max_micro_batch_per_device=8, micro_batch_size="none")
     setup = build_setup(
         dataclasses.replace(experiment, model=dataclasses.replace(experiment.model, remat="none")), jax.devices()[:1]
     )
     fixed = state_bytes(setup)
     memory = int(remat_choice.step_bytes(experiment, fixed, 4, "dots_attn") / remat_choice.MEMORY_FRACTION) + 1
-    assert remat_choice.choose_remat(experiment, fixed, 8, memory)[0] == "full"
+    assert remat_choice.choose_remat(experiment, fixed, 8, memory)[0] in ("dots", "full")
     monkeypatch.setattr(remat_choice, "device_memory", lambda device: memory)
     resolved = build_setup(experiment, jax.devices()[:1]).experiment
     assert (resolved.train.micro_batch_size, resolved.train.accumulation_steps) == (4, 4)
-    assert resolved.model.remat == remat_choice.choose_remat(experiment, fixed, 4, memory)[0] != "full"
+    assert resolved.model.remat == remat_choice.choose_remat(experiment, fixed, 4, memory)[0]
+    assert resolved.model.remat in remat_choice.LIGHT_POLICIES
     explicit = dataclasses.replace(experiment, train=dataclasses.replace(experiment.train, micro_batch_size=8))
-    assert build_setup(explicit, jax.devices()[:1]).experiment.model.remat == "full"
+    assert build_setup(explicit, jax.devices()[:1]).experiment.model.remat in ("dots", "full")
+    # where 8 fit under a light policy, the cap's micro-batch stays
+    roomy = int(remat_choice.step_bytes(experiment, fixed, 8, "dots_attn") / remat_choice.MEMORY_FRACTION) + 1
+    monkeypatch.setattr(remat_choice, "device_memory", lambda device: roomy)
+    resolved = build_setup(experiment, jax.devices()[:1]).experiment
+    assert resolved.train.micro_batch_size == 8 and resolved.model.remat in remat_choice.LIGHT_POLICIES

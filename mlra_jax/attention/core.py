@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from mlra_jax.attention.fused import choose
 from mlra_jax.attention.latent_kernels import latent_decode_attention, use_kernel
 from mlra_jax.layers import einsum
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
+ATTENTION_INPUTS = ("attention_q", "attention_k", "attention_v")  # checkpoint names of what attention() attends with
 
 
 def causal_mask(q_positions: jax.Array, kv_positions: jax.Array, kv_valid: jax.Array | None = None) -> jax.Array:
@@ -91,6 +93,8 @@ def attention(
     'cudnn' / 'splash' (that kernel or an error), 'pallas' (the decode kernels; full sequences as 'auto').
     """
     kernel = choose("auto" if impl == "pallas" else impl, q, k, v, masked=mask is not None)
+    # named for the remat policies that keep the kernel's inputs (dots_attn_kv, dots_attn_qkv: model.REMAT_POLICIES)
+    q, k, v = (checkpoint_name(x, name) for x, name in zip((q, k, v), ATTENTION_INPUTS))
     if kernel is not None:
         _check_shapes(q, k, v)
         return kernel(q, k, v, scale=scale)

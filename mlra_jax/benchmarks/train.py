@@ -4,7 +4,7 @@
     python -m mlra_jax.benchmarks.train --n_layer=8 --batch_per_device=8,12 --out=experiments/results/train_h100.json
     # (b) full 24-layer models with FSDP at the paper's global batch (480 x 2048 through accumulation)
     python -m mlra_jax.benchmarks.train --experiments=mlra4_2p9b,mla_2p9b --n_layer=24 --fsdp \\
-        --global_batch=480 --batch_per_device=8
+        --global_batch=480 --batch_per_device=auto
     # (c) tensor parallelism: TP degrees over all devices, the rest data parallel
     python -m mlra_jax.benchmarks.train --experiments=mlra4_2p9b --tp=1,2,4
     # (d) beside the official PyTorch code timed on the same GPU (the JSON lines of its anchor script)
@@ -39,12 +39,20 @@ from mlra_jax.variants import VARIANTS
 from mlra_jax.xla_flags import apply_gpu_defaults
 
 
+def per_device_batches(text: str) -> list[int]:
+    """--batch_per_device's list; auto as 0."""
+    return [0 if item == "auto" else int(item) for item in text.split(",")]
+
+
 def setting_overrides(args: argparse.Namespace, devices: int, tp: int, remat: str, per_device: int) -> list[str]:
     """Overrides that turn an experiment into one benchmark setting."""
     replicas = devices // tp
     micro = per_device * replicas
     global_batch = args.global_batch or micro
-    if global_batch % micro:
+    if not per_device:  # auto: the trainer's micro-batch (train.max_micro_batch_per_device and remat=auto)
+        if not args.global_batch:
+            raise ValueError("--batch_per_device=auto needs --global_batch")
+    elif global_batch % micro:
         raise ValueError(
             f"--global_batch={global_batch} is not a multiple of the micro-batch {micro} "
             f"({per_device} per device x {replicas} replicas)"
@@ -58,7 +66,7 @@ def setting_overrides(args: argparse.Namespace, devices: int, tp: int, remat: st
         *remat_override,
         f"--train.seq_len={args.seq_len}",
         f"--train.global_batch_size={global_batch}",
-        f"--train.micro_batch_size={micro}",
+        *([f"--train.micro_batch_size={micro}"] if per_device else []),
         f"--train.loss_chunk={args.loss_chunk}",
         *mesh,
         f"--mesh.tensor={tp}",
@@ -205,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         "--batch_per_device",
         default="4",
         help="sequences per data-parallel replica per micro-batch "
-        "(a list is tried in turn; the fastest is marked best)",
+        "(a list is tried in turn; the fastest is marked best); auto: the trainer's own choice under "
+        "--global_batch (train.max_micro_batch_per_device, fewer where remat=auto takes a smaller one)",
     )
     parser.add_argument(
         "--global_batch",
@@ -261,12 +270,18 @@ def main(argv: list[str] | None = None) -> int:
     planned = {
         (name, per_device, remat or get_experiment(name).model.remat, tp)
         for name in names
-        for per_device in map(int, args.batch_per_device.split(","))
+        for per_device in per_device_batches(args.batch_per_device)
         for remat in args.remat.split(",")
         for tp in map(int, args.tp.split(","))
     }
     remeasured = lambda r: (
-        (r["experiment"], r["batch_per_device"], r.get("remat_setting", r["remat"]), r["mesh"]["tensor"]) in planned
+        (
+            r["experiment"],
+            0 if r.get("batch_per_device_setting") == "auto" else r["batch_per_device"],
+            r.get("remat_setting", r["remat"]),
+            r["mesh"]["tensor"],
+        )
+        in planned
     )
     results, runs, _ = earlier_results(args.out, remeasured) if args.merge else ([], [], {})
     extra = {
@@ -277,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         for tp in map(int, args.tp.split(",")):
             for remat in args.remat.split(","):
-                for per_device in map(int, args.batch_per_device.split(",")):
+                for per_device in per_device_batches(args.batch_per_device):
                     try:
                         result = measure(
                             name,
@@ -294,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                             "remat": remat or "default",
                             "error": f"{type(err).__name__}: {err}",
                         }
+                    result["batch_per_device_setting"] = per_device or "auto"
                     if reference and "error" not in result:
                         result["reference"] = compare(
                             result, get_experiment(name).reference_key, jax.devices()[0].device_kind, reference

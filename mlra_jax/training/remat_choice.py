@@ -1,8 +1,11 @@
 """`remat="auto"`: the least recomputation whose training step fits the device's memory.
 
-Rematerialization trades compute for memory: `none` keeps every activation the backward needs, `dots_attn`
-recomputes the elementwise work, `dots` the attention too, `full` the whole layer. Auto takes the first of
-these (in that order) whose estimated per-device peak fits `MEMORY_FRACTION` of the device's memory:
+Rematerialization trades compute for memory: `none` keeps every activation the backward needs;
+`dots_attn_qkv` keeps the projections, the attention kernel's results and its inputs (recomputing the norms
+and the SwiGLU product); `dots_attn_kv` the same but the queries (recomputing their RoPE too); `dots_attn`
+recomputes the elementwise work and the latent variants' per-head up-projection of keys and values; `dots` the
+attention too; `full` the whole layer. Auto takes the first of these (in that order) whose estimated
+per-device peak fits `MEMORY_FRACTION` of the device's memory:
 
     state (weights, AdamW moments, gradients, their running sum, the compute-dtype weights; training.state)
     + layers x (the activations one layer saves for its backward + its input)
@@ -32,7 +35,10 @@ from mlra_jax.tpu_topology import chip_for_device
 
 log = logging.getLogger(__name__)
 
-REMAT_ORDER = ("none", "dots_attn", "dots", "full")  # least recomputation first
+REMAT_ORDER = ("none", "dots_attn_qkv", "dots_attn_kv", "dots_attn", "dots", "full")  # least recomputation first
+# The policies whose backward reruns neither the attention kernel nor a projection (dots_attn: only the latent
+# variants' batched up-projection of keys and values, besides the elementwise work)
+LIGHT_POLICIES = REMAT_ORDER[:4]
 # Of the device's memory, the rest left for workspaces and fragmentation. The estimate itself runs above XLA's own
 # accounting of the compiled step: by 3-5 GiB (8-14%) for the 8-layer proxies of the 2.9B models on an H100.
 MEMORY_FRACTION = 0.9
@@ -103,6 +109,8 @@ def materialized(source: str, dtype: jnp.dtype, compute_dtype: jnp.dtype) -> boo
     """Whether a residual (saved_residuals' description of its source) holds memory of its own through the
     backward: products, kernel outputs, layout changes and the compute-dtype copies that feed products; not the
     layer's arguments, constants, or fused elementwise values."""
+    if source.startswith("named "):
+        return True  # a value a policy keeps by name (the attention kernel's inputs)
     if not source.startswith("output of "):
         return False  # an argument (the weights, the layer's input), a literal or a constant
     producer = source[len("output of ") :].split(" from ")[0]
@@ -157,19 +165,21 @@ def resolve_remat(
 ) -> Experiment:
     """The experiment with remat="auto" replaced by choose_remat's policy (logged); others as they are.
 
-    When only `full` fits `batch` sequences per device and the micro-batch came from the per-device cap, the
-    largest of `smaller_batches` (per device) that fits with less recomputation is taken instead: recomputing
-    the whole forward costs more than a smaller micro-batch (2 x H100, full 2.9B MLRA-4 with FSDP: 4 sequences
-    per device under dots_attn ran; 8 under dots ran out of memory)."""
+    When the micro-batch came from the per-device cap and `batch` sequences per device fit only under a policy
+    that reruns products or kernels (`dots`, `full`), the largest of `smaller_batches` (per device) that fits
+    under a lighter one (LIGHT_POLICIES) is taken instead: rerunning the attention or the whole forward
+    costs more than a smaller micro-batch. Full 2.9B MLRA-4 with FSDP on 2 GPUs (global batch 120): 6 sequences
+    per device under dots_attn_kv ran as fast as 4 under none and 1.1% faster than 6 under dots_attn; 8 under
+    dots ran out of memory on an H100 (experiments/results/train_fsdp_h200x2_remat.json, train_fsdp_h100x2.json)."""
     if experiment.model.remat != "auto":
         return experiment
     memory = device_memory(device)
     remat, reason = choose_remat(experiment, fixed_bytes, batch, memory)
     chosen = batch
-    if remat == "full":
+    if remat not in LIGHT_POLICIES:
         for smaller in sorted(smaller_batches, reverse=True):
             lighter, why = choose_remat(experiment, fixed_bytes, smaller, memory)
-            if lighter != "full":
+            if lighter in LIGHT_POLICIES:
                 remat, reason, chosen = lighter, why, smaller
                 break
     log.info("remat=auto chose %s for %d sequences per device (%s)", remat, chosen, reason)

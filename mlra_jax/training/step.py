@@ -93,19 +93,23 @@ def make_train_step(
                 micro_batches(tokens, accumulation_steps, micro_sharding),
             )
             loss, grads = loss / accumulation_steps, jax.tree.map(lambda g: g / accumulation_steps, grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        grad_norm = global_norm(grads)
-        params_finite = jnp.all(jnp.stack([jnp.isfinite(p).all() for p in jax.tree.leaves(params)]))
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_finite
-        return (
-            params,
-            opt_state,
-            histories,
-            {"loss": loss, "grad_norm": grad_norm, "params_finite": params_finite, "finite": finite},
-        )
+        params, opt_state, metrics = apply_gradients(optimizer, params, opt_state, grads, loss)
+        return params, opt_state, histories, metrics
 
     return step
+
+
+def apply_gradients(
+    optimizer: optax.GradientTransformation, params: Params, opt_state: Any, grads: Params, loss: jax.Array
+) -> tuple[Params, Any, dict[str, jax.Array]]:
+    """The update of a train step: (params, opt_state, metrics) after `grads`, with the metrics that say whether
+    the loss, the gradient norm and every updated parameter are finite."""
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    grad_norm = global_norm(grads)
+    params_finite = jnp.all(jnp.stack([jnp.isfinite(p).all() for p in jax.tree.leaves(params)]))
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_finite
+    return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "params_finite": params_finite, "finite": finite}
 
 
 def micro_batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
