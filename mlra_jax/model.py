@@ -150,10 +150,20 @@ class Transformer(nnx.Module):
         if self.config.scan_layers:
             return jax.lax.scan(layer, x, (state, xs, histories))
         ys = []
-        for i in range(self.config.n_layer):
-            x, y = layer(x, jax.tree.map(lambda a: a[i], (state, xs, histories)))
+        for inputs in unstacked((state, xs, histories), self.config.n_layer):
+            x, y = layer(x, inputs)
             ys.append(y)
         return x, (None if xs is None else jax.tree.map(lambda *a: jnp.stack(a), *ys))
+
+
+def unstacked(tree: Any, n: int) -> list[Any]:
+    """The n trees of `tree`'s leaves split along their leading axis of size n. Split, not indexed: the gradient of
+    jnp.split is one concatenate, that of n indexings n zero-padded copies summed, which XLA fuses into every
+    consumer of the stacked gradient (the gradient norm and the AdamW update ran at a third of their bandwidth on
+    an H100 with the 8-layer proxies)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    pieces = [jnp.split(leaf, n, axis=0) for leaf in leaves]
+    return [treedef.unflatten([jnp.squeeze(split[i], axis=0) for split in pieces]) for i in range(n)]
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:

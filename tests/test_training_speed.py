@@ -65,6 +65,19 @@ def test_named_remat_policies_keep_the_attention_inputs_so_the_backward_reruns_f
     assert dots["none"] == dots["dots_attn_qkv"] == dots["dots_attn_kv"] < dots["dots_attn"], dots
 
 
+def test_unrolled_layers_give_back_each_stacked_gradient_as_one_concatenate():
+    """The layers' parameters are split off their stack, not indexed: the stacked gradient is one concatenate of
+    the layers' gradients, never n_layer zero-padded copies summed (which XLA fused into the gradient norm and the
+    AdamW update, both then at a third of their bandwidth on an H100)."""
+    cfg = tiny_model("mlra4", n_layer=3, vocab_size=256, scan_layers=False)
+    model = init_model(cfg)
+    stacked = {tuple(a.shape) for a in jax.tree.leaves(nnx.to_pure_dict(nnx.state(model.blocks, nnx.Param)))}
+    eqns = grad_jaxpr(cfg, jnp.zeros((2, 33), jnp.int32)).eqns
+    shapes = lambda name: [tuple(e.outvars[0].aval.shape) for e in eqns if e.primitive.name == name]
+    assert not stacked & set(shapes("pad"))
+    assert stacked <= set(shapes("concatenate"))
+
+
 @pytest.mark.parametrize("variant", ["mlra4", "gqa", "mla"])
 def test_named_remat_policies_keep_what_they_name(variant):
     from jax._src.ad_checkpoint import saved_residuals
@@ -86,8 +99,8 @@ def test_named_remat_policies_keep_what_they_name(variant):
     assert names("dots_attn_qkv") == {"attention_q", "attention_k", "attention_v"}
 
 
-@pytest.mark.parametrize("variant", ["mlra4", "gqa"])
-def test_every_remat_policy_gives_the_gradients_of_none(variant):
+def test_every_remat_policy_gives_the_gradients_of_none():
+    variant = "mlra4"  # the named policies keep per-head keys and values up-projected from latent blocks
     tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, 256)
     model = init_model(tiny_model(variant, n_layer=2, vocab_size=256))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
