@@ -164,11 +164,18 @@ def test_train_benchmark_settings(tmp_path):
     fsdp, bad = json.loads(out.read_text())["results"]
     assert fsdp["mesh"]["fsdp"] == 8 and fsdp["accumulation_steps"] == 2 and fsdp["micro_batch"] == 16
     assert "not a multiple" in bad["error"]
-    train.main([*common, "--fsdp", "--global_batch=32", "--batch_per_device=auto", "--remat=auto"])
-    (auto,) = json.loads(out.read_text())["results"]
-    # the trainer's cap (max_micro_batch_per_device) on 8 CPU devices; remat=auto takes none without a memory limit
-    assert auto["batch_per_device_setting"] == "auto" and auto["remat"] == "none" and auto["remat_setting"] == "auto"
-    assert auto["micro_batch"] * auto["accumulation_steps"] == 32 and "error" not in auto
+
+
+def test_train_benchmark_auto_batch_leaves_the_micro_batch_to_the_trainer():
+    args = train.argparse.Namespace(
+        global_batch=32, fsdp=True, n_layer=1, attention_impl="auto", seq_len=16, loss_chunk=0, override=[]
+    )
+    assert train.per_device_batches("2,auto") == [2, 0]
+    auto = train.setting_overrides(args, 8, 1, "auto", 0)
+    assert "--train.global_batch_size=32" in auto and not any("micro_batch_size" in o for o in auto)
+    assert "--train.micro_batch_size=16" in train.setting_overrides(args, 8, 1, "auto", 2)
+    with pytest.raises(ValueError, match="needs --global_batch"):
+        train.setting_overrides(train.argparse.Namespace(**{**vars(args), "global_batch": 0}), 8, 1, "", 0)
 
 
 def test_optimizer_benchmark_times_the_update_against_its_floor(tmp_path):
