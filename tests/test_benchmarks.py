@@ -154,7 +154,7 @@ def test_profiled_calls_are_split_at_idle_gaps_and_the_median_call_gives_the_tim
 def test_train_benchmark_settings(tmp_path):
     """TP over the 8 devices, FSDP with accumulation to a global batch, and a setting that fails is recorded."""
     out = tmp_path / "train.json"
-    common = ["--experiments=mlra4_tiny", "--n_layer=1", "--seq_len=16", "--steps=1", f"--out={out}"]
+    common = ["--experiments=mlra4_tiny", "--n_layer=1", "--seq_len=16", "--steps=1", "--warmup=0", f"--out={out}"]
     train.main([*common, "--tp=1,4", "--batch_per_device=1", "--remat=dots_attn"])
     results = json.loads(out.read_text())["results"]
     assert [(r["mesh"]["tensor"], r["mesh"]["data"], r["batch_per_device"]) for r in results] == [(1, 8, 1), (4, 2, 1)]
