@@ -21,22 +21,12 @@ from typing import Any
 BYTES_PER_PARAMETER = 4 + 28  # the global norm's read of the gradients, then one read-modify-write pass
 
 
-def copy_bandwidth(size: int) -> float:
-    """Bytes per second of a jitted float32 copy of `size` elements (read and write counted)."""
-    import jax.numpy as jnp
-
-    from mlra_jax.benchmarks.common import device_time
-
-    x = jnp.ones((size,), jnp.float32)
-    seconds = device_time(lambda a: a * 1.0000001, (x,), repeats=5, calls=1)["time_s"]
-    return 2 * 4 * size / seconds
-
-
 def measure(name: str, overrides: list[str], steps: int) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
     from mlra_jax.benchmarks.common import benchmark_params, filled_like, median_time, profiled_time
+    from mlra_jax.benchmarks.decode import copy_bandwidth
     from mlra_jax.cli import apply_overrides
     from mlra_jax.experiments import get_experiment
     from mlra_jax.optim import make_optimizer
@@ -61,7 +51,7 @@ def measure(name: str, overrides: list[str], steps: int) -> dict[str, Any]:
         seconds, kernels = profile["time_s"], profile["kernels_s"]
     else:
         seconds, kernels = median_time(run, repeats=steps), None
-    bandwidth = copy_bandwidth(count)
+    bandwidth = copy_bandwidth(4 * count / 2**30)  # a copy of as many bytes as the float32 weights
     floor_s = BYTES_PER_PARAMETER * count / bandwidth
     return {
         "experiment": name,
