@@ -178,6 +178,28 @@ def test_train_benchmark_auto_batch_leaves_the_micro_batch_to_the_trainer():
         train.setting_overrides(train.argparse.Namespace(**{**vars(args), "global_batch": 0}), 8, 1, "", 0)
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--batch_per_device=auto"], "--batch_per_device=auto needs --global_batch"),
+        (["--batch_per_device=4,x"], "is not a list of integers and 'auto'"),
+        (["--experiments=mlra4_tiny,nope", "--global_batch=8"], "unknown experiment 'nope'; valid experiments: "),
+    ],
+)
+def test_train_benchmark_bad_options_exit_2_with_one_message(tmp_path, capsys, argv, message):
+    out = tmp_path / "train.json"
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([*argv, f"--out={out}"])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err and not out.exists()
+
+
+def test_optimizer_benchmark_unknown_experiment_exits_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        optimizer.main(["--experiments=nope", f"--out={tmp_path / 'o.json'}"])
+    assert exit_info.value.code == 2 and "unknown experiment 'nope'" in capsys.readouterr().err
+    assert not (tmp_path / "o.json").exists()
+
+
 def test_optimizer_benchmark_times_the_update_against_its_floor(tmp_path):
     from mlra_jax.model import abstract_model, count_params
 

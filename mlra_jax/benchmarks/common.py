@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import glob
 import json
@@ -38,6 +39,17 @@ def environment() -> dict[str, Any]:
         ),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def experiment_list(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The experiment names of a comma-separated option; an unknown one is the parser's error (exit 2)."""
+    from mlra_jax.experiments import experiment_names
+
+    names = text.split(",")
+    unknown = [name for name in names if name not in experiment_names()]
+    if unknown:
+        parser.error(f"unknown experiment {unknown[0]!r}; valid experiments: {', '.join(experiment_names())}")
+    return names
 
 
 def save(path: Path, benchmark: str, results: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:

@@ -75,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
-    from mlra_jax.benchmarks.common import save
+    from mlra_jax.benchmarks.common import experiment_list, save
 
     results = []
-    for name in args.experiments.split(","):
+    for name in experiment_list(parser, args.experiments):
         overrides = [f"--model.n_layer={args.n_layer}"] if args.n_layer else []
         result = measure(name, overrides, args.steps)
         print(

@@ -258,19 +258,25 @@ def main(argv: list[str] | None = None) -> int:
         reference = read_reference(args.reference) if args.reference else None
     except AnchorFileError as err:
         parser.error(str(err))
+    try:
+        batches = per_device_batches(args.batch_per_device)
+    except ValueError:
+        parser.error(f"--batch_per_device={args.batch_per_device!r} is not a list of integers and 'auto'")
+    if 0 in batches and not args.global_batch:
+        parser.error("--batch_per_device=auto needs --global_batch (the trainer splits it into micro-batches)")
     xla_defaults = False if args.no_xla_defaults else apply_gpu_defaults()  # before JAX starts a backend
     logging.basicConfig(level=logging.WARNING)
 
     import jax
 
-    from mlra_jax.benchmarks.common import earlier_results, environment, save
+    from mlra_jax.benchmarks.common import earlier_results, environment, experiment_list, save
     from mlra_jax.experiments import get_experiment
 
-    names = args.experiments.split(",")
+    names = experiment_list(parser, args.experiments)
     planned = {
         (name, per_device, remat or get_experiment(name).model.remat, tp)
         for name in names
-        for per_device in per_device_batches(args.batch_per_device)
+        for per_device in batches
         for remat in args.remat.split(",")
         for tp in map(int, args.tp.split(","))
     }
@@ -292,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         for tp in map(int, args.tp.split(",")):
             for remat in args.remat.split(","):
-                for per_device in per_device_batches(args.batch_per_device):
+                for per_device in batches:
                     try:
                         result = measure(
                             name,
