@@ -23,6 +23,7 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash", "pallas")
 # auto: the least recomputation that fits the device's memory (training.remat_choice)
 REMAT_POLICIES = ("none", "full", "dots", "dots_attn", "dots_attn_kv", "dots_attn_qkv", "auto")
 LATENT_FORMS = ("expanded", "absorbed")
+FSDP_GATHER = ("auto", "step", "micro_batch")
 MATMUL_DTYPES = ("compute", "float8")  # compute: the compute dtype
 FP8_SCALINGS = ("delayed", "dynamic")
 # Fields that choose how a model runs, not what it computes: a run may resume with other values.
@@ -387,8 +388,13 @@ class MeshConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    # When FSDP's compute-dtype weights are gathered under gradient accumulation: "step" once before the
+    # micro-batches (held through them), "micro_batch" by each micro-batch where it reads them; "auto":
+    # "step" where the layers recompute nothing in the backward (model.remat none), else "micro_batch"
+    fsdp_gather: str = dataclasses.field(default="auto", metadata={"choices": FSDP_GATHER})
 
     def __post_init__(self) -> None:
+        _check_choice("fsdp_gather", self.fsdp_gather, FSDP_GATHER)
         sizes = (self.data, self.fsdp, self.tensor)
         _require(
             all(s == -1 or (isinstance(s, int) and s > 0) for s in sizes) and sizes.count(-1) <= 1,

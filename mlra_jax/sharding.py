@@ -122,6 +122,16 @@ def constrain_batch(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, PartitionSpec(axes, *([None] * (x.ndim - 1))))
 
 
+def without_axis(sharding: NamedSharding, axis: str) -> NamedSharding:
+    """`sharding` whole along mesh axis `axis` (dropped from its spec), split as before over the others."""
+
+    def drop(entry: Any) -> Any:
+        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a != axis)
+        return kept[0] if len(kept) == 1 else kept or None
+
+    return NamedSharding(sharding.mesh, PartitionSpec(*map(drop, sharding.spec)))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

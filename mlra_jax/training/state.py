@@ -23,6 +23,7 @@ from mlra_jax.sharding import (
     make_mesh,
     replicated,
     tree_shardings,
+    without_axis,
 )
 from mlra_jax.training.remat_choice import resolve_remat
 from mlra_jax.training.step import make_train_step, micro_batch_sharding
@@ -186,17 +187,45 @@ def compiled_memory(setup: Setup) -> dict[str, int] | None:
 
 def jit_train_step(setup: Setup):
     """The train step jitted with the state's shardings; params, optimizer state and FP8 histories are donated."""
-    train = setup.experiment.train
+    train, shardings = setup.experiment.train, setup.state_shardings
     step = make_train_step(
-        setup.graphdef, setup.optimizer, train.accumulation_steps, micro_batch_sharding(setup.mesh), train.loss_chunk
+        setup.graphdef,
+        setup.optimizer,
+        train.accumulation_steps,
+        micro_batch_sharding(setup.mesh),
+        train.loss_chunk,
+        accumulation_weight_shardings(setup),
     )
-    shardings = setup.state_shardings
     return jax.jit(
         step,
         in_shardings=(shardings["params"], shardings["opt_state"], shardings["fp8"], batch_sharding(setup.mesh)),
         out_shardings=(shardings["params"], shardings["opt_state"], shardings["fp8"], replicated(setup.mesh)),
         donate_argnums=(0, 1, 2),
     )
+
+
+def fsdp_gather(experiment: Experiment) -> str:
+    """mesh.fsdp_gather with "auto" resolved: "step" under model.remat none, else "micro_batch". Holding the
+    gathered weights costs their own size where nothing is recomputed; under a remat policy XLA's schedule of the
+    recomputation held far more (full MLRA-4, FSDP over 2 x H100, 6 sequences per GPU under dots_attn: 61.9 GiB
+    of temporaries against 40.8, experiments/results/train_fsdp_gather.json), which the memory estimate of
+    remat=auto does not model."""
+    gather = experiment.mesh.fsdp_gather
+    if gather == "auto":
+        return "step" if experiment.model.remat == "none" else "micro_batch"
+    return gather
+
+
+def accumulation_weight_shardings(setup: Setup) -> tuple[Any, Any] | None:
+    """make_train_step's weight_shardings: under FSDP with gradient accumulation where fsdp_gather is "step", the
+    parameters' shardings and those of their compute-dtype copy gathered along fsdp; else None."""
+    experiment = setup.experiment
+    if experiment.train.accumulation_steps == 1 or setup.mesh.shape["fsdp"] == 1:
+        return None
+    if fsdp_gather(experiment) != "step":
+        return None
+    params = setup.state_shardings["params"]
+    return params, jax.tree.map(lambda s: without_axis(s, "fsdp"), params)
 
 
 def global_batch(setup: Setup, local: np.ndarray) -> jax.Array:
