@@ -44,10 +44,13 @@ def loss_fn(
     return chunked_next_token_loss(hidden, model.embed.embedding[...], tokens[:, 1:], dtype, loss_chunk)
 
 
-def compute_weights(graphdef: nnx.GraphDef, params: Params) -> Params:
-    """The parameters as the layers read them: cast to the model's compute dtype (params.compute_params)."""
+def gathered_weights(graphdef: nnx.GraphDef, params: Params, shardings: Any, gathered: Any) -> tuple[Params, Any]:
+    """The parameters cast to the model's compute dtype (params.compute_params) and split into layers
+    (layer_pieces), each in its gathered sharding, with the sharding their gradients are reduced into."""
     dtype = nnx.merge(graphdef, params).config.dtype
-    return params if dtype == jnp.float32 else compute_params(params, dtype)
+    weights = params if dtype == jnp.float32 else compute_params(params, dtype)
+    weights, sharded, gathered = layer_pieces(weights, shardings, gathered)
+    return jax.lax.with_sharding_constraint(weights, gathered), sharded
 
 
 def layer_pieces(weights: Params, shardings: Any, gathered: Any) -> tuple[Params, Any, Any]:
@@ -111,11 +114,12 @@ def make_train_step(
 
     With accumulation_steps > 1 the batch is split into micro-batches whose gradients
     are averaged in float32 (a scan, so memory holds one micro-batch of activations); their updated histories
-    are merged (fp8.merge_histories: the batch's amax). The weights are cast to the compute dtype once, before
-    the micro-batches; with `weight_shardings` = (the parameters' shardings, the compute-dtype weights'
-    shardings during accumulation), under FSDP the second without `fsdp`, they are also gathered once per step,
-    layer by layer (layer_pieces), and each micro-batch's gradients are reduced into the parameters' sharding.
-    The gradients are those of the cast, bit for bit: the cast's own gradient is a cast back to float32."""
+    are merged (fp8.merge_histories: the batch's amax). Each micro-batch casts the float32 weights to the
+    compute dtype as it reads them. With `weight_shardings` = (the parameters' shardings, those of the
+    compute-dtype weights held through the micro-batches: under FSDP the first without `fsdp`) they are cast
+    and gathered once per step, layer by layer (layer_pieces), and held through the micro-batches, whose
+    gradients are reduced into the parameters' sharding in the compute dtype: the same gradients, bit for bit
+    (the cast's own gradient is a cast back to float32)."""
     value_and_grad = jax.value_and_grad(
         lambda p, h, t: loss_fn(graphdef, stacked_layers(p), t, loss_chunk, training=True, histories=h),
         argnums=(0, 1),
@@ -125,24 +129,24 @@ def make_train_step(
         if accumulation_steps == 1:
             loss, (grads, histories) = value_and_grad(params, histories, tokens)
         else:
-            weights, sharded = compute_weights(graphdef, params), None
-            if weight_shardings is not None:
-                weights, sharded, gathered = layer_pieces(weights, *weight_shardings)
-                weights = jax.lax.with_sharding_constraint(weights, gathered)
+            held_weights = None if weight_shardings is None else gathered_weights(graphdef, params, *weight_shardings)
 
-            def reduced(grads: Params) -> Params:  # into the parameters' sharding in the compute dtype, then float32
-                if sharded is not None:
-                    grads = stacked_layers(jax.lax.with_sharding_constraint(grads, sharded))
-                return jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            def gradients(micro: jax.Array) -> tuple[jax.Array, tuple[Params, Any]]:
+                if held_weights is None:
+                    return value_and_grad(params, histories, micro)
+                weights, sharded = held_weights
+                # tied to this micro-batch, so that XLA cannot hoist copies it derives from the weights out of the
+                # loop and hold them through every micro-batch (on the CPU: 0.8-1.4 GiB at 2 layers of the 2.9B)
+                weights, micro = jax.lax.optimization_barrier((weights, micro))
+                loss, (grads, updated) = value_and_grad(weights, histories, micro)
+                grads = stacked_layers(jax.lax.with_sharding_constraint(grads, sharded))  # reduced in the compute dtype
+                return loss, (jax.tree.map(lambda g: g.astype(jnp.float32), grads), updated)
 
             def accumulate(carry, micro):
                 loss_sum, grad_sum, merged = carry
-                # tied to this micro-batch, so that XLA cannot hoist copies it derives from the weights out of the
-                # loop and hold them through every micro-batch (on the CPU: 0.8-1.4 GiB at 2 layers of the 2.9B)
-                held, micro = jax.lax.optimization_barrier((weights, micro))
-                loss, (grads, updated) = value_and_grad(held, histories, micro)
+                loss, (grads, updated) = gradients(micro)
                 merged = jax.tree.map(fp8.merge_histories, merged, updated)
-                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, reduced(grads)), merged), None
+                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), merged), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             (loss, grads, histories), _ = jax.lax.scan(
