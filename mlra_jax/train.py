@@ -107,7 +107,7 @@ def initialize_distributed(args: argparse.Namespace) -> None:
 def dry_run(experiment: Experiment, compile_step: bool) -> None:
     from mlra_jax import fp8
     from mlra_jax.data.pipeline import check_data
-    from mlra_jax.training.state import build_setup, compiled_memory, memory_estimate
+    from mlra_jax.training.state import build_setup, compiled_memory, fsdp_gather, memory_estimate
 
     train = experiment.train
     data = check_data(experiment.data, train.seq_len, train.eval_every > 0, train.named_eval_sets)
@@ -119,10 +119,15 @@ def dry_run(experiment: Experiment, compile_step: bool) -> None:
     print(fp8.describe(cfg.matmul_dtype, setup.mesh.devices.flat[0], scaling=cfg.fp8_scaling))
     if cfg.keeps_fp8_histories:
         print(fp8.describe_histories(setup.abstract_state["fp8"]))
+    steps = setup.experiment.train.accumulation_steps
+    gather = ""
+    if setup.mesh.shape["fsdp"] > 1 and steps > 1:
+        once = fsdp_gather(setup.experiment) == "step"
+        gather = f"; FSDP gathers the weights {'once per step' if once else 'in each micro-batch'}"
     print(
         f"mesh: {dict(setup.mesh.shape)} over {setup.mesh.size} {setup.mesh.devices.flat[0].device_kind} "
-        f"devices; {setup.experiment.train.accumulation_steps} micro-batch(es) of "
-        f"{setup.experiment.train.micro_batch_size or experiment.train.global_batch_size} sequences per step"
+        f"devices; {steps} micro-batch(es) of "
+        f"{setup.experiment.train.micro_batch_size or experiment.train.global_batch_size} sequences per step{gather}"
     )
     estimate = memory_estimate(setup)
     parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in estimate.items())

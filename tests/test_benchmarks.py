@@ -163,6 +163,7 @@ def test_train_benchmark_settings(tmp_path):
     train.main([*common, "--fsdp", "--global_batch=32", "--batch_per_device=2,3"])
     fsdp, bad = json.loads(out.read_text())["results"]
     assert fsdp["mesh"]["fsdp"] == 8 and fsdp["accumulation_steps"] == 2 and fsdp["micro_batch"] == 16
+    assert fsdp["fsdp_gather"] == "step" and results[0]["fsdp_gather"] is None  # remat none; no FSDP
     assert "not a multiple" in bad["error"]
 
 

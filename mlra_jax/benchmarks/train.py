@@ -106,7 +106,7 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
     from mlra_jax.cli import apply_overrides
     from mlra_jax.experiments import get_experiment
     from mlra_jax.metrics import peak_flops, training_flops_per_token
-    from mlra_jax.training.state import build_setup, global_batch, init_state, jit_train_step
+    from mlra_jax.training.state import build_setup, fsdp_gather, global_batch, init_state, jit_train_step
 
     requested = apply_overrides(get_experiment(name), overrides)
     setup = build_setup(requested)
@@ -138,6 +138,7 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
     flops = training_flops_per_token(cfg, train.seq_len)
     devices = setup.mesh.size
     micro = train.global_batch_size // train.accumulation_steps
+    gathers = setup.mesh.shape["fsdp"] > 1 and train.accumulation_steps > 1
     return {
         "experiment": name,
         "variant": cfg.variant,
@@ -154,6 +155,7 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
         "gemms": gemms,
         "remat": cfg.remat,
         "remat_setting": requested.model.remat,
+        "fsdp_gather": fsdp_gather(setup.experiment) if gathers else None,  # FSDP's weights under accumulation
         "latent_form": cfg.latent_form,
         "trains_absorbed": cfg.trains_absorbed,
         "loss_chunk": train.loss_chunk,
