@@ -130,3 +130,13 @@ def test_gathering_once_per_step_trains_as_gathering_per_micro_batch():
     assert loss_once == loss_each == pytest.approx(loss_alone, rel=1e-6)
     for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(each), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_dry_run_says_where_fsdp_gathers_the_weights(capsys):
+    from mlra_jax.train import main
+
+    argv = ["--experiment=mlra4_tiny", "--mesh.data=1", "--mesh.fsdp=8", "--train.global_batch_size=16"]
+    argv += ["--train.micro_batch_size=8", "--dry_run"]
+    assert main(argv) == 0 and "FSDP gathers the weights once per step" in capsys.readouterr().out
+    assert main([*argv, "--model.remat=dots_attn"]) == 0
+    assert "FSDP gathers the weights in each micro-batch" in capsys.readouterr().out
