@@ -116,7 +116,7 @@ def make_train_step(
     are averaged in float32 (a scan, so memory holds one micro-batch of activations); their updated histories
     are merged (fp8.merge_histories: the batch's amax). Each micro-batch casts the float32 weights to the
     compute dtype as it reads them. With `weight_shardings` = (the parameters' shardings, those of the
-    compute-dtype weights held through the micro-batches: under FSDP the first without `fsdp`) they are cast
+    compute-dtype weights held through the micro-batches: under FSDP the same without `fsdp`) they are cast
     and gathered once per step, layer by layer (layer_pieces), and held through the micro-batches, whose
     gradients are reduced into the parameters' sharding in the compute dtype: the same gradients, bit for bit
     (the cast's own gradient is a cast back to float32)."""
