@@ -120,10 +120,8 @@ def dry_run(experiment: Experiment, compile_step: bool) -> None:
     if cfg.keeps_fp8_histories:
         print(fp8.describe_histories(setup.abstract_state["fp8"]))
     steps = setup.experiment.train.accumulation_steps
-    gather = ""
-    if setup.mesh.shape["fsdp"] > 1 and steps > 1:
-        once = fsdp_gather(setup.experiment) == "step"
-        gather = f"; FSDP gathers the weights {'once per step' if once else 'in each micro-batch'}"
+    where = {"step": "once per step", "micro_batch": "in each micro-batch"}.get(fsdp_gather(setup))
+    gather = f"; FSDP gathers the weights {where}" if where else ""
     print(
         f"mesh: {dict(setup.mesh.shape)} over {setup.mesh.size} {setup.mesh.devices.flat[0].device_kind} "
         f"devices; {steps} micro-batch(es) of "

@@ -138,7 +138,6 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
     flops = training_flops_per_token(cfg, train.seq_len)
     devices = setup.mesh.size
     micro = train.global_batch_size // train.accumulation_steps
-    gathers = setup.mesh.shape["fsdp"] > 1 and train.accumulation_steps > 1
     return {
         "experiment": name,
         "variant": cfg.variant,
@@ -155,7 +154,7 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
         "gemms": gemms,
         "remat": cfg.remat,
         "remat_setting": requested.model.remat,
-        "fsdp_gather": fsdp_gather(setup.experiment) if gathers else None,  # FSDP's weights under accumulation
+        "fsdp_gather": fsdp_gather(setup),  # where FSDP gathers the weights under accumulation (None: no FSDP)
         "latent_form": cfg.latent_form,
         "trains_absorbed": cfg.trains_absorbed,
         "loss_chunk": train.loss_chunk,

@@ -204,12 +204,16 @@ def jit_train_step(setup: Setup):
     )
 
 
-def fsdp_gather(experiment: Experiment) -> str:
-    """mesh.fsdp_gather with "auto" resolved: "step" under model.remat none, else "micro_batch". Holding the
+def fsdp_gather(setup: Setup) -> str | None:
+    """Where FSDP gathers the compute-dtype weights under gradient accumulation: mesh.fsdp_gather with "auto"
+    resolved ("step" under model.remat none, else "micro_batch"); None without FSDP or accumulation. Holding the
     gathered weights costs their own size where nothing is recomputed; under a remat policy XLA's schedule of the
     recomputation held far more (full MLRA-4, FSDP over 2 x H100, 6 sequences per GPU under dots_attn: 61.9 GiB
     of temporaries against 40.8, experiments/results/train_fsdp_gather.json), which the memory estimate of
     remat=auto does not model."""
+    experiment = setup.experiment
+    if experiment.train.accumulation_steps == 1 or setup.mesh.shape["fsdp"] == 1:
+        return None
     gather = experiment.mesh.fsdp_gather
     if gather == "auto":
         return "step" if experiment.model.remat == "none" else "micro_batch"
@@ -217,12 +221,9 @@ def fsdp_gather(experiment: Experiment) -> str:
 
 
 def accumulation_weight_shardings(setup: Setup) -> tuple[Any, Any] | None:
-    """make_train_step's weight_shardings: under FSDP with gradient accumulation where fsdp_gather is "step", the
-    parameters' shardings and those of their compute-dtype copy gathered along fsdp; else None."""
-    experiment = setup.experiment
-    if experiment.train.accumulation_steps == 1 or setup.mesh.shape["fsdp"] == 1:
-        return None
-    if fsdp_gather(experiment) != "step":
+    """make_train_step's weight_shardings: where fsdp_gather is "step", the parameters' shardings and those of
+    their compute-dtype copy gathered along fsdp; else None."""
+    if fsdp_gather(setup) != "step":
         return None
     params = setup.state_shardings["params"]
     return params, jax.tree.map(lambda s: without_axis(s, "fsdp"), params)
