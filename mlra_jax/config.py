@@ -390,7 +390,8 @@ class MeshConfig:
     tensor: int = 1
     # When FSDP's compute-dtype weights are gathered under gradient accumulation: "step" once before the
     # micro-batches (held through them), "micro_batch" by each micro-batch where it reads them; "auto":
-    # "step" where the layers recompute nothing in the backward (model.remat none), else "micro_batch"
+    # "step" where the layers recompute nothing in the backward (model.remat none) or where remat=auto found the
+    # compiled step fitting with it, else "micro_batch"
     fsdp_gather: str = dataclasses.field(default="auto", metadata={"choices": FSDP_GATHER})
 
     def __post_init__(self) -> None:

@@ -15,7 +15,7 @@ from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax import xla_flags
 from mlra_jax.config import ConfigError, TrainConfig
 from mlra_jax.model import init_model
-from mlra_jax.training import remat_choice
+from mlra_jax.training import remat_choice, state
 from mlra_jax.training.loop import train
 from mlra_jax.training.state import build_setup, state_bytes
 from mlra_jax.training.step import compute_params, loss_fn
@@ -247,3 +247,84 @@ def test_auto_remat_takes_a_smaller_micro_batch_before_rerunning_products(monkey
     monkeypatch.setattr(remat_choice, "device_memory", lambda device: roomy)
     resolved = build_setup(experiment, jax.devices()[:1]).experiment
     assert resolved.train.micro_batch_size == 8 and resolved.model.remat in remat_choice.LIGHT_POLICIES
+
+
+def test_auto_remat_compiles_to_confirm_an_estimate_just_over_the_budget(monkeypatch):
+    """An estimate over the budget by at most CONFIRM_MARGIN is checked against XLA's count of the compiled step,
+    in REMAT_ORDER; one further over, or one within the budget, compiles nothing."""
+    experiment, fixed = remat_inputs()
+    budget = 100 * 2**20
+    memory = budget / remat_choice.MEMORY_FRACTION
+    needs = {"none": 130, "dots_attn_qkv": 120, "dots_attn_kv": 112, "dots_attn": 104, "dots": 90, "full": 80}
+    assert 100 * remat_choice.CONFIRM_MARGIN == pytest.approx(115)  # kv and dots_attn are near, qkv and none not
+    monkeypatch.setattr(remat_choice, "step_bytes", lambda exp, fixed, batch, remat: needs[remat] * 2**20)
+
+    def compiler(size):
+        calls = []
+        return calls, lambda remat: calls.append(remat) or size
+
+    calls, compiled = compiler(int(remat_choice.COMPILED_FRACTION * memory))
+    chosen, reason = remat_choice.choose_remat(experiment, fixed, 4, memory, compiled)
+    assert (chosen, calls) == ("dots_attn_kv", ["dots_attn_kv"]) and "compiled step fits" in reason, reason
+    calls, compiled = compiler(int(remat_choice.COMPILED_FRACTION * memory) + 1)  # XLA's count does not fit either
+    chosen, reason = remat_choice.choose_remat(experiment, fixed, 4, memory, compiled)
+    assert (chosen, calls) == ("dots", ["dots_attn_kv", "dots_attn"]) and "compiled" in reason, reason
+    calls, compiled = compiler(None)  # a backend without memory analysis: the estimate decides
+    assert remat_choice.choose_remat(experiment, fixed, 4, memory, compiled) == remat_choice.choose_remat(
+        experiment, fixed, 4, memory
+    )
+    calls, compiled = compiler(0)
+    assert remat_choice.choose_remat(experiment, fixed, 4, 131 * 2**20 / 0.9, compiled)[0] == "none" and calls == []
+
+
+def test_auto_remat_confirms_with_the_compiled_step_of_the_candidate(monkeypatch):
+    """On a device that compiles_to_confirm, build_setup compiles the candidate experiment's real step: with every
+    estimate over the budget but within the margin, the compiled step (far smaller on the CPU) decides for none,
+    where the estimate alone takes a smaller micro-batch or more recomputation."""
+    experiment, _ = remat_inputs(global_batch_size=8, max_micro_batch_per_device=8, micro_batch_size="none")
+    devices = jax.devices()[:1]
+    fixed = state_bytes(build_setup(experiment, devices))
+    memory = int(remat_choice.step_bytes(experiment, fixed, 8, "none") / remat_choice.MEMORY_FRACTION / 1.1)
+    monkeypatch.setattr(remat_choice, "device_memory", lambda device: memory)
+    assert not remat_choice.compiles_to_confirm(devices[0])
+    estimated = build_setup(experiment, devices).experiment  # CPU: no compiling to confirm
+    assert (estimated.model.remat, estimated.train.micro_batch_size) != ("none", 8)
+    monkeypatch.setattr(remat_choice, "compiles_to_confirm", lambda device: True)
+    confirmed = build_setup(experiment, devices).experiment
+    assert (confirmed.model.remat, confirmed.train.micro_batch_size) == ("none", 8)
+
+
+def test_auto_remat_gathers_fsdp_weights_once_per_step_where_the_compiled_step_fits(monkeypatch):
+    """Under FSDP with accumulation, a recomputing choice is compiled with the weights gathered once per step,
+    under it and then each heavier light policy; the first that fits is taken, else the weights are gathered in
+    each micro-batch. Off an FSDP mesh, or with mesh.fsdp_gather given, nothing more is compiled."""
+    experiment, _ = remat_inputs(global_batch_size=16, micro_batch_size=4)
+    experiment = dataclasses.replace(experiment, mesh=dataclasses.replace(experiment.mesh, data=1, fsdp=2))
+    devices = jax.devices()[:2]
+    needs = {"none": 130, "dots_attn_qkv": 120, "dots_attn_kv": 99, "dots_attn": 90, "dots": 80, "full": 70}
+    monkeypatch.setattr(remat_choice, "step_bytes", lambda exp, fixed, batch, remat: needs[remat] * 2**20)
+    monkeypatch.setattr(remat_choice, "device_memory", lambda device: 100 * 2**20 / remat_choice.MEMORY_FRACTION)
+    monkeypatch.setattr(remat_choice, "compiles_to_confirm", lambda device: True)
+    compiled = []
+    peaks = {}
+
+    def recording(setup):  # XLA's count, as the test sets it (the compiling itself is tested above)
+        model, mesh = setup.experiment.model, setup.experiment.mesh
+        compiled.append((model.remat, mesh.fsdp_gather))
+        return peaks.get((model.remat, mesh.fsdp_gather), 2**20)
+
+    monkeypatch.setattr(state, "compiled_peak", recording)
+    peaks[("dots_attn_kv", "step")] = 2**40  # too large: the next policy is tried
+    setup = build_setup(experiment, devices)
+    assert (setup.experiment.model.remat, state.fsdp_gather(setup)) == ("dots_attn", "step")
+    assert compiled == [("dots_attn_kv", "step"), ("dots_attn", "step")]
+    peaks[("dots_attn", "step")] = 2**40  # nothing fits held: gathered in each micro-batch under the first choice
+    compiled.clear()
+    setup = build_setup(experiment, devices)
+    assert (setup.experiment.model.remat, state.fsdp_gather(setup)) == ("dots_attn_kv", "micro_batch")
+    assert compiled == [("dots_attn_kv", "step"), ("dots_attn", "step")]
+    compiled.clear()
+    given = dataclasses.replace(experiment, mesh=dataclasses.replace(experiment.mesh, fsdp_gather="micro_batch"))
+    assert build_setup(given, devices).experiment.model.remat == "dots_attn_kv" and compiled == []
+    one_device = dataclasses.replace(experiment, mesh=dataclasses.replace(experiment.mesh, fsdp=1))
+    assert build_setup(one_device, devices[:1]).experiment.model.remat == "dots_attn_kv" and compiled == []

@@ -96,7 +96,15 @@ def build_setup(experiment: Experiment, devices: list[jax.Device] | None = None)
     if cfg.remat == "auto":
         per_device, per_replica = micro // data_parallel, train.global_batch_size // data_parallel
         smaller = tuple(d for d in range(1, per_device) if per_replica % d == 0) if capped else ()
-        resolved = resolve_remat(experiment, state_bytes(setup), per_device, mesh.devices.flat[0], smaller)
+        resolved = resolve_remat(
+            experiment,
+            state_bytes(setup),
+            per_device,
+            mesh.devices.flat[0],
+            smaller,
+            lambda candidate: compiled_peak(build_setup(candidate, devices)),
+            fsdp=mesh.shape["fsdp"] > 1,
+        )
         return build_setup(resolved, devices)
     return setup
 
@@ -185,6 +193,13 @@ def compiled_memory(setup: Setup) -> dict[str, int] | None:
     }
 
 
+def compiled_peak(setup: Setup) -> int | None:
+    """XLA's per-device count of the compiled train step: its arguments and temporaries (the updated state
+    reuses the donated arguments)."""
+    analysis = compiled_memory(setup)
+    return None if analysis is None else analysis["arguments"] + analysis["temporaries"]
+
+
 def jit_train_step(setup: Setup):
     """The train step jitted with the state's shardings; params, optimizer state and FP8 histories are donated."""
     train, shardings = setup.experiment.train, setup.state_shardings
@@ -209,8 +224,8 @@ def fsdp_gather(setup: Setup) -> str | None:
     resolved ("step" under model.remat none, else "micro_batch"); None without FSDP or accumulation. Holding the
     gathered weights costs their own size where nothing is recomputed; under a remat policy XLA's schedule of the
     recomputation held far more (full MLRA-4, FSDP over 2 x H100, 6 sequences per GPU under dots_attn: 61.9 GiB
-    of temporaries against 40.8, experiments/results/train_fsdp_gather.json), which the memory estimate of
-    remat=auto does not model."""
+    of temporaries against 40.8, experiments/results/train_fsdp_gather.json), which the memory estimate does not
+    model: remat=auto sets "step" under a policy only where the compiled step fits (resolve_remat)."""
     experiment = setup.experiment
     if experiment.train.accumulation_steps == 1 or setup.mesh.shape["fsdp"] == 1:
         return None
