@@ -328,3 +328,9 @@ def test_auto_remat_gathers_fsdp_weights_once_per_step_where_the_compiled_step_f
     assert build_setup(given, devices).experiment.model.remat == "dots_attn_kv" and compiled == []
     one_device = dataclasses.replace(experiment, mesh=dataclasses.replace(experiment.mesh, fsdp=1))
     assert build_setup(one_device, devices[:1]).experiment.model.remat == "dots_attn_kv" and compiled == []
+
+
+def test_auto_remat_stops_compiling_after_its_limit_and_lets_the_estimates_decide():
+    compiled = []
+    limited = remat_choice.at_most(2, lambda candidate: compiled.append(candidate) or 7)
+    assert [limited(name) for name in "abcd"] == [7, 7, None, None] and compiled == ["a", "b"]

@@ -53,6 +53,9 @@ CONFIRM_MARGIN = 1.15
 # Of the allocator's limit, what XLA's count of a compiled step (arguments and temporaries) may take; the rest is
 # for cuDNN's and NCCL's workspaces and fragmentation. The full MLRA-4 step above ran at 66.2 of 72.8 GiB (91%).
 COMPILED_FRACTION = 0.95
+# The most steps auto compiles to decide (each takes as long as the run's own compile); past them the estimate
+# decides. The full MLA with FSDP over 2 x H100 took four: one remat policy and three with the weights held.
+MAX_CONFIRMATIONS = 6
 # The bytes XLA's compiled step takes per device under a remat policy, or None where it cannot say.
 CompiledBytes = Callable[[str], "int | None"]
 
@@ -223,7 +226,9 @@ def resolve_remat(
     if experiment.model.remat != "auto":
         return experiment
     memory = device_memory(device)
-    confirm = compiled_bytes if compiled_bytes is not None and compiles_to_confirm(device) else None
+    confirm = None
+    if compiled_bytes is not None and compiles_to_confirm(device):
+        confirm = at_most(MAX_CONFIRMATIONS, compiled_bytes)
 
     def choice(remat: str, per_device: int) -> Experiment:
         train = experiment.train
@@ -251,6 +256,22 @@ def resolve_remat(
         return resolved
     heavier = [choice(policy, chosen) for policy in LIGHT_POLICIES[LIGHT_POLICIES.index(remat) :]]
     return held_weights_choice(heavier, confirm, memory) or resolved
+
+
+def at_most(count: int, compiled_bytes: Callable[[Experiment], int | None]) -> Callable[[Experiment], int | None]:
+    """compiled_bytes for the first `count` calls, then None (the estimate decides)."""
+    calls = 0
+
+    def limited(candidate: Experiment) -> int | None:
+        nonlocal calls
+        calls += 1
+        if calls > count:
+            if calls == count + 1:
+                log.info("remat=auto: %d steps compiled; the estimates decide the rest", count)
+            return None
+        return compiled_bytes(candidate)
+
+    return limited
 
 
 def held_weights_choice(
