@@ -100,7 +100,7 @@ def build_setup(experiment: Experiment, devices: list[jax.Device] | None = None)
             experiment,
             state_bytes(setup),
             per_device,
-            mesh.devices.flat[0],
+            next(d for d in mesh.devices.flat if d.process_index == jax.process_index()),  # one whose memory it reads
             smaller,
             lambda candidate: compiled_peak(build_setup(candidate, devices)),
             fsdp=mesh.shape["fsdp"] > 1,
