@@ -78,3 +78,9 @@ def compute_params(params: dict[str, Any], dtype: jnp.dtype) -> dict[str, Any]:
         return leaf if keep else leaf.astype(dtype)
 
     return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def params_for_compute(params: dict[str, Any], dtype: jnp.dtype) -> dict[str, Any]:
+    """What a forward pass in `dtype` reads: compute_params' cast, or the parameters as they are under float32
+    compute."""
+    return params if dtype == jnp.float32 else compute_params(params, dtype)

@@ -24,7 +24,7 @@ from flax import nnx
 
 from mlra_jax.loss import head_logits
 from mlra_jax.model import Transformer
-from mlra_jax.params import compute_params
+from mlra_jax.params import params_for_compute
 from mlra_jax.sharding import batch_sharding, data_parallel_size, replicated
 
 POSITION_CHUNK = 256  # positions whose [B, chunk, V] logits are held at once
@@ -46,9 +46,7 @@ def target_log_probs(
     """(log p(targets[b, t] | inputs[b, :t + 1]), targets[b, t] == argmax) for inputs, targets [B, T];
     jitted once per model structure and shape (the arrays' shardings, data-parallel or not, carry over)."""
     dtype = nnx.merge(graphdef, params).config.dtype
-    if dtype != jnp.float32:
-        params = compute_params(params, dtype)
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, params_for_compute(params, dtype))
     hidden, embedding = model.hidden(inputs), model.embed.embedding[...]
 
     def score(h: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:

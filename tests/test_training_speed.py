@@ -15,10 +15,11 @@ from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax import xla_flags
 from mlra_jax.config import ConfigError, TrainConfig
 from mlra_jax.model import init_model
+from mlra_jax.params import compute_params
 from mlra_jax.training import remat_choice, state
 from mlra_jax.training.loop import train
 from mlra_jax.training.state import build_setup, state_bytes
-from mlra_jax.training.step import compute_params, loss_fn
+from mlra_jax.training.step import loss_fn
 
 
 def count_primitive(jaxpr, name):

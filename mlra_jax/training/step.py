@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mlra_jax import fp8
 from mlra_jax.loss import chunked_next_token_loss
-from mlra_jax.params import compute_params
+from mlra_jax.params import params_for_compute
 
 Params = dict[str, Any]
 
@@ -36,19 +36,16 @@ def loss_fn(
     the amax `histories` when given: model.fp8_histories); evaluation's run in the compute dtype."""
     config = nnx.merge(graphdef, params).config
     dtype = config.dtype
-    if dtype != jnp.float32:
-        params = compute_params(params, dtype)
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, params_for_compute(params, dtype))
     with fp8.matmuls(training and fp8.training_matmuls(config.matmul_dtype), histories or None):
         hidden = model.hidden(tokens[:, :-1])
     return chunked_next_token_loss(hidden, model.embed.embedding[...], tokens[:, 1:], dtype, loss_chunk)
 
 
 def gathered_weights(graphdef: nnx.GraphDef, params: Params, shardings: Any, gathered: Any) -> tuple[Params, Any]:
-    """The parameters cast to the model's compute dtype (params.compute_params) and split into layers
+    """The parameters cast to the model's compute dtype (params.params_for_compute) and split into layers
     (layer_pieces), each in its gathered sharding, with the sharding their gradients are reduced into."""
-    dtype = nnx.merge(graphdef, params).config.dtype
-    weights = params if dtype == jnp.float32 else compute_params(params, dtype)
+    weights = params_for_compute(params, nnx.merge(graphdef, params).config.dtype)
     weights, sharded, gathered = layer_pieces(weights, shardings, gathered)
     return jax.lax.with_sharding_constraint(weights, gathered), sharded
 
