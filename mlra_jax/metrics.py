@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import sys
 from typing import Any
 
 import jax
@@ -69,6 +70,22 @@ def json_safe(values: dict[str, Any]) -> dict[str, Any]:
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
 
 
+def tensorboardx_writer() -> tuple[Any, Any]:
+    """tensorboardX's SummaryWriter and register_writer_factory. Its writer module imports torch when it can,
+    only to accept torch tensors (2 s at every start where torch is installed); we log Python floats, so torch
+    stays out unless something else already imported it."""
+    blocked = "torch" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
+    try:
+        from tensorboardX import SummaryWriter
+        from tensorboardX.record_writer import register_writer_factory
+    finally:
+        if blocked:
+            del sys.modules["torch"]
+    return SummaryWriter, register_writer_factory
+
+
 class MetricWriter:
     """One record per call, to a JSONL file, TensorBoard (when tensorboardX is installed) and a tracker (W&B).
 
@@ -94,8 +111,7 @@ class MetricWriter:
         self.tensorboard = None
         if enabled:
             try:
-                from tensorboardX import SummaryWriter
-                from tensorboardX.record_writer import register_writer_factory
+                SummaryWriter, register_writer_factory = tensorboardx_writer()
             except ImportError:
                 log.warning("tensorboardX is not installed: no TensorBoard logs (pip install tensorboardX)")
             else:
