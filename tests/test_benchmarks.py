@@ -160,6 +160,7 @@ def test_train_benchmark_settings(tmp_path):
     assert [(r["mesh"]["tensor"], r["mesh"]["data"], r["batch_per_device"]) for r in results] == [(1, 8, 1), (4, 2, 1)]
     assert sum(r.get("best", False) for r in results) == 1
     assert all(r["tokens_per_s"] > 0 and set(r["kernels"]) == {"xla"} and r["compiled_bytes"] > 0 for r in results)
+    assert all("gpu_clocks" in r for r in results)  # None here: no nvidia-smi on a CPU machine
     train.main([*common, "--fsdp", "--global_batch=32", "--batch_per_device=2,3"])
     fsdp, bad = json.loads(out.read_text())["results"]
     assert fsdp["mesh"]["fsdp"] == 8 and fsdp["accumulation_steps"] == 2 and fsdp["micro_batch"] == 16

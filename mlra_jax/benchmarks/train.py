@@ -20,7 +20,10 @@ average under the causal mask (`mlra_jax.metrics`). Memory: XLA's compiled-step 
 (arguments + temporaries) and, on GPUs, the allocator's peak so far in this process;
 --profile adds the GPU time of one step by kernel family and the longest kernels. With
 --reference, each result records the official code's best batch for the same variant and
-layer count and our tokens/s over it (`reference`; benchmarks.reference).
+layer count and our tokens/s over it (`reference`; benchmarks.reference). On NVIDIA GPUs each result
+records the SM clock, power draw and temperature during its timed steps (`gpu_clocks`,
+benchmarks.gpu_clocks): a power-capped GPU slows as it heats, so a few steps after a compile can run
+faster than sustained training; more --warmup steps time it nearer that steady state.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
 
     from mlra_jax.attention import fused
     from mlra_jax.benchmarks.common import median_time, profiled_time
+    from mlra_jax.benchmarks.gpu_clocks import ClockSampler
     from mlra_jax.cli import apply_overrides
     from mlra_jax.experiments import get_experiment
     from mlra_jax.metrics import peak_flops, training_flops_per_token
@@ -129,7 +133,10 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
             )
             return metrics["loss"]
 
-        seconds = median_time(run, repeats=steps, warmup=warmup)
+        for _ in range(warmup):
+            jax.block_until_ready(run())
+        with ClockSampler() as clocks:
+            seconds = median_time(run, repeats=steps, warmup=0)
         kernels = top_kernels(profiled_time(run, repeats=1)["kernels_s"]) if profile else None
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
@@ -168,6 +175,7 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
         "mfu": flops * tokens_per_s / (peak * devices) if peak else None,
         "compiled_bytes": (analysis.argument_size_in_bytes + analysis.temp_size_in_bytes) if analysis else None,
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+        "gpu_clocks": clocks.summary,  # the timed steps' SM clock, power and temperature (nvidia-smi)
         "profile": kernels,
     }
 
@@ -184,6 +192,9 @@ def describe(result: dict[str, Any]) -> str:
         f"{head} {result['tokens_per_s']:10,.0f} tok/s  step {result['step_time_s'] * 1e3:8.1f} ms  MFU {mfu}"
         f"  mem {memory / 2**30:.1f} GiB  kernels {result['kernels']}"
     )
+    clocks = result.get("gpu_clocks")
+    if clocks:
+        line += f"  SM {clocks['sm_clock_mhz']['median']:.0f} MHz"
     ref = result.get("reference")
     if ref:
         other = "" if ref["same_device"] else f" on {ref['device']}"
