@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 from pathlib import Path
 
 from mlra_jax.cli import apply_overrides, command_parser, fields_help
 from mlra_jax.command import command
+from mlra_jax.compilation_cache import enable_compilation_cache
 from mlra_jax.config import ConfigError, Experiment
 from mlra_jax.distributed import add_arguments as add_distributed_arguments
 from mlra_jax.experiments import all_experiments, resolve_experiment
@@ -182,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from mlra_jax.training.loop import train
 
+    cache = enable_compilation_cache()  # a restart loads its compiled steps (MLRA_JAX_COMPILATION_CACHE=0: off)
+    if cache:
+        logging.getLogger("mlra_jax.train").info("compiled steps are cached in %s", cache)
     workdir = as_path(args.workdir or Path("runs") / experiment.name)
     result = train(
         experiment, workdir, allow_changed=tuple(filter(None, args.allow_changed.split(","))), init_from=args.init_from
