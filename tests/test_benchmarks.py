@@ -161,11 +161,13 @@ def test_train_benchmark_settings(tmp_path):
     assert sum(r.get("best", False) for r in results) == 1
     assert all(r["tokens_per_s"] > 0 and set(r["kernels"]) == {"xla"} and r["compiled_bytes"] > 0 for r in results)
     assert all("gpu_clocks" in r for r in results)  # None here: no nvidia-smi on a CPU machine
-    train.main([*common, "--fsdp", "--global_batch=32", "--batch_per_device=2,3"])
+    assert all(r["warmup_steps"] == 0 for r in results)
+    train.main([*common, "--fsdp", "--global_batch=32", "--batch_per_device=2,3", "--warmup_s=0.5"])
     fsdp, bad = json.loads(out.read_text())["results"]
     assert fsdp["mesh"]["fsdp"] == 8 and fsdp["accumulation_steps"] == 2 and fsdp["micro_batch"] == 16
     assert fsdp["fsdp_gather"] == "step" and results[0]["fsdp_gather"] is None  # remat none; no FSDP
     assert "not a multiple" in bad["error"]
+    assert fsdp["warmup_steps"] >= 2  # --warmup=0: steps run to fill --warmup_s=0.5
 
 
 def test_train_benchmark_auto_batch_leaves_the_micro_batch_to_the_trainer():

@@ -23,7 +23,7 @@ average under the causal mask (`mlra_jax.metrics`). Memory: XLA's compiled-step 
 layer count and our tokens/s over it (`reference`; benchmarks.reference). On NVIDIA GPUs each result
 records the SM clock, power draw and temperature during its timed steps (`gpu_clocks`,
 benchmarks.gpu_clocks): a power-capped GPU slows as it heats, so a few steps after a compile can run
-faster than sustained training; more --warmup steps time it nearer that steady state.
+faster than sustained training; --warmup_s=60 runs untimed steps for a minute first, near that steady state.
 """
 
 from __future__ import annotations
@@ -100,7 +100,11 @@ def gemm_calls(hlo_text: str) -> dict[str, int]:
     return {"fp8": sum(c.endswith("$f8") for c in calls), "other": sum(not c.endswith("$f8") for c in calls)}
 
 
-def measure(name: str, overrides: list[str], steps: int, profile: bool = False, warmup: int = 2) -> dict[str, Any]:
+def measure(
+    name: str, overrides: list[str], steps: int, profile: bool = False, warmup: int = 2, warmup_s: float = 0.0
+) -> dict[str, Any]:
+    """One setting's result: `warmup` untimed steps, more until `warmup_s` seconds have passed since the first,
+    then the median of `steps` timed steps."""
     import jax
     import jax.numpy as jnp
 
@@ -133,8 +137,10 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
             )
             return metrics["loss"]
 
-        for _ in range(warmup):
+        warmed, started = 0, time.perf_counter()
+        while warmed < warmup or time.perf_counter() - started < warmup_s:
             jax.block_until_ready(run())
+            warmed += 1
         with ClockSampler() as clocks:
             seconds = median_time(run, repeats=steps, warmup=0)
         kernels = top_kernels(profiled_time(run, repeats=1)["kernels_s"]) if profile else None
@@ -168,6 +174,7 @@ def measure(name: str, overrides: list[str], steps: int, profile: bool = False, 
         "scan_layers": cfg.scan_layers,
         "compile_s": compile_s,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "warmup_steps": warmed,  # untimed steps before the timed ones (--warmup, or more to fill --warmup_s)
         "step_time_s": seconds,
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": tokens_per_s / devices,
@@ -245,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss_chunk", type=int, default=512, help="cross-entropy chunk in positions (0: whole)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the step is compiled before)")
+    parser.add_argument(
+        "--warmup_s",
+        type=float,
+        default=0.0,
+        help="also run untimed steps until this many seconds have passed (60: a GPU hot as in sustained training)",
+    )
     parser.add_argument("--profile", action="store_true", help="also record GPU time by kernel (one profiled step)")
     parser.add_argument(
         "--override",
@@ -318,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                             args.steps,
                             args.profile,
                             args.warmup,
+                            args.warmup_s,
                         )
                     except Exception as err:  # noqa: BLE001 - out of memory and the like: record it and go on
                         result = {
