@@ -23,6 +23,7 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash", "pallas")
 # auto: the least recomputation that fits the device's memory (training.remat_choice)
 REMAT_POLICIES = ("none", "full", "dots", "dots_attn", "dots_attn_kv", "dots_attn_qkv", "auto")
 LATENT_FORMS = ("expanded", "absorbed")
+LATENT_KEYS = ("auto", "product", "concat")
 FSDP_GATHER = ("auto", "step", "micro_batch")
 MATMUL_DTYPES = ("compute", "float8")  # compute: the compute dtype
 FP8_SCALINGS = ("delayed", "dynamic")
@@ -33,6 +34,7 @@ RUNTIME_FIELDS = (
     "scan_layers",
     "compute_dtype",
     "latent_form",
+    "latent_keys",
     "matmul_dtype",
     "fp8_scaling",
 )
@@ -111,6 +113,11 @@ class ModelConfig:
     # is one KV head ([block || RoPE key], value the block) shared by its query heads. Expanded is the default: it
     # measured faster on an H100 (experiments/results/README.md).
     latent_form: str = dataclasses.field(default="expanded", metadata={"choices": LATENT_FORMS})
+    # How the expanded form builds each head's key [k_nope || k_rope]: "product" multiplies [block || RoPE key] by
+    # [[W_UK, 0], [0, I]] (the keys come out of one matmul, no concatenation of per-head keys forward or backward);
+    # "concat" up-projects k_nope and concatenates the RoPE key to it. "auto": product where a block is at most
+    # LatentAttention.PRODUCT_KEYS_MAX_RANK wide (its up-projection is bandwidth-bound), concat elsewhere.
+    latent_keys: str = dataclasses.field(default="auto", metadata={"choices": LATENT_KEYS})
     # Training's projections (attention and MLP; not the tied head, kv_up or the attention core) in the compute
     # dtype, or "float8": FP8 GEMMs with per-tensor scaling on GPUs that have them (mlra_jax.fp8), with a
     # bfloat16 compute_dtype; evaluation, decoding and export stay in the compute dtype
@@ -131,6 +138,7 @@ class ModelConfig:
         _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _check_choice("remat", self.remat, REMAT_POLICIES)
         _check_choice("latent_form", self.latent_form, LATENT_FORMS)
+        _check_choice("latent_keys", self.latent_keys, LATENT_KEYS)
         _check_choice("matmul_dtype", self.matmul_dtype, MATMUL_DTYPES)
         _check_choice("fp8_scaling", self.fp8_scaling, FP8_SCALINGS)
         _require(
@@ -141,6 +149,11 @@ class ModelConfig:
         _require(
             self.latent_form == "expanded" or self.spec.latent_layout is not None,
             f"latent_form={self.latent_form!r} applies to the latent family (MLA, GLA, MLRA), not variant "
+            f"{self.variant!r}; leave it unset",
+        )
+        _require(
+            self.latent_keys == "auto" or self.spec.latent_layout is not None,
+            f"latent_keys={self.latent_keys!r} applies to the latent family (MLA, GLA, MLRA), not variant "
             f"{self.variant!r}; leave it unset",
         )
         _require(math.isfinite(self.init_std) and self.init_std > 0, f"init_std={self.init_std} must be positive")

@@ -50,6 +50,10 @@ Mode = Literal["train", "prefill", "decode"]
 
 
 class LatentAttention(Attention):
+    # latent_keys="auto" builds the keys in one product up to this block width: a wider block's up-projection
+    # is compute-bound, where the product's extra rows and columns would cost more than the copies they save
+    PRODUCT_KEYS_MAX_RANK = 128
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         super().__init__(cfg, rngs=rngs)
         d, h = cfg.n_embd, cfg.n_head
@@ -81,6 +85,9 @@ class LatentAttention(Attention):
         # the latent scales (its logits show it).
         self.branch_scale = self.branches**-0.5 if cfg.latent_scale else 1.0
         self.absorbed_training = cfg.trains_absorbed  # training attention absorbed (ModelConfig.latent_form)
+        self.product_keys = cfg.latent_keys == "product" or (
+            cfg.latent_keys == "auto" and self.block_rank <= self.PRODUCT_KEYS_MAX_RANK
+        )
 
     @staticmethod
     def cache_layout(cfg: ModelConfig) -> list[CacheComponent]:
@@ -307,15 +314,37 @@ class LatentAttention(Attention):
         mask: jax.Array | None,
     ) -> jax.Array:
         """q [B, T, n, H, .] over latent [B, S, n, R] of n blocks with up = (W_UK, W_UV) [n, R, H, d_h]."""
-        # two products rather than one sliced after: v comes out contiguous, as the fused kernels want it
-        k_nope = einsum("bsnr,nrhk->bsnhk", latent, up[0])
+        # keys and values in two products rather than one sliced after: v comes out contiguous, as the fused
+        # kernels want it
+        k = self.per_head_keys(latent, k_rope, up[0])
         v = einsum("bsnr,nrhk->bsnhk", latent, up[1])
-        k_rope = jnp.broadcast_to(k_rope[:, :, :, None, :], k_nope.shape[:-1] + (self.rope_dim,))
-        k = jnp.concatenate([k_nope, k_rope], axis=-1)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         flat = lambda a: a.reshape(a.shape[:2] + (-1, a.shape[-1]))
         out = attention(flat(q), flat(k), flat(v), scale=self.softmax_scale, impl=self.impl, mask=mask)
         return out.reshape(q.shape[:-1] + (self.nope_dim,))
+
+    def per_head_keys(self, latent: jax.Array, k_rope: jax.Array, w_uk: jax.Array) -> jax.Array:
+        """Each head's key [k_nope || k_rope] [B, S, n, H, d_h + d_h^R] from latent [B, S, n, R], the roped key
+        [B, S, 1, d_h^R] and W_UK [n, R, H, d_h]. With product keys, [latent_j || k_rope] times
+        [[W_UK_j, 0], [0, I]]: the product writes the keys where the attention reads them, and its transpose
+        takes their cotangent whole (the RoPE key's summed over the heads by the identity's columns)."""
+        rope_shape = latent.shape[:3] + (self.rope_dim,)
+        if not self.product_keys:
+            k_nope = einsum("bsnr,nrhk->bsnhk", latent, w_uk)
+            k_rope = jnp.broadcast_to(k_rope[:, :, :, None, :], k_nope.shape[:-1] + (self.rope_dim,))
+            return jnp.concatenate([k_nope, k_rope], axis=-1)
+        blocks, _, heads, nope = w_uk.shape
+        rope = self.rope_dim
+        identity = jnp.broadcast_to(jnp.eye(rope, dtype=w_uk.dtype)[None, :, None, :], (blocks, rope, heads, rope))
+        weights = jnp.concatenate(
+            [
+                jnp.pad(w_uk, ((0, 0), (0, 0), (0, 0), (0, rope))),
+                jnp.pad(identity, ((0, 0), (0, 0), (0, 0), (nope, 0))),
+            ],
+            axis=1,
+        )
+        rows = jnp.concatenate([latent, jnp.broadcast_to(k_rope, rope_shape).astype(latent.dtype)], axis=-1)
+        return einsum("bsnr,nrhk->bsnhk", rows, weights.astype(latent.dtype))
 
     def absorbed_attention(
         self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, mask: jax.Array | None

@@ -170,6 +170,7 @@ def measure(
         "fsdp_gather": fsdp_gather(setup),  # where FSDP gathers the weights under accumulation (None: no FSDP)
         "latent_form": cfg.latent_form,
         "trains_absorbed": cfg.trains_absorbed,
+        "latent_keys": cfg.latent_keys,
         "loss_chunk": train.loss_chunk,
         "scan_layers": cfg.scan_layers,
         "compile_s": compile_s,
