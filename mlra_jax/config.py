@@ -116,7 +116,7 @@ class ModelConfig:
     # How the expanded form builds each head's key [k_nope || k_rope]: "product" multiplies [block || RoPE key] by
     # [[W_UK, 0], [0, I]] (the keys come out of one matmul, no concatenation of per-head keys forward or backward);
     # "concat" up-projects k_nope and concatenates the RoPE key to it. "auto": product where a block is at most
-    # LatentAttention.PRODUCT_KEYS_MAX_RANK wide (its up-projection is bandwidth-bound), concat elsewhere.
+    # LatentAttention.PRODUCT_KEYS_MAX_RANK wide (where it measured faster), concat elsewhere.
     latent_keys: str = dataclasses.field(default="auto", metadata={"choices": LATENT_KEYS})
     # Training's projections (attention and MLP; not the tied head, kv_up or the attention core) in the compute
     # dtype, or "float8": FP8 GEMMs with per-tensor scaling on GPUs that have them (mlra_jax.fp8), with a

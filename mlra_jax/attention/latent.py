@@ -50,8 +50,9 @@ Mode = Literal["train", "prefill", "decode"]
 
 
 class LatentAttention(Attention):
-    # latent_keys="auto" builds the keys in one product up to this block width: a wider block's up-projection
-    # is compute-bound, where the product's extra rows and columns would cost more than the copies they save
+    # latent_keys="auto" builds the keys in one product up to this block width: on an H100 the product was faster
+    # with 128-wide blocks (MLRA-4), no faster at 512 (MLA) and slower at 256 (GLA-2), whose up-projections
+    # spend more FLOPs per key (experiments/results/train_h100_latent_keys.json)
     PRODUCT_KEYS_MAX_RANK = 128
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
