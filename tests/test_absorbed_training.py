@@ -1,5 +1,8 @@
-"""The latent family's absorbed training attention equals the expanded one (float32 loss and gradients), alone
-and under tensor parallelism, and runs as grouped-query attention over the latent blocks."""
+"""The latent family's training forms equal the plain one (expanded, keys concatenated) in float32 loss and
+gradients, alone and under tensor parallelism: the absorbed attention (which runs as grouped-query attention over
+the latent blocks) and the keys built in one product (test_latent_keys)."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +21,7 @@ from mlra_jax.training.step import loss_fn
 from mlra_jax.variants import LATENT_VARIANTS
 
 
-def small(variant, form, **changes):
+def small(variant, form="expanded", **changes):
     return tiny_model(
         variant,
         **{"n_layer": 1, "n_head": 8, "vocab_size": 128, "output_init": "normal", "latent_form": form, **changes},
@@ -39,19 +42,36 @@ def assert_equal(got, want):
         )
 
 
+PLAIN = {"latent_form": "expanded", "latent_keys": "concat"}
+FORMS = {"absorbed": {"latent_form": "absorbed"}, "product_keys": {"latent_keys": "product"}}
+
+
+def random_tokens(seed, shape):
+    return jax.random.randint(jax.random.key(seed), shape, 0, 128)
+
+
+@functools.cache
+def plain_loss_and_grads(variant, seed, shape):
+    """The plain form's loss and gradients on one device, shared by the forms compared with it."""
+    return loss_and_grads(small(variant, **PLAIN), random_tokens(seed, shape))
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("variant", LATENT_VARIANTS)
-def test_absorbed_equals_expanded_in_float32(variant):
-    tokens = jax.random.randint(jax.random.key(0), (2, 33), 0, 128)
-    assert_equal(loss_and_grads(small(variant, "absorbed"), tokens), loss_and_grads(small(variant, "expanded"), tokens))
+def test_form_equals_the_plain_form_in_float32(variant, form):
+    got = loss_and_grads(small(variant, **{**PLAIN, **FORMS[form]}), random_tokens(0, (2, 33)))
+    assert_equal(got, plain_loss_and_grads(variant, 0, (2, 33)))
 
 
-@pytest.mark.parametrize("variant,tp", [("mlra4", 4), ("mlra2", 2), ("gla4", 8), ("mla", 2)])
-def test_absorbed_under_tensor_parallelism_equals_expanded_alone(variant, tp):
-    tokens = jax.random.randint(jax.random.key(1), (8, 17), 0, 128)
+@pytest.mark.parametrize(
+    "variant,tp,form",
+    [("mlra4", 4, "absorbed"), ("mlra2", 2, "absorbed"), ("gla4", 8, "absorbed"), ("mla", 2, "absorbed")]
+    + [("mlra4", 4, "product_keys"), ("gla4", 8, "product_keys")],  # the blocks whole, and split by heads
+)
+def test_form_under_tensor_parallelism_equals_the_plain_form_alone(variant, tp, form):
     mesh = make_mesh(MeshConfig(data=-1, tensor=tp), jax.devices()[:8])
-    assert_equal(
-        loss_and_grads(small(variant, "absorbed"), tokens, mesh), loss_and_grads(small(variant, "expanded"), tokens)
-    )
+    got = loss_and_grads(small(variant, **{**PLAIN, **FORMS[form]}), random_tokens(1, (8, 17)), mesh)
+    assert_equal(got, plain_loss_and_grads(variant, 1, (8, 17)))
 
 
 def test_absorbed_attention_is_grouped_query_attention_over_the_blocks(monkeypatch):

@@ -1,6 +1,6 @@
-"""The latent family's per-head keys built in one product ([block || RoPE key] times [[W_UK, 0], [0, I]]) equal the
-concatenated ones (float32 loss and gradients), alone and under tensor parallelism, and the step then forms no
-concatenation of per-head keys."""
+"""The latent family's per-head keys built in one product ([block || RoPE key] times [[W_UK, 0], [0, I]]): the step
+forms no concatenation of per-head keys, the RoPE key comes through exactly, and `auto` takes the product for
+blocks up to 128 wide. Its loss and gradients equal the concatenated keys' in test_absorbed_training."""
 
 import jax
 import jax.numpy as jnp
@@ -9,12 +9,10 @@ import pytest
 from flax import nnx
 from mlra_jax.experiments import get_experiment
 from mlra_jax.experiments.tiny import tiny_model
-from test_absorbed_training import assert_equal, loss_and_grads
 
 from mlra_jax.attention.latent import LatentAttention
-from mlra_jax.config import ConfigError, MeshConfig
+from mlra_jax.config import ConfigError
 from mlra_jax.model import init_model
-from mlra_jax.sharding import make_mesh
 from mlra_jax.training.step import loss_fn
 from mlra_jax.variants import LATENT_VARIANTS
 
@@ -23,21 +21,6 @@ def small(variant, keys, **changes):
     return tiny_model(
         variant,
         **{"n_layer": 1, "n_head": 8, "vocab_size": 128, "output_init": "normal", "latent_keys": keys, **changes},
-    )
-
-
-@pytest.mark.parametrize("variant", LATENT_VARIANTS)
-def test_product_keys_equal_concatenated_keys_in_float32(variant):
-    tokens = jax.random.randint(jax.random.key(0), (2, 33), 0, 128)
-    assert_equal(loss_and_grads(small(variant, "product"), tokens), loss_and_grads(small(variant, "concat"), tokens))
-
-
-@pytest.mark.parametrize("variant,tp", [("mlra4", 4), ("mlra2", 2), ("gla4", 8), ("mla", 2)])
-def test_product_keys_under_tensor_parallelism_equal_concatenated_keys_alone(variant, tp):
-    tokens = jax.random.randint(jax.random.key(1), (8, 17), 0, 128)
-    mesh = make_mesh(MeshConfig(data=-1, tensor=tp), jax.devices()[:8])
-    assert_equal(
-        loss_and_grads(small(variant, "product"), tokens, mesh), loss_and_grads(small(variant, "concat"), tokens)
     )
 
 
@@ -72,7 +55,8 @@ def test_auto_takes_product_keys_for_blocks_up_to_128_wide():
     for name in LATENT_VARIANTS:
         for cfg in (small(name, "auto"), get_experiment(f"{name}_2p9b").model):
             width = cfg.kv_lora_rank // cfg.latent_layout[0]
-            assert LatentAttention(cfg, rngs=nnx.Rngs(0)).product_keys == (width <= 128), (name, width)
+            layer = nnx.eval_shape(lambda: LatentAttention(cfg, rngs=nnx.Rngs(0)))  # no weights materialized
+            assert layer.product_keys == (width <= 128), (name, width)
     paper = {name: get_experiment(f"{name}_2p9b").model for name in LATENT_VARIANTS}
     widths = {name: cfg.kv_lora_rank // cfg.latent_layout[0] for name, cfg in paper.items()}
     assert widths == {"mla": 512, "gla2": 256, "gla4": 128, "mlra2": 128, "mlra4": 128}
