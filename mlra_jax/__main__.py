@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHMARKS: dict[str, str] = {
     "train": "training tokens/s, MFU, memory (--reference: the official code's figures beside)",
     "reference": "put the official code's figures beside a saved train benchmark record",
+    "interleaved": "two settings of one train step alternated on one state (the same GPU clocks for both)",
     "optimizer": "the update after the backward (clipping, AdamW) against its memory-traffic floor",
     "tpu_compile": "the paper's experiments compiled for TPU slices",
     "decode": "decode attention and whole-model decode steps",

@@ -9,7 +9,7 @@ import pytest
 from mlra_jax.experiments import benchmarks
 from mlra_jax.experiments.tiny import tiny_model
 
-from mlra_jax.benchmarks import decode, decode_throughput, latent_kernel, optimizer, row_products, train
+from mlra_jax.benchmarks import decode, decode_throughput, interleaved, latent_kernel, optimizer, row_products, train
 from mlra_jax.benchmarks.common import call_times, split_calls
 
 pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
@@ -341,3 +341,32 @@ def test_gemm_calls_are_counted_by_kind():
         '%d = custom-call(), custom_call_target="__cudnn$fmha"\n'
     )
     assert gemm_calls(text) == {"fp8": 1, "other": 2}
+
+
+def test_interleaved_benchmark_alternates_two_settings_on_one_state(tmp_path):
+    out = tmp_path / "ab.json"
+    interleaved.main(
+        ["--experiment=mlra4_tiny", "--n_layer=1", "--seq_len=16", "--batch_per_device=1", "--pairs=3", "--warmup=1"]
+        + ["--a=--model.latent_keys=product", "--b=--model.latent_keys=concat", f"--out={out}"]
+    )
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["overrides"]["a"] == ["--model.latent_keys=product"] and result["pairs"] == 3
+    assert [len(result["step_times_s"][side]) for side in ("a", "b")] == [3, 3]
+    assert 0 <= result["pairs_a_won"] <= 3 and result["b_over_a"] > 0
+    for side in ("a", "b"):
+        assert result["median_step_s"][side] == sorted(result["step_times_s"][side])[1]
+        assert result["tokens_per_s"][side] == pytest.approx(8 * 16 / result["median_step_s"][side])
+
+
+@pytest.mark.parametrize(
+    "sides,message",
+    [
+        (["--a=--model.remat=dots", "--b=--model.remat=dots"], "--a and --b are the same setting"),
+        (["--a=--model.n_layer=2"], "train states of different shapes"),
+    ],
+)
+def test_interleaved_benchmark_refuses_settings_it_cannot_compare(tmp_path, capsys, sides, message):
+    with pytest.raises(SystemExit) as exit_info:
+        interleaved.main(["--experiment=mlra4_tiny", "--n_layer=1", "--seq_len=16", *sides, f"--out={tmp_path / 'x'}"])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
