@@ -363,6 +363,7 @@ def test_interleaved_benchmark_alternates_two_settings_on_one_state(tmp_path):
     [
         (["--a=--model.remat=dots", "--b=--model.remat=dots"], "--a and --b are the same setting"),
         (["--a=--model.n_layer=2"], "train states of different shapes"),
+        (["--a=--model.remat=dots", "--experiment=mlra4_tiny,mla_tiny"], "--experiment takes one experiment; got 2"),
     ],
 )
 def test_interleaved_benchmark_refuses_settings_it_cannot_compare(tmp_path, capsys, sides, message):

@@ -329,13 +329,12 @@ class LatentAttention(Attention):
         [B, S, 1, d_h^R] and W_UK [n, R, H, d_h]. With product keys, [latent_j || k_rope] times
         [[W_UK_j, 0], [0, I]]: the product writes the keys where the attention reads them, and its transpose
         takes their cotangent whole (the RoPE key's summed over the heads by the identity's columns)."""
-        rope_shape = latent.shape[:3] + (self.rope_dim,)
+        rope = self.rope_dim
         if not self.product_keys:
             k_nope = einsum("bsnr,nrhk->bsnhk", latent, w_uk)
-            k_rope = jnp.broadcast_to(k_rope[:, :, :, None, :], k_nope.shape[:-1] + (self.rope_dim,))
+            k_rope = jnp.broadcast_to(k_rope[:, :, :, None, :], k_nope.shape[:-1] + (rope,))
             return jnp.concatenate([k_nope, k_rope], axis=-1)
         blocks, _, heads, nope = w_uk.shape
-        rope = self.rope_dim
         identity = jnp.broadcast_to(jnp.eye(rope, dtype=w_uk.dtype)[None, :, None, :], (blocks, rope, heads, rope))
         weights = jnp.concatenate(
             [
@@ -344,7 +343,8 @@ class LatentAttention(Attention):
             ],
             axis=1,
         )
-        rows = jnp.concatenate([latent, jnp.broadcast_to(k_rope, rope_shape).astype(latent.dtype)], axis=-1)
+        k_rope = jnp.broadcast_to(k_rope, latent.shape[:3] + (rope,)).astype(latent.dtype)  # each block's rows
+        rows = jnp.concatenate([latent, k_rope], axis=-1)
         return einsum("bsnr,nrhk->bsnhk", rows, weights.astype(latent.dtype))
 
     def absorbed_attention(

@@ -22,17 +22,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlra_jax.benchmarks.train import random_tokens, setting_overrides
 from mlra_jax.xla_flags import apply_gpu_defaults
 
 
 def measure(name: str, base: list[str], sides: dict[str, list[str]], pairs: int, warmup: int) -> dict[str, Any]:
     """Each side's step times over `pairs` alternated pairs after `warmup` untimed ones."""
     import jax
-    import jax.numpy as jnp
 
     from mlra_jax.cli import apply_overrides
     from mlra_jax.experiments import get_experiment
-    from mlra_jax.training.state import build_setup, global_batch, init_state, jit_train_step
+    from mlra_jax.training.state import build_setup, init_state, jit_train_step
 
     experiment = get_experiment(name)
     setups = {side: build_setup(apply_overrides(experiment, [*base, *extra])) for side, extra in sides.items()}
@@ -40,13 +40,10 @@ def measure(name: str, base: list[str], sides: dict[str, list[str]], pairs: int,
     shapes = {side: jax.tree.map(lambda x: (x.shape, x.dtype), s.abstract_state) for side, s in setups.items()}
     if shapes["a"] != shapes["b"]:
         raise ValueError("--a and --b give train states of different shapes; compare settings that keep the weights")
-    train, cfg = first.experiment.train, first.experiment.model
+    train = first.experiment.train
     with jax.set_mesh(first.mesh):
         state = init_state(first)
-        tokens = jax.random.randint(
-            jax.random.key(0), (train.global_batch_size, train.seq_len + 1), 0, cfg.vocab_size, dtype=jnp.int32
-        )
-        tokens = global_batch(first, jax.device_get(tokens))
+        tokens = random_tokens(first)
         args = (state["params"], state["opt_state"], state["fp8"], tokens)
         steps = {side: jit_train_step(s).lower(*args).compile() for side, s in setups.items()}
         del args  # its weights are donated to the first step
@@ -109,14 +106,20 @@ def main(argv: list[str] | None = None) -> int:
     from mlra_jax.benchmarks.common import experiment_list, save
     from mlra_jax.config import ConfigError
 
-    (name,) = experiment_list(parser, args.experiment)
-    batch = args.batch_per_device * len(jax.devices())
-    base = [
-        *([f"--model.n_layer={args.n_layer}"] if args.n_layer else []),
-        f"--train.seq_len={args.seq_len}",
-        f"--train.global_batch_size={batch}",
-        f"--train.micro_batch_size={batch}",
-    ]
+    names = experiment_list(parser, args.experiment)
+    if len(names) != 1:
+        parser.error(f"--experiment takes one experiment; got {len(names)}: {args.experiment}")
+    (name,) = names
+    setting = argparse.Namespace(
+        n_layer=args.n_layer,
+        seq_len=args.seq_len,
+        global_batch=0,
+        fsdp=False,
+        attention_impl="auto",
+        loss_chunk=512,
+        override=[],
+    )  # benchmarks.train's defaults: one micro-batch, data parallel over the devices, the experiment's remat
+    base = setting_overrides(setting, len(jax.devices()), tp=1, remat="", per_device=args.batch_per_device)
     try:
         result = measure(name, base, {"a": args.a, "b": args.b}, args.pairs, args.warmup)
     except (ConfigError, ValueError) as err:

@@ -77,6 +77,21 @@ def setting_overrides(args: argparse.Namespace, devices: int, tp: int, remat: st
     ]
 
 
+def random_tokens(setup: Any) -> Any:
+    """A benchmark's batch: random tokens [global batch, seq_len + 1], placed over the mesh as the trainer places
+    its batches."""
+    import jax
+    import jax.numpy as jnp
+
+    from mlra_jax.training.state import global_batch
+
+    train, cfg = setup.experiment.train, setup.experiment.model
+    tokens = jax.random.randint(
+        jax.random.key(0), (train.global_batch_size, train.seq_len + 1), 0, cfg.vocab_size, dtype=jnp.int32
+    )
+    return global_batch(setup, jax.device_get(tokens))
+
+
 def top_kernels(kernels_s: dict[str, float], count: int = 25) -> dict[str, Any]:
     """The step's GPU time by kernel family (matmuls, attention, fusions, ...) and its `count` longest kernels."""
     families = {
@@ -106,7 +121,6 @@ def measure(
     """One setting's result: `warmup` untimed steps, more until `warmup_s` seconds have passed since the first,
     then the median of `steps` timed steps."""
     import jax
-    import jax.numpy as jnp
 
     from mlra_jax.attention import fused
     from mlra_jax.benchmarks.common import median_time, profiled_time
@@ -114,17 +128,14 @@ def measure(
     from mlra_jax.cli import apply_overrides
     from mlra_jax.experiments import get_experiment
     from mlra_jax.metrics import peak_flops, training_flops_per_token
-    from mlra_jax.training.state import build_setup, fsdp_gather, global_batch, init_state, jit_train_step
+    from mlra_jax.training.state import build_setup, fsdp_gather, init_state, jit_train_step
 
     requested = apply_overrides(get_experiment(name), overrides)
     setup = build_setup(requested)
     train, cfg = setup.experiment.train, setup.experiment.model
     with jax.set_mesh(setup.mesh), fused.kernels_chosen() as chosen:
         state = init_state(setup)
-        tokens = jax.random.randint(
-            jax.random.key(0), (train.global_batch_size, train.seq_len + 1), 0, cfg.vocab_size, dtype=jnp.int32
-        )
-        tokens = global_batch(setup, jax.device_get(tokens))
+        tokens = random_tokens(setup)
         start = time.perf_counter()
         compiled = jit_train_step(setup).lower(state["params"], state["opt_state"], state["fp8"], tokens).compile()
         compile_s = time.perf_counter() - start
