@@ -9,7 +9,16 @@ import pytest
 from mlra_jax.experiments import benchmarks
 from mlra_jax.experiments.tiny import tiny_model
 
-from mlra_jax.benchmarks import decode, decode_throughput, interleaved, latent_kernel, optimizer, row_products, train
+from mlra_jax.benchmarks import (
+    attention_kernels,
+    decode,
+    decode_throughput,
+    interleaved,
+    latent_kernel,
+    optimizer,
+    row_products,
+    train,
+)
 from mlra_jax.benchmarks.common import call_times, split_calls
 
 pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
@@ -247,6 +256,39 @@ def test_latent_kernel_benchmark_refuses_a_cpu(tmp_path, capsys):
         latent_kernel.main(["bound", f"--out={tmp_path / 'bound.json'}"])
     assert exit_info.value.code == 2 and "Hopper GPUs" in capsys.readouterr().err
     assert not (tmp_path / "bound.json").exists()
+
+
+@pytest.mark.parametrize("experiment", ["gqa_2p9b", "mlra4_2p9b", "mla_2p9b"])
+def test_attention_kernels_count_the_flops_that_mfu_counts(experiment):
+    """One causal forward + backward of a layer's attention over one sequence is a layer's share of
+    metrics.attention_flops_per_token for each of its tokens."""
+    from mlra_jax.experiments import get_experiment
+
+    from mlra_jax.attention import attention_class
+    from mlra_jax.metrics import attention_flops_per_token
+
+    e = get_experiment(experiment)
+    heads, dk, dv = attention_class(e.model.variant).core_shape(e.model)
+    length = e.train.seq_len
+    per_layer = attention_flops_per_token(e.model, length) / e.model.n_layer * length
+    assert attention_kernels.model_flops(1, heads, length, dk, dv, causal=True, backward=True) == pytest.approx(
+        per_layer
+    )
+    forward = attention_kernels.model_flops(1, heads, length, dk, dv, causal=True, backward=False)
+    assert forward * 3 == pytest.approx(per_layer)
+    assert attention_kernels.model_flops(1, heads, length, dk, dv, causal=False, backward=False) > 1.99 * forward
+
+
+def test_attention_kernels_benchmark_refuses_a_cpu_and_bad_options(tmp_path, capsys):
+    for argv, message in (
+        ([], "need an NVIDIA GPU"),
+        (["--experiments=gqa_2p9b,nope"], "unknown experiment 'nope'"),
+        (["--batch=0"], "at least 1"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            attention_kernels.main([*argv, f"--out={tmp_path / 'attention.json'}"])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "attention.json").exists()
 
 
 def test_train_benchmark_puts_the_official_codes_best_batch_beside_ours(tmp_path, monkeypatch, capsys):
