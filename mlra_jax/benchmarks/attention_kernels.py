@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from mlra_jax.attention import attention_class
-from mlra_jax.attention.fused import _cudnn_module, cudnn_attention
+from mlra_jax.attention.fused import cudnn_attention
 from mlra_jax.benchmarks.common import experiment_list, profiled_time, save
 from mlra_jax.experiments import get_experiment
 
@@ -111,7 +111,7 @@ def mosaic_rows(row: Callable[..., dict[str, Any]], inputs: list[jax.Array], pad
 
     labels = {"dtype": "float16"} | ({"value_padded_from": padded_from} if padded_from else {})
     q, k, v, do = inputs
-    unmasked = lambda q, k, v: _cudnn_module().dot_product_attention(q, k, v)  # noqa: E731
+    unmasked = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=1.0, implementation="cudnn")  # noqa: E731
     rows = [row("cudnn", with_backward(unmasked), (q, k, v, do), False, **labels)]
     for block_q, block_kv, steps in MOSAIC_TILINGS:
         tiling = {"block_q": block_q, "block_kv": block_kv, "max_concurrent_steps": steps}
@@ -134,8 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--experiments", default="gqa_2p9b,mlra4_2p9b", help="comma-separated experiment names")
     parser.add_argument("--batch", type=int, default=8, help="sequences per call")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=Path("experiments/results/attention_kernels.json"))
+    parser.add_argument("--repeats", type=int, default=10, help="profiled calls per row (the median is kept)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("experiments/results/attention_kernels.json"), help="the JSON record"
+    )
     args = parser.parse_args(argv)
     names = experiment_list(parser, args.experiments)
     if args.batch < 1 or args.repeats < 1:
