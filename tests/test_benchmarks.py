@@ -6,9 +6,10 @@ from pathlib import Path
 
 import jax
 import pytest
-from mlra_jax.experiments import benchmarks
+from mlra_jax.experiments import benchmarks, get_experiment
 from mlra_jax.experiments.tiny import tiny_model
 
+from mlra_jax.attention import attention_class
 from mlra_jax.benchmarks import (
     attention_kernels,
     decode,
@@ -20,6 +21,7 @@ from mlra_jax.benchmarks import (
     train,
 )
 from mlra_jax.benchmarks.common import call_times, split_calls
+from mlra_jax.metrics import attention_flops_per_token
 
 pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
 
@@ -262,11 +264,6 @@ def test_latent_kernel_benchmark_refuses_a_cpu(tmp_path, capsys):
 def test_attention_kernels_count_the_flops_that_mfu_counts(experiment):
     """One causal forward + backward of a layer's attention over one sequence is a layer's share of
     metrics.attention_flops_per_token for each of its tokens."""
-    from mlra_jax.experiments import get_experiment
-
-    from mlra_jax.attention import attention_class
-    from mlra_jax.metrics import attention_flops_per_token
-
     e = get_experiment(experiment)
     heads, dk, dv = attention_class(e.model.variant).core_shape(e.model)
     length = e.train.seq_len
