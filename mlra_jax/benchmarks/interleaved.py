@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlra_jax.benchmarks.train import random_tokens, setting_overrides
+from mlra_jax.benchmarks.train import build_parser, random_tokens, setting_overrides
 from mlra_jax.xla_flags import apply_gpu_defaults
 
 
@@ -110,15 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(names) != 1:
         parser.error(f"--experiment takes one experiment; got {len(names)}: {args.experiment}")
     (name,) = names
-    setting = argparse.Namespace(
-        n_layer=args.n_layer,
-        seq_len=args.seq_len,
-        global_batch=0,
-        fsdp=False,
-        attention_impl="auto",
-        loss_chunk=512,
-        override=[],
-    )  # benchmarks.train's defaults: one micro-batch, data parallel over the devices, the experiment's remat
+    # benchmarks.train's defaults: one micro-batch, data parallel over the devices, the experiment's remat
+    setting = build_parser().parse_args([f"--n_layer={args.n_layer}", f"--seq_len={args.seq_len}"])
     base = setting_overrides(setting, len(jax.devices()), tp=1, remat="", per_device=args.batch_per_device)
     try:
         result = measure(name, base, {"a": args.a, "b": args.b}, args.pairs, args.warmup)

@@ -231,7 +231,8 @@ def mark_best(results: list[dict[str, Any]]) -> None:
             max(finished, key=lambda r: r["tokens_per_s"])["best"] = True
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line; its defaults are the setting other benchmarks time too (benchmarks.interleaved)."""
     parser = argparse.ArgumentParser(
         prog="python -m mlra_jax.benchmarks.train",
         description=__doc__,
@@ -290,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep the results already in --out for the experiments this run does not measure",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         reference = read_reference(args.reference) if args.reference else None
