@@ -170,6 +170,11 @@ def _chosen_experiment(argv: list[str]) -> Experiment | None:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser(_chosen_experiment(argv) if "-h" in argv or "--help" in argv else None)
     args, overrides = parser.parse_known_args(argv)
+    if args.compile_for is not None and not args.compile_for.strip():
+        raise ConfigError(
+            "--compile_for is empty (an unset variable in a launcher?); give a TPU slice such as v5p-128, or leave "
+            "the option out to train"
+        )
     if args.compile_for:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices; no accelerator is needed here
     apply_gpu_defaults()  # before JAX starts a backend
