@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from mlra_jax import fp8
 from mlra_jax.checkpoint import Checkpointer
 from mlra_jax.config import Experiment
 from mlra_jax.data.pipeline import (
@@ -173,10 +174,19 @@ class TrainingLoop:
             )
             return
         self.step, self.state, metadata = restored
-        if "fp8" not in self.state:  # saved without FP8 histories (another matmul_dtype or fp8_scaling)
+        if "fp8" not in self.state:  # saved without FP8 histories or in another layout (Checkpointer.restore_step)
             self.state["fp8"] = fresh_fp8_histories(self.setup)
             if jax.tree.leaves(self.state["fp8"]):
                 log.info("model.matmul_dtype=float8 with delayed scaling: step %d starts fresh FP8 scales", self.step)
+        damaged = fp8.damaged_histories(self.state["fp8"])
+        if damaged:  # an infinite amax would give an infinite scale: those projections start fresh scales
+            self.state["fp8"] = fp8.reset_histories(self.state["fp8"], damaged)
+            log.warning(
+                "the FP8 amax histories of %s in checkpoint %d hold NaN, inf, negative or huge values; they start "
+                "fresh (scale 1 for a step)",
+                ", ".join(damaged[:8]) + (f" and {len(damaged) - 8} more" if len(damaged) > 8 else ""),
+                self.step,
+            )
         self.saved_step = self.step
         self.examples, self.window = metadata["examples"], metadata.get("log_window", [])
         log.info(
