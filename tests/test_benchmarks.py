@@ -42,7 +42,7 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
     4-device deployment of the study on the first four."""
     assert jax.device_count() == 8
     out = tmp_path / "throughput.json"
-    decode_throughput.main(["--contexts=64", "--repeats=1", f"--out={out}"])
+    decode_throughput.main(["--cpu", "--contexts=64", "--repeats=1", f"--out={out}"])
     record = json.loads(out.read_text())
     assert record["device_count"] == 8 and record["command"].startswith("python -m") and record["date"]
     assert all("error" not in r for r in record["results"]), record["results"]
@@ -51,7 +51,15 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
         assert deployed == {"gqa": (8, 1, 128), "mla": (1, 8, 128), "gla2": (2, 4, 128), "mlra4": (4, 2, 128)}
     assert all(r["tokens_per_s"] > 0 for r in record["results"])
     decode_throughput.main(
-        ["--devices=4", "--scopes=attention", "--variants=gla2", "--contexts=64", "--repeats=1", f"--out={out}"]
+        [
+            "--cpu",
+            "--devices=4",
+            "--scopes=attention",
+            "--variants=gla2",
+            "--contexts=64",
+            "--repeats=1",
+            f"--out={out}",
+        ]
     )
     deployed = {r["variant"]: (r["tp"], r["dp"], r["batch"]) for r in json.loads(out.read_text())["results"]}
     assert deployed == {"gla2": (2, 2, 128)}
@@ -67,13 +75,22 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
 
     monkeypatch.setattr(decode_throughput, "time_step", fail_second)
     decode_throughput.main(
-        ["--devices=4", "--scopes=attention", "--variants=gla2", "--contexts=64,128", "--repeats=1", f"--out={out}"]
+        [
+            "--cpu",
+            "--devices=4",
+            "--scopes=attention",
+            "--variants=gla2",
+            "--contexts=64,128",
+            "--repeats=1",
+            f"--out={out}",
+        ]
     )
     results = json.loads(out.read_text())["results"]
     assert [r["context"] for r in results] == [64, 128] and "RESOURCE_EXHAUSTED" in results[1]["error"]
     # --merge measures the failed context again and keeps the one measured before
     decode_throughput.main(
         [
+            "--cpu",
             "--devices=4",
             "--scopes=attention",
             "--variants=gla2",
@@ -87,6 +104,13 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
     assert [(r["variant"], r["context"]) for r in merged["results"]] == [("gla2", 64), ("gla2", 128)]
     assert merged["results"][0] == results[0] and "error" not in merged["results"][1] and len(merged["runs"]) == 2
     assert benchmarks.deployment("mlra4", 4) == (4, 1, 64) and benchmarks.deployment("gqa", 2) == (2, 1, 32)
+
+
+def test_decode_throughput_refuses_a_cpu_at_once(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        decode_throughput.main([f"--out={tmp_path / 'throughput.json'}"])
+    assert exit_info.value.code == 2 and "--cpu measures it anyway" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 def test_decode_attention_and_model_modes(tmp_path):

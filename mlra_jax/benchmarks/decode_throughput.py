@@ -245,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep the results in --out of the settings this run does not measure (with its runs)",
     )
+    parser.add_argument("--cpu", action="store_true", help="measure a CPU anyway (tiny models in the tests)")
     args = parser.parse_args(argv)
+    if jax.default_backend() == "cpu" and not args.cpu:
+        parser.error("the study measures GPUs or TPUs (minutes of meaningless work on a CPU); --cpu measures it anyway")
     logging.basicConfig(level=logging.WARNING)
     devices = jax.devices()[: args.devices or None]
     if args.devices > len(jax.devices()):
