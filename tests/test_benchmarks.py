@@ -205,6 +205,15 @@ def test_train_benchmark_settings(tmp_path):
     assert fsdp["warmup_steps"] >= 1  # --warmup=0: steps ran to fill --warmup_s
 
 
+def test_train_benchmark_that_measures_nothing_exits_non_zero_and_writes_beside_the_user(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not a checkout: no experiments/results/ here
+    argv = ["--experiments=mlra4_tiny", "--n_layer=1", "--seq_len=16", "--steps=1", "--override=--train.seed=-1"]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: none of the 1 settings was measured" in err and "seed=-1 must be" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["bench_train.json"]
+
+
 def test_train_benchmark_auto_batch_leaves_the_micro_batch_to_the_trainer():
     args = train.argparse.Namespace(
         global_batch=32, fsdp=True, n_layer=1, attention_impl="auto", seq_len=16, loss_chunk=0, override=[]
