@@ -28,15 +28,16 @@ from mlra_jax.config import Experiment
 from mlra_jax.data.pipeline import (
     check_data,
     check_token_ids,
+    data_fingerprint,
     eval_windows,
     train_dataset,
     train_iterator,
     validation_batches,
 )
-from mlra_jax.guards import check_finite, check_run_dir
+from mlra_jax.guards import check_finite, check_run_dir, remove_stale_temporaries
 from mlra_jax.metrics import MetricWriter, format_line, peak_flops, training_flops_per_token
 from mlra_jax.optim import learning_rate_schedule
-from mlra_jax.paths import as_path
+from mlra_jax.paths import as_path, is_remote
 from mlra_jax.progress import progress_bar, show_library_logs
 from mlra_jax.sharding import batch_sharding
 from mlra_jax.tracking import WandbTracker, check_available
@@ -349,16 +350,26 @@ def train(
     check_available(experiment)  # before anything is written
     if init_from is not None:
         check_same_model(init_from, experiment.model)
+    made = not is_remote(workdir) and not os.path.isdir(workdir)  # a refused start removes the folder it made
     check_run_dir(workdir)
-    log.info(
-        "%s",
-        check_data(
-            experiment.data, experiment.train.seq_len, experiment.train.eval_every > 0, experiment.train.named_eval_sets
-        ),
-    )  # before the state is built
-    with RunLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():  # one writer per run
+    lock = RunLock(workdir) if jax.process_index() == 0 else None  # one writer per run
+    started = False
+    try:
+        log.info(
+            "%s",
+            check_data(
+                experiment.data,
+                experiment.train.seq_len,
+                experiment.train.eval_every > 0,
+                experiment.train.named_eval_sets,
+            ),
+        )  # before the state is built
+        if lock is not None:
+            lock.acquire()
+            _remove_stale_temporaries(workdir)
         has_checkpoints = any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*"))
-        check_resume(workdir, experiment, has_checkpoints, allow_changed)
+        fingerprint = data_fingerprint(experiment.data)
+        check_resume(workdir, experiment, has_checkpoints, allow_changed, fingerprint)
         setup = build_setup(experiment, devices)
         with jax.set_mesh(setup.mesh):  # the model reads the TP degree from the mesh in context
             log.info(
@@ -371,5 +382,22 @@ def train(
             )
             loop = TrainingLoop(setup, workdir, None if has_checkpoints else init_from)
             if jax.process_index() == 0:  # the run started: its record now says what it is
-                record_experiment(workdir, experiment)
+                record_experiment(workdir, experiment, fingerprint)
+            started = True
             return loop.run()
+    finally:
+        if lock is not None:
+            lock.release(started=started)
+        if made and not started:
+            with contextlib.suppress(OSError):
+                os.rmdir(workdir)  # only when empty: nothing of a refused start stays
+
+
+def _remove_stale_temporaries(workdir: epath.Path) -> None:
+    """The temporaries that a killed rewrite of the run's own files left (the run lock is held: no writer is
+    mid-write)."""
+    if is_remote(workdir):
+        return
+    removed = remove_stale_temporaries(workdir, ("metrics.jsonl", "experiment.json"))
+    if removed:
+        log.info("removed the temporaries of killed rewrites in %s: %s", workdir, ", ".join(removed))
