@@ -7,9 +7,10 @@
 
 A run lives in --workdir (default runs/NAME; a local folder or gs://bucket/path):
 checkpoints/ (Orbax), metrics.jsonl, tensorboard/ and experiment.json. Running the same
-command again resumes from the latest complete checkpoint; SIGTERM saves a checkpoint and
-exits. Resuming with another data order or schedule (batch size, seq_len, total_steps,
-learning rate, seed, data) is refused unless --allow_changed names the fields.
+command again resumes from the latest complete checkpoint; SIGTERM or Ctrl-C (SIGINT) saves a
+checkpoint and exits (a second Ctrl-C aborts without saving). Resuming with another data order or
+schedule (batch size, seq_len, total_steps, learning rate, seed, data, other data under the same path)
+is refused unless --allow_changed names the fields.
 """
 
 from __future__ import annotations

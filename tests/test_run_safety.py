@@ -175,3 +175,23 @@ def test_other_data_under_the_same_path_is_refused_on_resume(tmp_path, capsys):
     assert f"the training data in {data} changed since {run} was trained on it" in err
     assert "--allow_changed=data.dataset" in err and (run / "experiment.json").read_text() == saved
     check_resume(run, experiment, True, ("data.dataset",), data_fingerprint(experiment.data))  # allowed: no error
+
+
+def test_a_first_ctrl_c_asks_for_a_save_and_a_second_aborts():
+    """As SIGTERM: the loop saves a checkpoint at the next step and exits (run()'s stop path)."""
+    import os
+    import signal
+
+    from mlra_jax.train import _parser
+    from mlra_jax.training.loop import _StopSignal
+
+    stop = _StopSignal()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.received == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert "Ctrl-C (SIGINT) saves a\ncheckpoint" in _parser().format_help()

@@ -71,23 +71,29 @@ class TrainResult:
 
 
 class _StopSignal:
-    """Records SIGTERM (preemption notice) so the loop can checkpoint and exit cleanly. Only in a
-    single-process run: with several processes, JAX's preemption notifier keeps SIGTERM and the
-    processes agree on the step to stop at (`Checkpointer.reached_preemption`), where a flag per
-    process could stop them at different steps."""
+    """Records SIGTERM (preemption notice) and a first Ctrl-C (SIGINT) so the loop can checkpoint and exit cleanly;
+    a second Ctrl-C aborts at once (KeyboardInterrupt, nothing more saved). Only in a single-process run: with
+    several processes, JAX's preemption notifier keeps SIGTERM and the processes agree on the step to stop at
+    (`Checkpointer.reached_preemption`), where a flag per process could stop them at different steps."""
 
     def __init__(self) -> None:
         self.received: int | None = None
-        self._previous = None
+        self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.received is not None:
+            raise KeyboardInterrupt
         self.received = signum
+        if signum == signal.SIGINT:
+            log.warning("Ctrl-C: saving a checkpoint after this step, then exiting (Ctrl-C again aborts without it)")
 
     def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
 
 class TrainingLoop:
