@@ -25,18 +25,26 @@ from mlra_jax.paths import as_path
 log = logging.getLogger(__name__)
 
 
-# Top-level state entries that a checkpoint may lack: the FP8 amax histories (a run resumed with
-# model.matmul_dtype=float8 from checkpoints saved without them starts them fresh).
+# Top-level state entries that are disposable: the FP8 amax histories. A checkpoint that lacks them (saved with
+# another model.matmul_dtype or fp8_scaling), or holds them in another layout (another history length, other
+# projections) or where the run now keeps none, restores without them: the caller starts them fresh.
 OPTIONAL_ENTRIES = ("fp8",)
 
 
-def saved_entries(state_dir: epath.Path) -> set[str]:
-    """The top-level entries of a saved state, from its metadata (the handler's thread is closed after)."""
+def saved_layout(state_dir: epath.Path) -> dict[str, dict[tuple[str, ...], tuple[int, ...]]]:
+    """The top-level entries of a saved state, each as {leaf path: shape}, from its metadata (the handler's thread
+    is closed after)."""
     handler = ocp.PyTreeCheckpointHandler()
     try:
-        return set(handler.metadata(state_dir))
+        metadata = handler.metadata(state_dir)
+        return {name: _layout(tree) for name, tree in dict(metadata).items()}
     finally:
         handler.close()
+
+
+def _layout(tree: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {tuple(str(getattr(k, "key", k)) for k in path): tuple(getattr(leaf, "shape", ())) for path, leaf in leaves}
 
 
 class CheckpointError(RuntimeError):
@@ -72,24 +80,52 @@ class Checkpointer:
 
     def restore_step(self, step: int, abstract_state: dict[str, Any]) -> tuple[int, Any, dict[str, Any]]:
         """`abstract_state` may hold only some top-level entries ({"params": ...} for serving): only those
-        are read. Of them, an OPTIONAL entry that the checkpoint lacks (FP8 histories saved by a run without
-        them) is left out of the restored state, for the caller to make fresh; any other is an error."""
-        saved = saved_entries(self.directory / str(step) / "state")
-        missing = sorted(set(abstract_state) - saved - set(OPTIONAL_ENTRIES))
+        are read. Of them, an OPTIONAL entry that the checkpoint lacks or holds in another layout than
+        `abstract_state`'s (FP8 histories of another length or other projections, or where the run keeps none now)
+        is left out of the restored state (logged), for the caller to make fresh; any other is an error."""
+        saved = saved_layout(self.directory / str(step) / "state")
+        missing = sorted(set(abstract_state) - set(saved) - set(OPTIONAL_ENTRIES))
         if missing:
             raise ValueError(f"the checkpoint holds {sorted(saved)}, not {missing}")
-        wanted = {name: tree for name, tree in abstract_state.items() if name in saved}
-        if set(wanted) == saved:
-            state_args = ocp.args.StandardRestore(wanted)
-        else:
-            state_args = ocp.args.PyTreeRestore(
-                item=wanted,
-                partial_restore=True,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(wanted),
+        wanted, dropped = {}, []
+        for name, tree in abstract_state.items():
+            if name not in saved:
+                continue
+            if name in OPTIONAL_ENTRIES and _layout(tree) != saved[name]:
+                dropped.append(name)
+                continue
+            wanted[name] = tree
+        if set(wanted) == set(saved):
+            restored = self.manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(wanted), metadata=ocp.args.JsonRestore())
             )
-        restored = self.manager.restore(
-            step, args=ocp.args.Composite(state=state_args, metadata=ocp.args.JsonRestore())
-        )
+        else:  # some entries: by a handler of its own (the manager's "state" item keeps StandardSave's handler)
+            restored = {
+                "metadata": self.manager.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))[
+                    "metadata"
+                ]
+            }
+            handler = ocp.PyTreeCheckpointHandler()
+            try:
+                restored["state"] = handler.restore(
+                    self.directory / str(step) / "state",
+                    args=ocp.args.PyTreeRestore(
+                        item=wanted,
+                        partial_restore=True,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(wanted),
+                    ),
+                )
+            finally:
+                handler.close()
+        for name in dropped:
+            log.info(
+                "checkpoint %d holds %s of another layout than this run keeps (%d arrays, now %d; a changed "
+                "model.matmul_dtype, model.fp8_scaling or history length): restored without them",
+                step,
+                name,
+                len(saved[name]),
+                len(_layout(abstract_state[name])),
+            )
         return step, restored["state"], restored["metadata"]
 
     def restore_latest(

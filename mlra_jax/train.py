@@ -7,9 +7,10 @@
 
 A run lives in --workdir (default runs/NAME; a local folder or gs://bucket/path):
 checkpoints/ (Orbax), metrics.jsonl, tensorboard/ and experiment.json. Running the same
-command again resumes from the latest complete checkpoint; SIGTERM saves a checkpoint and
-exits. Resuming with another data order or schedule (batch size, seq_len, total_steps,
-learning rate, seed, data) is refused unless --allow_changed names the fields.
+command again resumes from the latest complete checkpoint; SIGTERM or Ctrl-C (SIGINT) saves a
+checkpoint and exits (a second Ctrl-C aborts without saving). Resuming with another data order or
+schedule (batch size, seq_len, total_steps, learning rate, seed, data, other data under the same path)
+is refused unless --allow_changed names the fields.
 """
 
 from __future__ import annotations
@@ -170,6 +171,11 @@ def _chosen_experiment(argv: list[str]) -> Experiment | None:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser(_chosen_experiment(argv) if "-h" in argv or "--help" in argv else None)
     args, overrides = parser.parse_known_args(argv)
+    if args.compile_for is not None and not args.compile_for.strip():
+        raise ConfigError(
+            "--compile_for is empty (an unset variable in a launcher?); give a TPU slice such as v5p-128, or leave "
+            "the option out to train"
+        )
     if args.compile_for:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices; no accelerator is needed here
     apply_gpu_defaults()  # before JAX starts a backend

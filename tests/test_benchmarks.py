@@ -43,7 +43,7 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
     4-device deployment of the study on the first four."""
     assert jax.device_count() == 8
     out = tmp_path / "throughput.json"
-    decode_throughput.main(["--contexts=64", "--repeats=1", f"--out={out}", "--no_isolate"])
+    decode_throughput.main(["--cpu", "--contexts=64", "--repeats=1", f"--out={out}", "--no_isolate"])
     record = json.loads(out.read_text())
     assert record["device_count"] == 8 and record["command"].startswith("python -m") and record["date"]
     assert all("error" not in r for r in record["results"]), record["results"]
@@ -70,7 +70,15 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
     # MLRA-4 at TP=4: per layer one all-reduce after the attention and one after the MLP, one for the embedding
     assert rows["model", "mlra4"]["collectives"] == {"all-reduce": 3} and rows["model", "mlra4"]["collective_bytes"]
     decode_throughput.main(
-        ["--devices=4", "--scopes=attention", "--variants=gla2", "--contexts=64", "--repeats=1", f"--out={out}"]
+        [
+            "--cpu",
+            "--devices=4",
+            "--scopes=attention",
+            "--variants=gla2",
+            "--contexts=64",
+            "--repeats=1",
+            f"--out={out}",
+        ]
     )
     deployed = {r["variant"]: (r["tp"], r["dp"], r["batch"]) for r in json.loads(out.read_text())["results"]}
     assert deployed == {"gla2": (2, 2, 128)}
@@ -86,13 +94,22 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
 
     monkeypatch.setattr(decode_throughput, "time_step", fail_second)
     decode_throughput.main(
-        ["--devices=4", "--scopes=attention", "--variants=gla2", "--contexts=64,128", "--repeats=1", f"--out={out}"]
+        [
+            "--cpu",
+            "--devices=4",
+            "--scopes=attention",
+            "--variants=gla2",
+            "--contexts=64,128",
+            "--repeats=1",
+            f"--out={out}",
+        ]
     )
     results = json.loads(out.read_text())["results"]
     assert [r["context"] for r in results] == [64, 128] and "RESOURCE_EXHAUSTED" in results[1]["error"]
     # --merge measures the failed context again and keeps the one measured before
     decode_throughput.main(
         [
+            "--cpu",
             "--devices=4",
             "--scopes=attention",
             "--variants=gla2",
@@ -106,6 +123,13 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
     assert [(r["variant"], r["context"]) for r in merged["results"]] == [("gla2", 64), ("gla2", 128)]
     assert merged["results"][0] == results[0] and "error" not in merged["results"][1] and len(merged["runs"]) == 2
     assert benchmarks.deployment("mlra4", 4) == (4, 1, 64) and benchmarks.deployment("gqa", 2) == (2, 1, 32)
+
+
+def test_decode_throughput_refuses_a_cpu_at_once(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        decode_throughput.main([f"--out={tmp_path / 'throughput.json'}"])
+    assert exit_info.value.code == 2 and "--cpu measures it anyway" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 def test_decode_throughput_measures_each_setting_in_a_process_of_its_own(tmp_path, monkeypatch):
@@ -125,7 +149,7 @@ def test_decode_throughput_measures_each_setting_in_a_process_of_its_own(tmp_pat
 
     monkeypatch.setattr(decode_throughput, "child_argv", child)
     out = tmp_path / "isolated.json"
-    assert decode_throughput.main(["--scopes=model", "--variants=mla,gqa,mlra4", f"--out={out}"]) == 0
+    assert decode_throughput.main(["--cpu", "--scopes=model", "--variants=mla,gqa,mlra4", f"--out={out}"]) == 0
     record = json.loads(out.read_text())
     assert seen == [("model", "mla"), ("model", "gqa"), ("model", "mlra4")]
     assert [(r["variant"], "error" in r) for r in record["results"]] == [
@@ -226,6 +250,15 @@ def test_train_benchmark_settings(tmp_path):
     assert fsdp["fsdp_gather"] == "step" and results[0]["fsdp_gather"] is None  # remat none; no FSDP
     assert "not a multiple" in bad["error"]
     assert fsdp["warmup_steps"] >= 1  # --warmup=0: steps ran to fill --warmup_s
+
+
+def test_train_benchmark_that_measures_nothing_exits_non_zero_and_writes_beside_the_user(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not a checkout: no experiments/results/ here
+    argv = ["--experiments=mlra4_tiny", "--n_layer=1", "--seq_len=16", "--steps=1", "--override=--train.seed=-1"]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: none of the 1 settings was measured" in err and "seed=-1 must be" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["bench_train.json"]
 
 
 def test_train_benchmark_auto_batch_leaves_the_micro_batch_to_the_trainer():

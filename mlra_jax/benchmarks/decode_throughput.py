@@ -303,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="measure every (scope, variant) in this process (default: a process each)",
     )
+    parser.add_argument("--cpu", action="store_true", help="measure a CPU anyway (tiny models in the tests)")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/decode_throughput.json"))
     parser.add_argument(
         "--merge",
@@ -310,6 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the results in --out of the settings this run does not measure (with its runs)",
     )
     return parser
+
+
+def accelerator_present() -> bool:
+    """Whether JAX's default backend here is a GPU or a TPU, asked without starting a backend in this process where
+    the study runs in processes of their own (a started GPU backend would hold the memory the children need)."""
+    code = "import jax, sys; sys.exit(jax.default_backend() == 'cpu')"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
 def child_argv(args: argparse.Namespace, scope: str, variant: str, out: Path) -> list[str]:
@@ -329,6 +337,7 @@ def child_argv(args: argparse.Namespace, scope: str, variant: str, out: Path) ->
         f"--copy_gb={args.copy_gb}",
         "--no_isolate",
         f"--out={out}",
+        *(["--cpu"] if args.cpu else []),
     ]
 
 
@@ -376,6 +385,8 @@ def _save_gathered(path: Path, record: dict[str, Any], runs: list[dict], results
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.cpu and not accelerator_present():
+        parser.error("the study measures GPUs or TPUs (minutes of meaningless work on a CPU); --cpu measures it anyway")
     logging.basicConfig(level=logging.WARNING)
     scopes = args.scopes.split(",")
     if set(scopes) - set(SCOPES):
