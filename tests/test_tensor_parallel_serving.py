@@ -72,3 +72,14 @@ def test_gated_mlra_keeps_the_row_parallel_output_projection():
     want, got, kinds = served("mlra4", 1, 4, gated=True)
     np.testing.assert_allclose(got, want, atol=3e-5)
     assert kinds.get("reduce-scatter") == 2 and "all-gather" not in kinds, kinds
+
+
+def test_mlra_output_projection_row_parallel_when_asked(monkeypatch):
+    """decode.layouts.PROJECT_IN_REGION = False (benchmarks' --tp_output=row_parallel): the heads reduce-scattered
+    into the row-parallel o_proj, with the same logits."""
+    from mlra_jax.decode import layouts
+
+    monkeypatch.setattr(layouts, "PROJECT_IN_REGION", False)
+    want, got, kinds = served("mlra4", 1, 4)
+    np.testing.assert_allclose(got, want, atol=3e-5)
+    assert kinds == {"all-reduce": 5, "reduce-scatter": 2}, kinds

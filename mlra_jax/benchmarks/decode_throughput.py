@@ -296,6 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("compute", "float32"),
         help="the dtype of the latent branches' reductions over `tensor` in decode steps (tensor_parallel)",
     )
+    parser.add_argument(
+        "--tp_output",
+        default="in_region" if layouts.PROJECT_IN_REGION else "row_parallel",
+        choices=("in_region", "row_parallel"),
+        help="MLRA's output projection in decode steps under TP: in the blocks' region (one all-reduce) or "
+        "row-parallel after a reduce-scatter of the heads (decode.layouts.PROJECT_IN_REGION)",
+    )
     parser.add_argument("--copy_gb", type=float, default=2.0, help="size of the bandwidth-reference copy")
     parser.add_argument(
         "--no_isolate",
@@ -334,6 +341,7 @@ def child_argv(args: argparse.Namespace, scope: str, variant: str, out: Path) ->
         f"--repeats={args.repeats}",
         f"--attention_impl={args.attention_impl}",
         f"--tp_reduce={args.tp_reduce}",
+        f"--tp_output={args.tp_output}",
         f"--copy_gb={args.copy_gb}",
         "--no_isolate",
         f"--out={out}",
@@ -399,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.devices > len(jax.devices()):
         parser.error(f"--devices={args.devices}: only {len(jax.devices())} devices are present")
     tensor_parallel.DECODE_REDUCE_DTYPE = args.tp_reduce
+    layouts.PROJECT_IN_REGION = args.tp_output == "in_region"
     results, runs = (
         earlier_throughput(args.out, scopes, variants, contexts, args.attention_impl) if args.merge else ([], [])
     )
@@ -411,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = {
         "devices_used": len(devices),
         "tp_reduce": args.tp_reduce,
+        "tp_output": args.tp_output,
         "ceilings": ceilings,
         "runs": [*runs, {**environment(), "devices_used": len(devices)}],
     }

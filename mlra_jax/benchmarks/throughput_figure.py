@@ -17,7 +17,12 @@ from typing import Any
 
 from mlra_jax.command import command
 
-NAMES = {"gqa": "GQA", "mla": "MLA", "gla2": "GLA-2", "mlra4": "MLRA-4", "mlra2": "MLRA-2", "gla4": "GLA-4"}
+NAMES = {"mlra4": "MLRA-4", "mla": "MLA", "gla2": "GLA-2", "gqa": "GQA", "mlra2": "MLRA-2", "gla4": "GLA-4"}
+ORDER = list(NAMES)
+
+
+def rank(variant: str) -> int:
+    return ORDER.index(variant) if variant in ORDER else len(ORDER)
 
 
 def measured_rows(record: dict[str, Any]) -> dict[str, dict[str, list[dict[str, Any]]]]:
@@ -62,8 +67,8 @@ def draw(record: dict[str, Any], out: Path) -> None:
     figure, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4.5), squeeze=False)
     batch = next(r["batch"] for variants in rows.values() for series in variants.values() for r in series)
     for ax, (scope, variants) in zip(axes[0], rows.items()):
-        for index, (variant, series) in enumerate(variants.items()):
-            color = f"C{index}"
+        for variant, series in sorted(variants.items(), key=lambda item: rank(item[0])):
+            color = f"C{rank(variant)}"  # one color per variant in every panel
             contexts = [r["context"] for r in series]
             label = f"{NAMES.get(variant, variant)} ({deployment(series[0])})"
             ax.plot(contexts, [r["tokens_per_s"] for r in series], "o-", color=color, label=label)

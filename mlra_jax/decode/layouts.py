@@ -118,11 +118,16 @@ def padded_mlp(mlp: dict[str, jax.Array], multiple: int = MLP_MULTIPLE) -> dict[
     }
 
 
+# Decode steps of MLRA on a mesh project the heads' output inside the blocks' region where they can
+# (projects_in_region); False keeps the reduce-scatter of the heads into the row-parallel o_proj.
+PROJECT_IN_REGION = True
+
+
 def projects_in_region(cfg: ModelConfig, tp: int) -> bool:
     """Whether decode steps at TP degree `tp` project the latent heads' output inside the blocks' region
     (LatentAttention.project_in_region): MLRA where every device serves every head, without the output gate."""
     layout = cfg.spec.latent_layout
-    if tp == 1 or layout is None or cfg.gated:
+    if not PROJECT_IN_REGION or tp == 1 or layout is None or cfg.gated:
         return False
     return LatentPlan(*layout, cfg.n_head, tp).serves_every_head
 
