@@ -82,14 +82,18 @@ def aligned_attention(
     reads = jnp.asarray(plan.local_heads_slot)  # [tp, h / tp]
 
     def on_device(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-        slots = k.shape[2]
+        (b, t, h, d), (s, slots) = q.shape, k.shape[1:3]
         paired = reads[jax.lax.axis_index(TENSOR)][:, None] == jnp.arange(slots)[None, :]  # [h / tp, k]
-        logits = einsum("bthd,bskd->bthks", q, k, preferred_element_type=jnp.float32) * scale
-        logits = jnp.where(paired[None, None, :, :, None] & mask[:, :, None, None, :], logits, MASKED)
-        shape = logits.shape
-        probs = jax.nn.softmax(logits.reshape(shape[:3] + (-1,)), axis=-1).reshape(shape)
-        out = einsum("bthks,bskd->bthd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return out.astype(v.dtype)
+        # (query, head) rows against (slot, KV head) rows: batched products of the cache as stored (a KV head axis
+        # between the slots and the width would otherwise be transposed out of the whole cache)
+        rows = (b, t * h, d)
+        keys = k.reshape(b, s * slots, d)
+        logits = einsum("bqd,bnd->bqn", q.reshape(rows), keys, preferred_element_type=jnp.float32)
+        logits = logits.reshape(b, t, h, s, slots) * scale
+        logits = jnp.where(paired[None, None, :, None, :] & mask[:, :, None, :, None], logits, MASKED)
+        probs = jax.nn.softmax(logits.reshape(b, t * h, s * slots), axis=-1).astype(v.dtype)
+        out = einsum("bqn,bnd->bqd", probs, v.reshape(b, s * slots, d), preferred_element_type=jnp.float32)
+        return out.reshape(b, t, h, d).astype(v.dtype)
 
     heads = P(None, None, TENSOR, None)
     return jax.shard_map(

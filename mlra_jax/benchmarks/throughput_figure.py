@@ -26,10 +26,11 @@ def rank(variant: str) -> int:
 
 
 def measured_rows(record: dict[str, Any]) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """The record's measured rows (no failures) by scope and variant, in context order."""
+    """The record's measured rows (no failures, none marked `superseded` by a later version's) by scope and variant,
+    in context order."""
     rows: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for row in record["results"]:
-        if "error" not in row and "floor_tokens_per_s" in row:
+        if "error" not in row and "superseded" not in row and "floor_tokens_per_s" in row:
             rows.setdefault(row["scope"], {}).setdefault(row["variant"], []).append(row)
     for variants in rows.values():
         for series in variants.values():
