@@ -127,7 +127,8 @@ class ServingModel:
         else:
             tp = mesh.shape.get("tensor", 1)
             layers = {"block": layouts.tensor_parallel_weights(blocks, self.cfg, tp)}
-            shell.blocks.attn.project_in_region = layouts.projects_in_region(self.cfg, tp)
+            if layouts.projects_in_region(self.cfg, tp):
+                shell.blocks.attn.project_in_region = True
             self.block_def = nnx.split(shell.blocks)[0]
         self.embed_def = nnx.split(shell.embed)[0]
         self.norm_def = nnx.split(shell.final_norm)[0]
