@@ -8,7 +8,8 @@ changed model or flag compiles anew. Only compilations of at least a second are 
 
 The directory is `$XDG_CACHE_HOME/mlra_jax/xla` (`~/.cache/mlra_jax/xla`);
 `MLRA_JAX_COMPILATION_CACHE=DIR` chooses another and `MLRA_JAX_COMPILATION_CACHE=0` turns it off. A
-cache directory set for JAX itself (`JAX_COMPILATION_CACHE_DIR`) is kept.
+cache directory set for JAX itself (`JAX_COMPILATION_CACHE_DIR`) is kept. Within `repairing` (the train command),
+damaged entries are replaced and an error a loaded entry causes names the cache.
 """
 
 from __future__ import annotations
