@@ -10,8 +10,14 @@ touched and the caller gets a CheckpointError.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gc
 import logging
 import os
+import sys
+import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import jax
@@ -45,6 +51,60 @@ def saved_layout(state_dir: epath.Path) -> dict[str, dict[tuple[str, ...], tuple
 def _layout(tree: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {tuple(str(getattr(k, "key", k)) for k in path): tuple(getattr(leaf, "shape", ())) for path, leaf in leaves}
+
+
+def _abandoned_read(unraisable: Any) -> bool:
+    """Whether an unraisable exception is the echo of an Orbax read abandoned when a restore failed: Orbax stops at
+    the first array that fails and closes its event loop while TensorStore still completes the other reads, each
+    of which then reports "Event loop is closed"; their coroutines, collected later, raise the read error again."""
+    error, origin = unraisable.exc_value, unraisable.object
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return True
+    return asyncio.iscoroutine(origin) and "orbax" in getattr(getattr(origin, "cr_code", None), "co_filename", "")
+
+
+@contextlib.contextmanager
+def _quiet_abandoned_reads(failures: list[tuple[int, Exception]]) -> Iterator[None]:
+    """Within it, the echoes of abandoned reads (_abandoned_read) are dropped: each failed restore is reported once,
+    by restore_latest. On leaving after a failure, the errors in `failures` (reported by then) drop their
+    tracebacks, which hold the abandoned reads, and those are collected once none has echoed for 50 ms (at most
+    2 s), while echoes are still dropped, not later in the run or at exit. Every other unraisable exception is
+    shown as before."""
+    previous, echoes = sys.unraisablehook, []
+
+    def hook(unraisable: Any) -> None:
+        if _abandoned_read(unraisable):
+            echoes.append(None)
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        if failures:
+            for _, err in failures:
+                _drop_tracebacks(err)
+            deadline, seen = time.monotonic() + 2, -1
+            while len(echoes) != seen and time.monotonic() < deadline:
+                seen = len(echoes)
+                time.sleep(0.05)  # TensorStore completes the reads in flight
+                gc.collect()
+        sys.unraisablehook = previous
+
+
+def _failure(err: BaseException, limit: int) -> str:
+    """error_summary of a failed restore; of an Orbax read error, its cause's (TensorStore's own text: Orbax's ends
+    in the whole store spec)."""
+    if "See full TensorStore details" in str(err) and err.__cause__ is not None:
+        return error_summary(err.__cause__, limit)
+    return error_summary(err, limit)
+
+
+def _drop_tracebacks(err: BaseException | None) -> None:
+    while err is not None:
+        err.__traceback__ = None
+        err = err.__cause__ or err.__context__
 
 
 class CheckpointError(RuntimeError):
@@ -143,6 +203,17 @@ class Checkpointer:
         theirs; a read-only checkpointer only skips them. When every step fails (a changed model, an
         unreadable folder, too little memory) nothing is touched and CheckpointError says why."""
         failures: list[tuple[int, Exception]] = []
+        with _quiet_abandoned_reads(failures):
+            return self._restore_newest(abstract_state, required_metadata, validate, failures)
+
+    def _restore_newest(
+        self,
+        abstract_state: Any,
+        required_metadata: tuple[str, ...],
+        validate: Callable[[int, Any], None] | None,
+        failures: list[tuple[int, Exception]],
+    ) -> tuple[int, Any, dict[str, Any]] | None:
+        """restore_latest's work; the steps that fail are appended to `failures`."""
         for step in reversed(self.steps()):
             try:
                 restored = self.restore_step(step, abstract_state)
@@ -160,7 +231,7 @@ class Checkpointer:
                     "checkpoint %s/%d is incomplete or damaged (%s); %s and restored step %d",
                     self.directory,
                     failed,
-                    error_summary(err, 200),
+                    _failure(err, 200),
                     what,
                     step,
                 )
@@ -169,7 +240,7 @@ class Checkpointer:
             step, err = failures[0]
             raise CheckpointError(
                 f"none of the {len(failures)} checkpoints in {self.directory} restores; the newest, step {step}, "
-                f"fails with {error_summary(err, 300)}. Nothing was changed. If the "
+                f"fails with {_failure(err, 300)}. Nothing was changed. If the "
                 f"model or mesh changed, run with the configuration the checkpoints were saved with; to start over, "
                 f"use another --workdir"
             )

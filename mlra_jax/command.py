@@ -34,6 +34,7 @@ BAD_INPUT = frozenset(
         "MetricsFileError",
         "KernelUnavailable",
         "AnchorFileError",
+        "CompilationCacheError",
     }
 )
 PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from mlra_jax.cli import apply_overrides, command_parser, fields_help
 from mlra_jax.command import command
-from mlra_jax.compilation_cache import enable_compilation_cache
+from mlra_jax.compilation_cache import enable_compilation_cache, repairing
 from mlra_jax.config import ConfigError, Experiment
 from mlra_jax.distributed import add_arguments as add_distributed_arguments
 from mlra_jax.experiments import all_experiments, resolve_experiment
@@ -194,9 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     if cache:
         logging.getLogger("mlra_jax.train").info("compiled steps are cached in %s", cache)
     workdir = as_path(args.workdir or Path("runs") / experiment.name)
-    result = train(
-        experiment, workdir, allow_changed=tuple(filter(None, args.allow_changed.split(","))), init_from=args.init_from
-    )
+    with repairing(cache):  # damaged entries are replaced; an error they cause names the cache
+        result = train(
+            experiment,
+            workdir,
+            allow_changed=tuple(filter(None, args.allow_changed.split(","))),
+            init_from=args.init_from,
+        )
     print(
         f"{'stopped' if result.stopped_by_signal else 'finished'} at step {result.step}"
         f"{f' (loss {result.last_loss:.4f} on the last step line)' if result.last_loss is not None else ''}. "

@@ -6,7 +6,7 @@ import json
 
 import jax
 import pytest
-from helpers import MICRO, micro_experiment
+from helpers import MICRO, micro_experiment, run_training
 
 from mlra_jax.generate import main as generate_main
 from mlra_jax.train import main as train_main
@@ -195,3 +195,18 @@ def test_a_first_ctrl_c_asks_for_a_save_and_a_second_aborts():
         stop.restore()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert "Ctrl-C (SIGINT) saves a\ncheckpoint" in _parser().format_help()
+
+
+def test_a_truncated_newest_checkpoint_is_one_warning_line_and_the_run_resumes_from_the_one_before(tmp_path):
+    trained_run(tmp_path)
+    data = max((tmp_path / "checkpoints" / "8" / "state").rglob("ocdbt.process_0/d/*"), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # a copy or a disk that stopped midway
+    result = run_training(tmp_path, "--train.total_steps=8", "--train.eval_every=0")
+    output = result.stdout + result.stderr
+    (warning,) = [line for line in output.splitlines() if "WARNING" in line]
+    assert "checkpoints/8 is incomplete or damaged" in warning and "restored step 4" in warning, output
+    assert "Traceback" not in output and "Event loop is closed" not in output and "Exception ignored" not in output, (
+        output
+    )
+    assert "TensorStore details" not in warning  # TensorStore's own error, not Orbax's repr of the store
+    assert (tmp_path / "checkpoints" / "8.damaged").is_dir() and "finished at step 8" in result.stdout
