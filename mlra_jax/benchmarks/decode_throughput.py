@@ -129,7 +129,7 @@ def measure_attention(
     axes = {k: v[1:] if v and v[0] == "layers" else v for k, v in logical_axes(attn).items()}
     with jax.set_mesh(mesh):
         params = jax.device_put(params, tree_shardings(params, axes, mesh))
-        params = layouts.tensor_parallel_weights({"attn": params}, cfg, tp)["attn"]  # as the serving layer holds them
+        params = layouts.tensor_parallel_weights({"attn": params}, cfg, mesh)["attn"]  # as the serving layer holds them
         read = {k: v for k, v in params.items() if k not in ("o_proj", "gate_proj")}  # what the scope's step reads
 
         def step(params, x, state):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from mlra_jax.attention.latent import LatentAttention
 from mlra_jax.config import ModelConfig
@@ -132,17 +133,27 @@ def projects_in_region(cfg: ModelConfig, tp: int) -> bool:
     return LatentPlan(*layout, cfg.n_head, tp).serves_every_head
 
 
-def tensor_parallel_weights(blocks: Weights, cfg: ModelConfig, tp: int) -> Weights:
-    """The blocks' weights (sharded arrays on a mesh of TP degree `tp`) as MLRA's decode steps read them: q_up whole
+def whole_along_tensor(a: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
+    """`a` whole on every device of `tensor`, split as before over the other axes (under a trace, as preparing
+    serving weights inside jit does: replicated)."""
+    try:
+        sharding = a.sharding
+    except AttributeError:  # a tracer: its sharding is GSPMD's to choose
+        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, PartitionSpec()))
+    return jax.device_put(a, without_axis(sharding, TENSOR))
+
+
+def tensor_parallel_weights(blocks: Weights, cfg: ModelConfig, mesh: jax.sharding.Mesh) -> Weights:
+    """The blocks' weights (sharded arrays on `mesh`) as MLRA's decode steps read them: q_up whole
     on every device of `tensor` where the latent blocks serve several branches (every device projects all heads'
     queries from its whole c_q, a small share of a layer's weights, instead of all-gathering the head-sharded
     q_nope and q_rope in every layer), and o_proj whole where the heads' output is projected in the region
     (projects_in_region: one all-reduce per attention instead of a reduce-scatter and an all-reduce)."""
-    layout = cfg.spec.latent_layout
+    layout, tp = cfg.spec.latent_layout, mesh.shape.get(TENSOR, 1)
     if tp == 1 or layout is None or layout[1] == 1:
         return blocks
     whole = ("q_up", "o_proj") if projects_in_region(cfg, tp) else ("q_up",)
     attn = dict(blocks["attn"])
     for name in whole:
-        attn[name] = jax.device_put(attn[name], without_axis(attn[name].sharding, TENSOR))
+        attn[name] = whole_along_tensor(attn[name], mesh)
     return {**blocks, "attn": attn}

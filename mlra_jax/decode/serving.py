@@ -126,7 +126,7 @@ class ServingModel:
             self.block_def = nnx.split(layouts.serving_shell(shell.blocks))[0]
         else:
             tp = mesh.shape.get("tensor", 1)
-            layers = {"block": layouts.tensor_parallel_weights(blocks, self.cfg, tp)}
+            layers = {"block": layouts.tensor_parallel_weights(blocks, self.cfg, mesh)}
             if layouts.projects_in_region(self.cfg, tp):
                 shell.blocks.attn.project_in_region = True
             self.block_def = nnx.split(shell.blocks)[0]
