@@ -18,10 +18,10 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
+from mlra_jax.backends import compile_only
 from mlra_jax.cli import apply_overrides, command_parser, fields_help
 from mlra_jax.command import command
 from mlra_jax.compilation_cache import enable_compilation_cache
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser(_chosen_experiment(argv) if "-h" in argv or "--help" in argv else None)
     args, overrides = parser.parse_known_args(argv)
     if args.compile_for:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices; no accelerator is needed here
+        compile_only()  # compile-only TPU devices; no accelerator is needed here
     apply_gpu_defaults()  # before JAX starts a backend
     configure_cli_logging()  # one handler, on stdout; orbax and grain stay at WARNING
     if args.distributed:
