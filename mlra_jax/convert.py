@@ -1,9 +1,9 @@
-"""Checkpoints to Hugging Face, and to and from the official PyTorch code: `python -m mlra_jax.convert COMMAND`.
+"""Checkpoints to Hugging Face, and to and from the official PyTorch code: `mlra convert COMMAND`.
 
-    python -m mlra_jax.convert to-hf --workdir runs/mlra4 --out exports/mlra4_hf [--step N] [--dtype bfloat16]
+    mlra convert to-hf --workdir runs/mlra4 --out exports/mlra4_hf [--step N] [--dtype bfloat16]
         [--shard_size 5GB] [--push USER/NAME]
-    python -m mlra_jax.convert to-reference --workdir runs/mlra4 --out exports/mlra4 [--step N] [--shard_size 10GB]
-    python -m mlra_jax.convert from-reference --src Soughing-MLRA/mlra_4 --out runs/mlra4_imported [--variant mlra4]
+    mlra convert to-reference --workdir runs/mlra4 --out exports/mlra4 [--step N] [--shard_size 10GB]
+    mlra convert from-reference --src Soughing-MLRA/mlra_4 --out runs/mlra4_imported [--variant mlra4]
 
 to-hf writes a Hugging Face folder: config.json (model_type "mlra", every field of the variant, auto_map),
 our PyTorch modeling code (configuration_mlra.py, modeling_mlra.py: all 11 variants and their options, a KV
@@ -253,14 +253,14 @@ def from_reference(src: Path, out: Path, variant: str | None = None) -> ModelCon
     _fresh_output(out, lambda tmp: write_run(tmp, experiment, flat, str(src)))
     print(
         f"wrote run {out} ({cfg.variant}{' gated' if cfg.gated else ''}, {cfg.n_layer} layers) from {src}; "
-        f"generate with python -m mlra_jax.generate --workdir {out}, or train from it with python -m "
-        f"mlra_jax.train --init_from={out} ..."
+        f"generate with mlra generate --workdir {out}, or train from it with "
+        f"mlra train --init_from={out} ..."
     )
     return cfg
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = command_parser("python -m mlra_jax.convert", __doc__)
+    parser = command_parser("mlra convert", __doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     to_hf_cmd = add_subcommand(commands, "to-hf", "a run's checkpoint -> a Hugging Face folder (transformers)")
     add_run_argument(to_hf_cmd)

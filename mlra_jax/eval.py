@@ -1,8 +1,8 @@
 """Evaluate a run: perplexity on held-out token files, or lm-evaluation-harness tasks.
 
-    python -m mlra_jax.eval ppl --workdir runs/mlra4 --data fineweb=data/eval/fineweb_val.bin \\
+    mlra eval ppl --workdir runs/mlra4 --data fineweb=data/eval/fineweb_val.bin \\
         --data c4=data/eval/c4_val.bin --tokens 1e8 --seq_len 2048 --dtype bfloat16
-    python -m mlra_jax.eval lm-eval --workdir runs/mlra4 --tasks paper --batch_size 32
+    mlra eval lm-eval --workdir runs/mlra4 --tasks paper --batch_size 32
 
 ppl: loss and perplexity per set and their average, as the official eval_ppl.py computes them (see
 mlra_jax/perplexity.py for the windows): a table on stdout and JSON in RUN/eval/ppl_step{N}.json
@@ -74,8 +74,8 @@ def _tokens(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = command_parser("python -m mlra_jax.eval", __doc__)
-    add_distributed_arguments(parser)  # before the command: python -m mlra_jax.eval --distributed ... ppl ...
+    parser = command_parser("mlra eval", __doc__)
+    add_distributed_arguments(parser)  # before the command: mlra eval --distributed ... ppl ...
     commands = parser.add_subparsers(dest="command", required=True)
     ppl = add_subcommand(commands, "ppl", "loss and perplexity on held-out llm.c token files")
     add_run_argument(ppl)

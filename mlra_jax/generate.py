@@ -1,6 +1,6 @@
-"""Generate text from a trained run: `python -m mlra_jax.generate --workdir runs/mlra4_tiny --prompt "..."`.
+"""Generate text from a trained run: `mlra generate --workdir runs/mlra4_tiny --prompt "..."`.
 
-    python -m mlra_jax.generate --workdir runs/mlra4_tiny --prompt "The return value" --prompt "A list" \\
+    mlra generate --workdir runs/mlra4_tiny --prompt "The return value" --prompt "A list" \\
         --max_new_tokens 40 --temperature 0.8 --top_p 0.95
 
 --workdir is a run directory (experiment.json and checkpoints/); the newest
@@ -93,7 +93,7 @@ def load_model(
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = command_parser("python -m mlra_jax.generate", __doc__)
+    parser = command_parser("mlra generate", __doc__)
     add_run_argument(parser)
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")

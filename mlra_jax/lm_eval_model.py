@@ -5,7 +5,7 @@
     lm = MlraLM(model, batch_size=32, checkpoint="runs/mlra4", step=step)
     lm_eval.simple_evaluate(model=lm, tasks=["arc_easy"])
 
-(`python -m mlra_jax.eval lm-eval` does this.)
+(`mlra eval lm-eval` does this.)
 
 Requests are tokenized as lm-eval's Hugging Face model (HFLM) tokenizes them, through its own
 TemplateLM: a context's trailing spaces move to the continuation, the pair is encoded whole and

@@ -1,7 +1,7 @@
 """Loss, validation loss and throughput curves of one or more runs, from their metrics.jsonl.
 
-    python -m mlra_jax.plot runs/mlra4_tiny                        # -> curves.png
-    python -m mlra_jax.plot runs/mla_tiny runs/mlra4_tiny --out compare.png
+    mlra plot runs/mlra4_tiny                        # -> curves.png
+    mlra plot runs/mla_tiny runs/mlra4_tiny --out compare.png
 
 One figure: training loss (solid) and validation loss (dashed, markers) against the step, each held-out
 set's val/NAME/loss, and tokens per second, one colour per run, as the paper compares variants. In a
@@ -45,7 +45,7 @@ def read_records(run: str | os.PathLike) -> list[dict[str, Any]]:
     if not path.is_file():
         raise MetricsFileError(
             f"{path} does not exist: give a run directory (the --workdir of "
-            f"python -m mlra_jax.train, which writes metrics.jsonl) or a metrics.jsonl file"
+            f"mlra train, which writes metrics.jsonl) or a metrics.jsonl file"
         )
     records = []
     for number, line in enumerate(path.read_bytes().splitlines(), 1):
@@ -143,7 +143,7 @@ def _check_output(out: Any, runs: Sequence[str]) -> bool:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = command_parser("python -m mlra_jax.plot", __doc__)
+    parser = command_parser("mlra plot", __doc__)
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run directories (or their metrics.jsonl files)")
     parser.add_argument("--out", default="curves.png", help="the PNG to write (default curves.png)")
     args = parser.parse_args(argv)

@@ -1,9 +1,9 @@
-"""Train an experiment: `python -m mlra_jax.train --experiment=NAME [--section.field=value ...]`.
+"""Train an experiment: `mlra train --experiment=NAME [--section.field=value ...]`.
 
-    python -m mlra_jax.train --experiment=mlra4_tiny
-    python -m mlra_jax.train --experiment=mlra4_2p9b --data.dataset=data/fineweb_edu --workdir=runs/mlra4
-    python -m mlra_jax.train --experiment=mlra4_2p9b --dry_run      # config, parameters, mesh, memory; no training
-    python -m mlra_jax.train --experiment=mlra4_2p9b --compile_for=v5p-128   # fits a TPU slice? (needs libtpu)
+    mlra train --experiment=mlra4_tiny
+    mlra train --experiment=mlra4_2p9b --data.dataset=data/fineweb_edu --workdir=runs/mlra4
+    mlra train --experiment=mlra4_2p9b --dry_run      # config, parameters, mesh, memory; no training
+    mlra train --experiment=mlra4_2p9b --compile_for=v5p-128   # fits a TPU slice? (needs libtpu)
 
 A run lives in --workdir (default runs/NAME; a local folder or gs://bucket/path):
 checkpoints/ (Orbax), metrics.jsonl, tensorboard/ and experiment.json. Running the same
@@ -46,7 +46,7 @@ def _parser(experiment: Experiment | None = None) -> argparse.ArgumentParser:
         f"experiments (or FILE.py:NAME, package.module:NAME, RUN/experiment.json):\n{experiments}\n\n"
         f"overridable fields (--SECTION.FIELD=VALUE; {values}):\n{fields_help(experiment)}"
     )
-    parser = command_parser("python -m mlra_jax.train", __doc__, epilog=epilog)
+    parser = command_parser("mlra train", __doc__, epilog=epilog)
     parser.add_argument(
         "--experiment",
         required=True,
@@ -87,8 +87,8 @@ def _parser(experiment: Experiment | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--init_from",
         metavar="RUN_OR_HF_DIR",
-        help="start a new run from the weights of this run directory (e.g. one made by python -m "
-        "mlra_jax.convert from-reference) or Hugging Face folder (made by convert to-hf): fresh "
+        help="start a new run from the weights of this run directory (e.g. one made by mlra "
+        "convert from-reference) or Hugging Face folder (made by convert to-hf): fresh "
         "optimizer state, step 0, data from its start; the model config must be the same. "
         "Ignored once --workdir has checkpoints (it resumes)",
     )

@@ -1,4 +1,4 @@
-"""python -m mlra_jax.convert: runs <-> the official code's files, and train --init_from."""
+"""mlra convert: runs <-> the official code's files, and train --init_from."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`python -m mlra_jax.eval ppl`: the official evaluation's windows, equal to training's own validation loss
+"""`mlra eval ppl`: the official evaluation's windows, equal to training's own validation loss
 and to a loss computed by hand; one row per set; bad files named."""
 
 import json

@@ -1,4 +1,4 @@
-"""python -m mlra_jax.plot: the curves of runs' metrics.jsonl into a PNG; bad input exits 2 naming the file."""
+"""mlra plot: the curves of runs' metrics.jsonl into a PNG; bad input exits 2 naming the file."""
 
 import json
 

@@ -1,6 +1,6 @@
 """Decoding throughput on several devices (the paper's Sec. 5 study), of the attention layer and of whole models.
 
-    python -m mlra_jax.benchmarks.decode_throughput --devices=4 --out=experiments/results/decode_throughput_4gpu.json
+    mlra bench decode_throughput --devices=4 --out=experiments/results/decode_throughput_4gpu.json
 
 For each variant it deploys over a DP x TP mesh of --devices devices as the paper does on 8 GPUs
 (experiments/benchmarks.py: GQA TP=8, MLA DP=8, GLA-2 TP=2, MLRA-4 TP=4, DP taking the other devices;
@@ -223,7 +223,7 @@ def earlier_throughput(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mlra_jax.benchmarks.decode_throughput",
+        prog="mlra bench decode_throughput",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
