@@ -74,15 +74,22 @@ def in_notebook() -> bool:
     return "ipykernel.zmqshell" in sys.modules
 
 
+def bars_drawn() -> bool:
+    """Whether a progress bar draws here: on an interactive terminal or in a notebook, not into a log file or a
+    pipe (where its redraws would be written as lines)."""
+    return sys.stderr.isatty() or in_notebook()
+
+
 def progress_bar(total: int, initial: int) -> Any:
-    """A tqdm bar on an interactive terminal, a tqdm.auto (widget) bar in a notebook that can draw widgets;
-    None elsewhere (log files, pipes, notebooks without ipywidgets): the step lines show progress there."""
+    """A tqdm bar (steps done, the time left, and the loss and tokens/s of the last step line) on an interactive
+    terminal, a tqdm.auto (widget) bar in a notebook that can draw widgets; None elsewhere (log files, pipes,
+    notebooks without ipywidgets): the step lines show progress there."""
     if sys.stderr.isatty():
         from tqdm import tqdm
 
-        return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+        return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, desc="training")
     if in_notebook() and importlib.util.find_spec("ipywidgets") is not None:
         from tqdm.auto import tqdm
 
-        return tqdm(total=total, initial=initial, unit="step")
+        return tqdm(total=total, initial=initial, unit="step", desc="training")
     return None
