@@ -93,6 +93,12 @@ def test_round_trip_is_bitwise(tmp_path, variant, options):
     assert back == dataclasses.asdict(experiment.model)
 
 
+def test_an_export_goes_into_the_run_by_default(tmp_path):
+    random_run(tmp_path / "run", "mha")
+    assert convert.main(["to-reference", "--workdir", str(tmp_path / "run")]) == 0
+    assert sorted(os.listdir(tmp_path / "run" / "reference")) == ["config.json", "pytorch_model.bin"]
+
+
 def test_file_sources_and_detection_by_tensor_names(tmp_path):
     """A lone .bin with config.json beside it, safetensors, and a config.json that names no model file."""
     from safetensors.torch import save_file
