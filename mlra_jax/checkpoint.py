@@ -49,8 +49,12 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, cfg: CheckpointConfig, read_only: bool = False):
         self.directory = as_path(directory)  # a local folder (absolute) or a URL: orbax writes both
         self.read_only = read_only
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=not read_only, read_only=read_only
+        options = ocp.CheckpointManagerOptions(  # read-only: none of the writing options (Orbax warns of each)
+            max_to_keep=None if read_only else cfg.keep,
+            save_interval_steps=0 if read_only else 1,
+            enable_async_checkpointing=cfg.async_save,
+            create=not read_only,
+            read_only=read_only,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 

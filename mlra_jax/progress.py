@@ -64,6 +64,10 @@ def configure_cli_logging(library_level: int = logging.INFO) -> None:
     """Every command's logging: one handler on stdout with timestamps, other libraries (orbax, grain) at WARNING,
     absl at ERROR (Orbax's notes about read-only checkpoint managers are not a user's concern), the library at
     `library_level`."""
+    root = logging.getLogger()
+    if _unconfigured_root():  # absl's implicit basicConfig (orbax logs at import) is nobody's choice: replace it
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
     logging.basicConfig(level=logging.WARNING, format=LINE_FORMAT, stream=sys.stdout)
     logging.getLogger("absl").setLevel(logging.ERROR)
     logging.getLogger(LIBRARY_LOGGER).setLevel(library_level)

@@ -102,5 +102,5 @@ def test_the_commands_after_the_quick_start_run_as_printed(tmp_path):
         output = done.stdout + done.stderr
         assert done.returncode == 0, f"{page.name}: {output[-3000:]}"
         assert not [noise for noise in TPU_NOISE if noise in output], f"{page.name}: {output[:3000]}"
-        assert "[step 12] The return value" in done.stdout and "average" in done.stdout
+        assert "--- 'The return value' (checkpoint step 12)" in done.stdout and "average" in done.stdout
     assert (tmp_path / "runs" / "mlra4_tiny" / "curves.png").exists() and not (tmp_path / "curves.png").exists()
