@@ -30,13 +30,30 @@ log = logging.getLogger(__name__)
 OPTIONAL_ENTRIES = ("fp8",)
 
 
-def saved_entries(state_dir: epath.Path) -> set[str]:
-    """The top-level entries of a saved state, from its metadata (the handler's thread is closed after)."""
+def saved_metadata(state_dir: epath.Path) -> Any:
+    """The saved state's tree of array metadata (shapes, dtypes) by top-level entry (the handler's thread is closed
+    after)."""
     handler = ocp.PyTreeCheckpointHandler()
     try:
-        return set(handler.metadata(state_dir))
+        return handler.metadata(state_dir)
     finally:
         handler.close()
+
+
+def params_mismatch(saved: Any, wanted: Any) -> str | None:
+    """How the saved parameters differ from the wanted ones in names or shapes (another model), or None. Checked
+    before Orbax reads any array: a failed read leaves its pending reads to fail later, outside any caller."""
+    shapes = {jax.tree_util.keystr(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    wanted_shapes = {
+        jax.tree_util.keystr(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(wanted)[0]
+    }
+    if set(shapes) != set(wanted_shapes):
+        absent, extra = sorted(set(wanted_shapes) - set(shapes)), sorted(set(shapes) - set(wanted_shapes))
+        return f"the saved parameters differ from the model's (not saved: {absent[:3]}; not in the model: {extra[:3]})"
+    for name, shape in wanted_shapes.items():
+        if shapes[name] != shape:
+            return f"params{name} is saved with shape {shapes[name]}, the model's is {shape}"
+    return None
 
 
 class CheckpointError(RuntimeError):
@@ -78,10 +95,14 @@ class Checkpointer:
         """`abstract_state` may hold only some top-level entries ({"params": ...} for serving): only those
         are read. Of them, an OPTIONAL entry that the checkpoint lacks (FP8 histories saved by a run without
         them) is left out of the restored state, for the caller to make fresh; any other is an error."""
-        saved = saved_entries(self.directory / str(step) / "state")
+        metadata = saved_metadata(self.directory / str(step) / "state")
+        saved = set(metadata)
         missing = sorted(set(abstract_state) - saved - set(OPTIONAL_ENTRIES))
         if missing:
             raise ValueError(f"the checkpoint holds {sorted(saved)}, not {missing}")
+        mismatch = params_mismatch(metadata["params"], abstract_state["params"]) if "params" in abstract_state else None
+        if mismatch:
+            raise ValueError(mismatch)
         wanted = {name: tree for name, tree in abstract_state.items() if name in saved}
         if set(wanted) == saved:
             state_args = ocp.args.StandardRestore(wanted)
