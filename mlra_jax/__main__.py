@@ -41,7 +41,10 @@ BENCHMARKS: dict[str, str] = {
 def usage(commands: dict[str, str], prog: str) -> str:
     width = max(map(len, commands))
     rows = "\n".join(f"  {name:{width}}  {what}" for name, what in commands.items())
-    return f"usage: {prog} COMMAND [ARGS ...]\n\ncommands:\n{rows}\n\n{prog} COMMAND --help shows a command's options"
+    return (
+        f"usage: {prog} COMMAND [ARGS ...]\n\ncommands:\n{rows}\n\n{prog} COMMAND --help shows a command's options"
+        + ("; mlra --version the installed version" if prog == "mlra" else "")
+    )
 
 
 def _unknown(name: str, known: dict, prog: str) -> int:
@@ -58,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage(commands, "mlra"))
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from mlra_jax import __version__
+
+        print(f"mlra_jax {__version__}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         return _unknown(name, commands, "mlra")
