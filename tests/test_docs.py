@@ -102,5 +102,6 @@ def test_every_config_field_has_help():
     from mlra_jax.config_docs import field_docs
 
     classes = _config_reference_module().config_classes()
-    missing = [f"{c.__name__}.{f.name}" for c in classes for f in dataclasses.fields(c) if not field_docs(c).get(f.name)]
+    fields = [(c, f.name) for c in classes for f in dataclasses.fields(c)]
+    missing = [f"{c.__name__}.{name}" for c, name in fields if not field_docs(c).get(name)]
     assert not missing, f"fields without a help comment in mlra_jax/config.py: {missing}"
