@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import sys
 from typing import Any, TextIO
 
@@ -62,13 +63,16 @@ def show_library_logs() -> None:
 
 def configure_cli_logging(library_level: int = logging.INFO) -> None:
     """Every command's logging: one handler on stdout with timestamps, other libraries (orbax, grain) at WARNING,
-    absl at ERROR (Orbax's notes about read-only checkpoint managers are not a user's concern), the library at
-    `library_level`."""
+    absl at ERROR, the library at `library_level`; where no bar draws (a log file, a pipe), no library's progress
+    bar (TQDM_DISABLE, HF_HUB_DISABLE_PROGRESS_BARS, unless set)."""
     root = logging.getLogger()
     if _unconfigured_root():  # absl's implicit basicConfig (orbax logs at import) is nobody's choice: replace it
         for handler in list(root.handlers):
             root.removeHandler(handler)
     logging.basicConfig(level=logging.WARNING, format=LINE_FORMAT, stream=sys.stdout)
+    if not bars_drawn():  # a log file or a pipe: no other library's progress bars either (tqdm, Hugging Face)
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.getLogger("absl").setLevel(logging.ERROR)
     logging.getLogger(LIBRARY_LOGGER).setLevel(library_level)
 
