@@ -36,3 +36,20 @@ def test_no_tpu_runtime_starts_without_a_tpu():
     assert result.returncode == 0, result.stderr
     assert not [noise for noise in TPU_NOISE if noise in result.stdout + result.stderr], result.stderr
     assert result.stdout.split()[1] in ("cpu", "cuda,cpu")
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (the test extra) not installed")
+@pytest.mark.skipif(backends.tpu_may_be_attached(), reason="a TPU is attached here")
+def test_compiling_for_a_slice_loads_libtpu_quietly_and_leaves_no_settings():
+    code = (
+        "import os, mlra_jax\n"
+        "from mlra_jax.tpu_topology import parse_topology, topology_devices\n"
+        "print(len(topology_devices(parse_topology('v5e-4'))), len(topology_devices(parse_topology('v5p-8'))))\n"
+        "print('TPU_ACCELERATOR_TYPE' in os.environ, 'TPU_WORKER_HOSTNAMES' in os.environ)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["4", "4", "False", "False"]  # one device per chip; child processes see none
+    assert not [noise for noise in TPU_NOISE if noise in result.stdout + result.stderr], result.stderr

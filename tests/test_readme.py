@@ -90,17 +90,14 @@ def test_the_commands_after_the_quick_start_run_as_printed(tmp_path):
     assert re.search(r"\| 12/12 \[[0-9:]+<00:00, .*loss [0-9.]+, [0-9,]+ tokens/s\]", shown), shown[-3000:]
     assert not [noise for noise in TPU_NOISE if noise in shown], shown[:3000]
 
-    for page in PAGES:
-        done = subprocess.run(
-            ["bash", "-e", "-c", follow_up_block(page)],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        output = done.stdout + done.stderr
-        assert done.returncode == 0, f"{page.name}: {output[-3000:]}"
-        assert not [noise for noise in TPU_NOISE if noise in output], f"{page.name}: {output[:3000]}"
-        assert "--- 'The return value' (checkpoint step 12)" in done.stdout and "average" in done.stdout
+    # every line of both pages' blocks, each line once (the pages share most of them), in one activated shell
+    lines = list(dict.fromkeys(line for page in PAGES for line in follow_up_block(page).splitlines()))
+    done = subprocess.run(
+        ["bash", "-e", "-c", "\n".join(lines)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert not [noise for noise in TPU_NOISE if noise in output], output[:3000]
+    assert "--- 'The return value' (checkpoint step 12)" in done.stdout and "average" in done.stdout
+    assert "mlra4_2p9b" in done.stdout and "--model.n_layer" in done.stdout  # info, train --help
     assert (tmp_path / "runs" / "mlra4_tiny" / "curves.png").exists() and not (tmp_path / "curves.png").exists()
