@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, str] = {
     "tpu_compile": "the paper's experiments compiled for TPU slices",
     "decode": "decode attention and whole-model decode steps",
     "decode_throughput": "the paper's decoding-throughput study",
+    "throughput_figure": "the decoding-throughput study's figure from a decode_throughput record",
     "latent_kernel": "the Mosaic GPU latent decode kernel: self-check, tuning, bound",
     "row_products": "the batch-1 row kernels against XLA's GEMMs",
 }

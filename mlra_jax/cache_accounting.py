@@ -4,7 +4,8 @@ Everything derives from what each variant declares it caches (`cache_layout`) an
 from its decode shape (`decode_shape`): nothing here is a per-variant formula.
 Under tensor parallelism a cached tensor is stored as tensor_parallel.UnitPlan says:
 split when TP divides its slices, one slice per device when its slices divide TP
-(MLA's single latent, GLA-2's halves over 4 devices), all slices on every device
+(MLA's single latent, GLA-2's halves over 4 devices), the slices each device's query heads read
+when TP divides the query heads (GQA's 6 KV heads at TP=4: 2 per device), all slices on every device
 otherwise. The tests measure the same numbers on real sharded caches.
 """
 
@@ -29,12 +30,12 @@ def kv_cache_elements(cfg: ModelConfig) -> int:
 
 def per_device_kv_elements(cfg: ModelConfig, tp: int) -> int:
     """Cached elements per token per layer that each of `tp` devices stores and loads."""
-    return sum(UnitPlan(c.units, tp).per_device * c.unit_elements for c in cache_layout(cfg))
+    return sum(UnitPlan(c.units, tp, c.read_by_heads).per_device * c.unit_elements for c in cache_layout(cfg))
 
 
 def replicated_under(cfg: ModelConfig, tp: int) -> list[str]:
     """Cached tensors with several slices that TP=tp can neither split nor spread (kept whole everywhere)."""
-    return [c.name for c in cache_layout(cfg) if UnitPlan(c.units, tp).replicated_fallback]
+    return [c.name for c in cache_layout(cfg) if UnitPlan(c.units, tp, c.read_by_heads).replicated_fallback]
 
 
 def decode_shape(cfg: ModelConfig) -> DecodeShape:

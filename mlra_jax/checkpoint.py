@@ -10,8 +10,14 @@ touched and the caller gets a CheckpointError.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gc
 import logging
 import os
+import sys
+import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import jax
@@ -25,35 +31,98 @@ from mlra_jax.paths import as_path
 log = logging.getLogger(__name__)
 
 
-# Top-level state entries that a checkpoint may lack: the FP8 amax histories (a run resumed with
-# model.matmul_dtype=float8 from checkpoints saved without them starts them fresh).
+# Top-level state entries that are disposable: the FP8 amax histories. A checkpoint that lacks them (saved with
+# another model.matmul_dtype or fp8_scaling), or holds them in another layout (another history length, other
+# projections) or where the run now keeps none, restores without them: the caller starts them fresh.
 OPTIONAL_ENTRIES = ("fp8",)
 
 
-def saved_metadata(state_dir: epath.Path) -> Any:
-    """The saved state's tree of array metadata (shapes, dtypes) by top-level entry (the handler's thread is closed
-    after)."""
+def saved_layout(state_dir: epath.Path) -> dict[str, dict[tuple[str, ...], tuple[int, ...]]]:
+    """The top-level entries of a saved state, each as {leaf path: shape}, from its metadata (the handler's thread
+    is closed after)."""
     handler = ocp.PyTreeCheckpointHandler()
     try:
-        return handler.metadata(state_dir)
+        metadata = handler.metadata(state_dir)
+        return {name: _layout(tree) for name, tree in dict(metadata).items()}
     finally:
         handler.close()
 
 
-def params_mismatch(saved: Any, wanted: Any) -> str | None:
-    """How the saved parameters differ from the wanted ones in names or shapes (another model), or None. Checked
-    before Orbax reads any array: a failed read leaves its pending reads to fail later, outside any caller."""
-    shapes = {jax.tree_util.keystr(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
-    wanted_shapes = {
-        jax.tree_util.keystr(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(wanted)[0]
-    }
-    if set(shapes) != set(wanted_shapes):
-        absent, extra = sorted(set(wanted_shapes) - set(shapes)), sorted(set(shapes) - set(wanted_shapes))
-        return f"the saved parameters differ from the model's (not saved: {absent[:3]}; not in the model: {extra[:3]})"
-    for name, shape in wanted_shapes.items():
-        if shapes[name] != shape:
-            return f"params{name} is saved with shape {shapes[name]}, the model's is {shape}"
+def _layout(tree: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {tuple(str(getattr(k, "key", k)) for k in path): tuple(getattr(leaf, "shape", ())) for path, leaf in leaves}
+
+
+def params_mismatch(
+    saved: dict[tuple[str, ...], tuple[int, ...]], wanted: dict[tuple[str, ...], tuple[int, ...]]
+) -> str | None:
+    """How saved parameters ({leaf path: shape}) differ from the model's in names or shapes (another model), or
+    None: checked before Orbax reads any array."""
+    if set(saved) != set(wanted):
+        absent, extra = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
+        named = lambda paths: ["/".join(p) for p in paths[:3]]
+        return (
+            f"the saved parameters differ from the model's (not saved: {named(absent)}; not in the model: "
+            f"{named(extra)})"
+        )
+    for path, shape in wanted.items():
+        if saved[path] != shape:
+            return f"params/{'/'.join(path)} is saved with shape {saved[path]}, the model's is {shape}"
     return None
+
+
+def _abandoned_read(unraisable: Any) -> bool:
+    """Whether an unraisable exception is the echo of an Orbax read abandoned when a restore failed: Orbax stops at
+    the first array that fails and closes its event loop while TensorStore still completes the other reads, each
+    of which then reports "Event loop is closed"; their coroutines, collected later, raise the read error again."""
+    error, origin = unraisable.exc_value, unraisable.object
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return True
+    return asyncio.iscoroutine(origin) and "orbax" in getattr(getattr(origin, "cr_code", None), "co_filename", "")
+
+
+@contextlib.contextmanager
+def _quiet_abandoned_reads(failures: list[tuple[int, Exception]]) -> Iterator[None]:
+    """Within it, the echoes of abandoned reads (_abandoned_read) are dropped: each failed restore is reported once,
+    by restore_latest. On leaving after a failure, the errors in `failures` (reported by then) drop their
+    tracebacks, which hold the abandoned reads, and those are collected once none has echoed for 50 ms (at most
+    2 s), while echoes are still dropped, not later in the run or at exit. Every other unraisable exception is
+    shown as before."""
+    previous, echoes = sys.unraisablehook, []
+
+    def hook(unraisable: Any) -> None:
+        if _abandoned_read(unraisable):
+            echoes.append(None)
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        if failures:
+            for _, err in failures:
+                _drop_tracebacks(err)
+            deadline, seen = time.monotonic() + 2, -1
+            while len(echoes) != seen and time.monotonic() < deadline:
+                seen = len(echoes)
+                time.sleep(0.05)  # TensorStore completes the reads in flight
+                gc.collect()
+        sys.unraisablehook = previous
+
+
+def _failure(err: BaseException, limit: int) -> str:
+    """error_summary of a failed restore; of an Orbax read error, its cause's (TensorStore's own text: Orbax's ends
+    in the whole store spec)."""
+    if "See full TensorStore details" in str(err) and err.__cause__ is not None:
+        return error_summary(err.__cause__, limit)
+    return error_summary(err, limit)
+
+
+def _drop_tracebacks(err: BaseException | None) -> None:
+    while err is not None:
+        err.__traceback__ = None
+        err = err.__cause__ or err.__context__
 
 
 class CheckpointError(RuntimeError):
@@ -66,12 +135,8 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, cfg: CheckpointConfig, read_only: bool = False):
         self.directory = as_path(directory)  # a local folder (absolute) or a URL: orbax writes both
         self.read_only = read_only
-        options = ocp.CheckpointManagerOptions(  # read-only: none of the writing options (Orbax warns of each)
-            max_to_keep=None if read_only else cfg.keep,
-            save_interval_steps=0 if read_only else 1,
-            enable_async_checkpointing=cfg.async_save,
-            create=not read_only,
-            read_only=read_only,
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=not read_only, read_only=read_only
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -93,28 +158,56 @@ class Checkpointer:
 
     def restore_step(self, step: int, abstract_state: dict[str, Any]) -> tuple[int, Any, dict[str, Any]]:
         """`abstract_state` may hold only some top-level entries ({"params": ...} for serving): only those
-        are read. Of them, an OPTIONAL entry that the checkpoint lacks (FP8 histories saved by a run without
-        them) is left out of the restored state, for the caller to make fresh; any other is an error."""
-        metadata = saved_metadata(self.directory / str(step) / "state")
-        saved = set(metadata)
-        missing = sorted(set(abstract_state) - saved - set(OPTIONAL_ENTRIES))
+        are read. Of them, an OPTIONAL entry that the checkpoint lacks or holds in another layout than
+        `abstract_state`'s (FP8 histories of another length or other projections, or where the run keeps none now)
+        is left out of the restored state (logged), for the caller to make fresh; any other is an error."""
+        saved = saved_layout(self.directory / str(step) / "state")
+        missing = sorted(set(abstract_state) - set(saved) - set(OPTIONAL_ENTRIES))
         if missing:
             raise ValueError(f"the checkpoint holds {sorted(saved)}, not {missing}")
-        mismatch = params_mismatch(metadata["params"], abstract_state["params"]) if "params" in abstract_state else None
-        if mismatch:
+        both = "params" in abstract_state and "params" in saved
+        mismatch = params_mismatch(saved["params"], _layout(abstract_state["params"])) if both else None
+        if mismatch:  # another model: refused before Orbax starts reading arrays
             raise ValueError(mismatch)
-        wanted = {name: tree for name, tree in abstract_state.items() if name in saved}
-        if set(wanted) == saved:
-            state_args = ocp.args.StandardRestore(wanted)
-        else:
-            state_args = ocp.args.PyTreeRestore(
-                item=wanted,
-                partial_restore=True,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(wanted),
+        wanted, dropped = {}, []
+        for name, tree in abstract_state.items():
+            if name not in saved:
+                continue
+            if name in OPTIONAL_ENTRIES and _layout(tree) != saved[name]:
+                dropped.append(name)
+                continue
+            wanted[name] = tree
+        if set(wanted) == set(saved):
+            restored = self.manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(wanted), metadata=ocp.args.JsonRestore())
             )
-        restored = self.manager.restore(
-            step, args=ocp.args.Composite(state=state_args, metadata=ocp.args.JsonRestore())
-        )
+        else:  # some entries: by a handler of its own (the manager's "state" item keeps StandardSave's handler)
+            restored = {
+                "metadata": self.manager.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))[
+                    "metadata"
+                ]
+            }
+            handler = ocp.PyTreeCheckpointHandler()
+            try:
+                restored["state"] = handler.restore(
+                    self.directory / str(step) / "state",
+                    args=ocp.args.PyTreeRestore(
+                        item=wanted,
+                        partial_restore=True,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(wanted),
+                    ),
+                )
+            finally:
+                handler.close()
+        for name in dropped:
+            log.info(
+                "checkpoint %d holds %s of another layout than this run keeps (%d arrays, now %d; a changed "
+                "model.matmul_dtype, model.fp8_scaling or history length): restored without them",
+                step,
+                name,
+                len(saved[name]),
+                len(_layout(abstract_state[name])),
+            )
         return step, restored["state"], restored["metadata"]
 
     def restore_latest(
@@ -132,6 +225,17 @@ class Checkpointer:
         theirs; a read-only checkpointer only skips them. When every step fails (a changed model, an
         unreadable folder, too little memory) nothing is touched and CheckpointError says why."""
         failures: list[tuple[int, Exception]] = []
+        with _quiet_abandoned_reads(failures):
+            return self._restore_newest(abstract_state, required_metadata, validate, failures)
+
+    def _restore_newest(
+        self,
+        abstract_state: Any,
+        required_metadata: tuple[str, ...],
+        validate: Callable[[int, Any], None] | None,
+        failures: list[tuple[int, Exception]],
+    ) -> tuple[int, Any, dict[str, Any]] | None:
+        """restore_latest's work; the steps that fail are appended to `failures`."""
         for step in reversed(self.steps()):
             try:
                 restored = self.restore_step(step, abstract_state)
@@ -149,7 +253,7 @@ class Checkpointer:
                     "checkpoint %s/%d is incomplete or damaged (%s); %s and restored step %d",
                     self.directory,
                     failed,
-                    error_summary(err, 200),
+                    _failure(err, 200),
                     what,
                     step,
                 )
@@ -158,7 +262,7 @@ class Checkpointer:
             step, err = failures[0]
             raise CheckpointError(
                 f"none of the {len(failures)} checkpoints in {self.directory} restores; the newest, step {step}, "
-                f"fails with {error_summary(err, 300)}. Nothing was changed. If the "
+                f"fails with {_failure(err, 300)}. Nothing was changed. If the "
                 f"model or mesh changed, run with the configuration the checkpoints were saved with; to start over, "
                 f"use another --workdir"
             )

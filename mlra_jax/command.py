@@ -14,6 +14,8 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import re
+import shutil
 import sys
 from typing import Callable
 
@@ -32,17 +34,39 @@ BAD_INPUT = frozenset(
         "MetricsFileError",
         "KernelUnavailable",
         "AnchorFileError",
+        "CompilationCacheError",
     }
 )
 PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
 
 
+# How TensorStore (Orbax's writer) reports a full disk: a status text, not an OSError
+_STORE_FULL = re.compile(r"RESOURCE_EXHAUSTED: Error writing|OS error 28\b|No space left on device")
+_QUOTED_PATH = re.compile(r'"(/[^"]+)"')
+
+
 def disk_full(err: BaseException) -> OSError | None:
-    """The out-of-space OSError behind `err` (libraries such as Orbax wrap their writer threads' errors)."""
+    """The out-of-space OSError behind `err` (libraries such as Orbax wrap their writer threads' errors; TensorStore's
+    RESOURCE_EXHAUSTED write errors become one, with the first path their text names)."""
     for e in _chain(err):
         if isinstance(e, OSError) and (e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e)):
             return e
+    for e in _chain(err):
+        if _STORE_FULL.search(str(e)):
+            path = _QUOTED_PATH.search(str(e))
+            return OSError(errno.ENOSPC, "No space left on device", path.group(1) if path else None)
     return None
+
+
+def free_space(path: str | None) -> str:
+    """' (N MiB free there)' for the nearest existing folder of `path`; '' when it cannot be told."""
+    folder = os.path.abspath(path or ".")
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    try:
+        return f"; {shutil.disk_usage(folder).free / 2**20:,.0f} MiB free in {folder}"
+    except OSError:
+        return ""
 
 
 def _chain(err: BaseException):
@@ -67,9 +91,9 @@ def exit_code(err: BaseException) -> tuple[int, str]:
     full = disk_full(err)
     if full is not None:
         return 2, (
-            f"no space left on the device while writing {full.filename or 'the output'} ({full.strerror}); "
-            f"free space there and run the same command again (a run resumes from its newest complete "
-            f"checkpoint)"
+            f"no space left on the device while writing {full.filename or 'the output'} ({full.strerror}"
+            f"{free_space(full.filename)}); free space there and run the same command again (a run resumes from "
+            f"its newest complete checkpoint)"
         )
     path_error = next((e for e in _chain(err) if isinstance(e, PATH_ERRORS)), None)
     if path_error is not None:

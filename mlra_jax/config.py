@@ -60,13 +60,19 @@ def _check_choice(field: str, value: Any, allowed: tuple | list) -> None:
     _require(value in allowed, f"{field}={value!r} is not valid; allowed values: {', '.join(map(str, allowed))}")
 
 
+# The largest count a field takes: JAX indexes and shapes arrays with 32-bit integers
+MAX_COUNT = 2**31 - 1
+# Layers at most (the largest published decoders have a few hundred); more is a typo, not a model
+MAX_LAYERS = 4096
+
+
 def _check_positive(obj: Any, *fields: str) -> None:
     for name in fields:
         value = getattr(obj, name)
         if value is not None:
             _require(
-                isinstance(value, int) and not isinstance(value, bool) and value > 0,
-                f"{name}={value!r} must be a positive integer",
+                isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_COUNT,
+                f"{name}={value!r} must be a positive integer of at most {MAX_COUNT:,} (2**31 - 1)",
             )
 
 
@@ -135,6 +141,10 @@ class ModelConfig:
         _check_choice("variant", self.variant, VARIANTS)
         _check_positive(
             self, "n_layer", "n_head", "n_embd", "intermediate_size", "vocab_size", "max_seq_len", *OPTIONAL_FIELDS
+        )
+        _require(
+            self.n_layer <= MAX_LAYERS,
+            f"n_layer={self.n_layer} is more layers than any model has; give at most {MAX_LAYERS}",
         )
         _check_choice("output_init", self.output_init, ("zero", "normal"))
         _check_choice("param_dtype", self.param_dtype, tuple(DTYPES))
@@ -313,6 +323,10 @@ class TrainConfig:
             "log_every",
             "eval_batches",
             "max_micro_batch_per_device",
+        )
+        _require(
+            isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed < 2**32,
+            f"seed={self.seed!r} must be a whole number in [0, 2**32) (JAX's and grain's random keys take 32 bits)",
         )
         _require(self.eval_every >= 0, f"eval_every={self.eval_every} must be >= 0")
         _require(self.loss_chunk >= 0, f"loss_chunk={self.loss_chunk} must be >= 0 (0: no chunking)")

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import jax
 
+from mlra_jax.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 _SLURM_REQUIRED = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
@@ -116,11 +118,23 @@ def data_parallel_devices(batch_size: int) -> list[jax.Device]:
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> None:
     """jax.distributed.initialize() for this cluster; explicit arguments win over what is detected."""
+    if num_processes is not None and num_processes < 1:
+        raise ConfigError(f"--num_processes={num_processes} must be at least 1")
+    if process_id is not None and not 0 <= process_id < (num_processes or process_id + 1):
+        raise ConfigError(f"--process_id={process_id} must lie in [0, --num_processes={num_processes})")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk over TCP; GPUs/TPUs unaffected
     coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
     task = slurm_task(os.environ, coordinator)
     if task is None:  # TPU pods, Open MPI, Kubernetes, or everything given: JAX's own detection
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+        try:
+            jax.distributed.initialize(
+                coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+            )
+        except ValueError as err:  # nothing given and no cluster detected (JAX: "coordinator_address should be ...")
+            raise ConfigError(
+                f"--distributed: {err} No cluster (TPU pod, SLURM, Open MPI, Kubernetes) was detected; give "
+                f"--coordinator=HOST:PORT, --num_processes and --process_id (or JAX_COORDINATOR_ADDRESS)"
+            ) from None
         source = "flags" if coordinator else "detected by JAX"
     else:
         jax.distributed.initialize(

@@ -266,6 +266,32 @@ def fresh_histories(paths: list[tuple[str, ...]], layers: int, length: int | Non
     return traverse_util.unflatten_dict({path: jnp.zeros(shape, jnp.float32) for path in paths})
 
 
+# An amax above this is no tensor's of a training run (the loss would have overflowed long before): a restored
+# history holding one, or a NaN, an inf or a negative value, is damaged
+AMAX_LIMIT = 2.0**64
+
+
+def damaged_histories(histories: dict[str, Any]) -> list[str]:
+    """The dotted names of the histories (arrays [layers, 3, H], nested) that hold a NaN, an inf, a negative value
+    or an amax above AMAX_LIMIT; only the verdicts come to the host."""
+    flat = traverse_util.flatten_dict(histories)
+    return [
+        ".".join(map(str, path))
+        for path, history in flat.items()
+        if not bool(jnp.all(jnp.isfinite(history) & (history >= 0) & (history <= AMAX_LIMIT)))
+    ]
+
+
+def reset_histories(histories: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """`histories` with those of `names` (dotted, as damaged_histories gives them) fresh (zeros), each in its own
+    sharding."""
+    zeros = lambda h: jax.jit(jnp.zeros_like, out_shardings=h.sharding)(h)
+    flat = traverse_util.flatten_dict(histories)
+    return traverse_util.unflatten_dict(
+        {path: zeros(h) if ".".join(map(str, path)) in names else h for path, h in flat.items()}
+    )
+
+
 def supported(device: jax.Device | None = None) -> bool:
     """Whether the device has FP8 GEMMs: an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper, ...)."""
     device = device or jax.devices()[0]

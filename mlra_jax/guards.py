@@ -1,8 +1,10 @@
 """The one place that checks what a command is about to read or write, for every command.
 
 * `atomic_write_text`, `atomic_write_bytes`: a file replaced whole or not at all (a temporary beside it, renamed
-  over it), so a kill mid-write leaves the old content or the new, never a truncated file; `follow_umask`: the
-  modes a plain mkdir and open() give, for a folder that library code wrote 0700/0600.
+  over it), so a kill mid-write leaves the old content or the new, never a truncated file; a character device or
+  a FIFO (/dev/null, /dev/stdout onto a pipe) is written through, never renamed over; `remove_stale_temporaries`:
+  the temporaries a killed rewrite left; `follow_umask`: the modes a plain mkdir and open() give, for a folder
+  that library code wrote 0700/0600.
 * `check_writable_dir`: a folder that exists (or can be made) and takes a file, checked before any work;
   `check_run_dir`: a run directory whose own entries are what the run keeps there.
 * `check_output_path`: an output that is not one of the command's inputs or a run's own files, whose folder
@@ -17,9 +19,11 @@ Each check raises `InputError` (a ConfigError: the commands exit 2 with its mess
 
 from __future__ import annotations
 
+import glob
 import logging
 import math
 import os
+import stat
 import tempfile
 from typing import Any, Iterable, Mapping
 
@@ -35,6 +39,7 @@ log = logging.getLogger(__name__)
 
 # A run directory's own files and folders, which no output of another command may replace
 RUN_FILES = ("experiment.json", "metrics.jsonl", "lock", "checkpoints", "tensorboard", "profile")
+TEMPORARY_SUFFIX = ".tmp"  # of the temporaries of atomic rewrites (.NAME.XXXXXXXX.tmp)
 
 
 class InputError(ConfigError):
@@ -49,14 +54,22 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """`atomic_write_text` for bytes. The file gets the mode a plain open() would give it: that of the file it
-    replaces, else the umask's (not mkstemp's 0600, which would hide it from the colleagues who share the folder)."""
+    replaces, else the umask's (not mkstemp's 0600, which would hide it from the colleagues who share the folder).
+    A symbolic link keeps pointing where it did (its target is replaced); a character device or a FIFO is
+    written through (never replaced); any other file that is not a regular one is refused (InputError)."""
     target = as_path(path)
     if is_remote(target):
         target.write_bytes(data)
         return
     local = os.fspath(target)
+    if output_stream(local):
+        with open(local, "wb") as f:
+            f.write(data)
+        return
+    local = os.path.realpath(local) if os.path.islink(local) else local
     mode = os.stat(local).st_mode & 0o7777 if os.path.isfile(local) else 0o666 & ~current_umask()
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=os.path.dirname(local))
+    name = os.path.basename(local)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=TEMPORARY_SUFFIX, dir=os.path.dirname(local))
     try:
         with os.fdopen(descriptor, "wb") as f:
             f.write(data)
@@ -68,6 +81,35 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         if os.path.exists(temporary):
             os.unlink(temporary)
         raise
+
+
+def output_stream(path: str) -> bool:
+    """Whether `path` (followed through links) is a character device or a FIFO, which an output is written through;
+    False for a regular file or a missing one. Any other existing file that is not a folder (a block device, a
+    socket) is an InputError: nothing may replace it."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode):
+        return True
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        kind = "block device" if stat.S_ISBLK(mode) else "socket" if stat.S_ISSOCK(mode) else "special file"
+        raise InputError(f"{path} is a {kind}, not a regular file; an output is never written there: give a file path")
+    return False
+
+
+def remove_stale_temporaries(folder: str | os.PathLike, names: Iterable[str]) -> list[str]:
+    """Remove the temporaries that atomic rewrites of `names` in `folder` left when killed (.NAME.XXXXXXXX.tmp);
+    only for a folder whose writer holds it (the run lock). Returns the removed names."""
+    local = os.fspath(folder)
+    removed = []
+    for name in names:
+        for temporary in glob.glob(os.path.join(glob.escape(local), f".{glob.escape(name)}.*{TEMPORARY_SUFFIX}")):
+            if os.path.isfile(temporary) and not os.path.islink(temporary):
+                os.unlink(temporary)
+                removed.append(os.path.basename(temporary))
+    return removed
 
 
 def current_umask() -> int:
@@ -195,6 +237,8 @@ def check_output_path(
                 )
     if is_remote(target):
         return as_path(target).exists()
+    if kind == "file" and output_stream(target):
+        return False  # written through: a device or a pipe, no earlier result
     if os.path.isdir(target) if kind == "file" else (os.path.exists(target) and not os.path.isdir(target)):
         raise InputError(f"--out {target} is a {'folder' if kind == 'file' else 'file'}; give a {kind} path")
     check_writable_dir(os.path.dirname(target) or ".", "the folder of --out", make=make_folder)

@@ -48,7 +48,7 @@ class DecodeState:
 def cache_plans(cfg: ModelConfig, tp: int | None = None) -> dict[str, UnitPlan]:
     """The storage plan of each cached tensor at TP degree `tp` (default: the mesh in context)."""
     tp = tensor_size() if tp is None else tp
-    return {c.name: unit_plan(c.units, tp) for c in cache_layout(cfg)}
+    return {c.name: unit_plan(c.units, tp, c.read_by_heads) for c in cache_layout(cfg)}
 
 
 def cache_shardings(

@@ -74,8 +74,8 @@ class Block(nnx.Module):
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The block on new tokens x [B, T, d]: their cache entries written at `index`, attention over the cache."""
         h = self.attn_norm(x)
-        heads, cache = self.attn.write_and_attend(h, positions, cache, mask, index, plans, absorbed)
-        x = x + self.attn.output(h, heads)
+        out, cache = self.attn.attend_and_project(h, positions, cache, mask, index, plans, absorbed)
+        x = x + out
         return x + self.mlp(self.mlp_norm(x)), cache
 
 

@@ -22,6 +22,9 @@ from mlra_jax.config import (
     TrainConfig,
 )
 
+# What experiment.json records besides the Experiment: the training data's fingerprint (data.pipeline.data_fingerprint)
+FINGERPRINT = "data_fingerprint"
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "train": TrainConfig,
@@ -36,7 +39,7 @@ SECTIONS: dict[str, type] = {
 def experiment_from_dict(data: dict[str, Any]) -> Experiment:
     """An Experiment from its dataclasses.asdict form (a run's experiment.json)."""
     sections = {name: cls(**data[name]) for name, cls in SECTIONS.items() if name in data}
-    rest = {k: v for k, v in data.items() if k not in SECTIONS}
+    rest = {k: v for k, v in data.items() if k not in SECTIONS and k != FINGERPRINT}
     return Experiment(**rest, **sections)
 
 

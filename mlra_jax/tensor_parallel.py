@@ -6,6 +6,9 @@ attention.base.CacheComponent). At TP degree t a tensor of `units` slices is
   * expanded:   t % units == 0 -> the tensor is stored with t slices, device d keeping a
                 copy of slice d // (t / units): each device loads one slice, as in paper
                 Table 1 (MLRA at TP=8 keeps 1.5 d_h per device, GLA-2 at TP=4 2.5 d_h);
+  * aligned:    KV heads whose count TP neither divides nor is a multiple of, read by query heads
+                that TP divides (GQA's 6 KV heads of 24 query heads at TP=4): device d stores the
+                KV heads its own query heads read (2 of the 6), laid out as `tp * k` slots;
   * replicated: otherwise (one slice, or a degree that fits neither way; every device
                 keeps them all, which `info` reports).
 
@@ -41,18 +44,32 @@ def tensor_size() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class UnitPlan:
-    """How a tensor of `units` slices along one axis is stored under TP degree `tp`."""
+    """How a tensor of `units` slices along one axis is stored under TP degree `tp`; `heads` query heads read the
+    slices (head i reads slice i // (heads / units); 0 when no query heads map onto them)."""
 
     units: int
     tp: int
+    heads: int = 0
 
     @property
     def expanded(self) -> bool:
         return 1 < self.units < self.tp and self.tp % self.units == 0
 
     @property
+    def aligned(self) -> bool:
+        """Slices that TP neither divides nor spreads, stored per device as its query heads read them."""
+        return (
+            self.tp > 1
+            and self.units > 1
+            and not self.expanded
+            and self.units % self.tp != 0
+            and self.heads % self.units == 0
+            and self.heads % self.tp == 0
+        )
+
+    @property
     def sharded(self) -> bool:
-        return self.tp > 1 and (self.expanded or (self.units > 1 and self.units % self.tp == 0))
+        return self.tp > 1 and (self.expanded or self.aligned or (self.units > 1 and self.units % self.tp == 0))
 
     @property
     def replicated_fallback(self) -> bool:
@@ -61,8 +78,30 @@ class UnitPlan:
 
     @property
     def stored(self) -> int:
-        """Slices along the stored axis (tp when expanded)."""
+        """Slices along the stored axis (tp when expanded, tp times the slices a device reads when aligned)."""
+        if self.aligned:
+            return self.tp * self.device_units.shape[1]
         return self.tp if self.expanded else self.units
+
+    @property
+    def device_units(self) -> np.ndarray:
+        """[tp, k]: the slices device d's query heads read (aligned plans), in order, the last repeated to k."""
+        per_device, group = self.heads // self.tp, self.heads // self.units
+        needed = [sorted({h // group for h in range(d * per_device, (d + 1) * per_device)}) for d in range(self.tp)]
+        k = max(map(len, needed))
+        return np.array([units + units[-1:] * (k - len(units)) for units in needed])
+
+    @property
+    def local_heads_slot(self) -> np.ndarray:
+        """[tp, heads / tp]: the local slot (of the k that device d stores) each of its query heads reads."""
+        per_device, group = self.heads // self.tp, self.heads // self.units
+        table = self.device_units
+        return np.array(
+            [
+                [int(np.argmax(table[d] == h // group)) for h in range(d * per_device, (d + 1) * per_device)]
+                for d in range(self.tp)
+            ]
+        )
 
     @property
     def per_device(self) -> int:
@@ -72,11 +111,13 @@ class UnitPlan:
     @property
     def unit_index(self) -> np.ndarray:
         """Logical slice held at each stored position."""
+        if self.aligned:
+            return self.device_units.reshape(-1)
         return np.arange(self.stored) * self.units // self.stored
 
     def store(self, x: jax.Array, axis: int) -> jax.Array:
-        """Lay x (units slices along `axis`) out for storage: expanded copies where planned."""
-        return jnp.take(x, jnp.asarray(self.unit_index), axis=axis) if self.expanded else x
+        """Lay x (units slices along `axis`) out for storage: expanded or aligned copies where planned."""
+        return jnp.take(x, jnp.asarray(self.unit_index), axis=axis) if self.expanded or self.aligned else x
 
     def spec(self, ndim: int, axis: int, leading: tuple = ()) -> P:
         """PartitionSpec of a stored array: `tensor` on the slice axis when sharded."""
@@ -86,8 +127,8 @@ class UnitPlan:
         return P(*entries)
 
 
-def unit_plan(units: int, tp: int) -> UnitPlan:
-    plan = UnitPlan(units, tp)
+def unit_plan(units: int, tp: int, heads: int = 0) -> UnitPlan:
+    plan = UnitPlan(units, tp, heads)
     if plan.replicated_fallback:
         log.warning(
             "%d slices cannot be divided over TP=%d devices (nor TP over them): replicated on every device", units, tp
@@ -134,12 +175,29 @@ class LatentPlan:
     def local_blocks(self) -> int:
         return max(1, self.blocks // self.tp)
 
+    @property
+    def serves_every_head(self) -> bool:
+        """Whether every device's blocks serve all heads (MLRA-4 up to TP=4, MLRA-2 at TP=2): each device's branch
+        sums are then a full partial of the heads' output, which a whole output projection turns into a partial
+        of the hidden state (one all-reduce per attention, as a row-parallel layer)."""
+        return self.head_split == 1 and self.local_blocks >= self.blocks // self.branches
+
     def first_block(self, device: jax.Array) -> jax.Array:
         return device * self.blocks // self.tp if self.blocks >= self.tp else device // self.head_split
 
     def head_slice(self, device: jax.Array) -> tuple[jax.Array, int]:
         width = self.block_heads // self.head_split
         return (device % self.head_split) * width, width
+
+
+# The dtype in which decode steps reduce the latent branches' partial sums over `tensor`: "compute" (bfloat16 in
+# serving: half the bytes of float32 on the wire) or "float32". Training and prefill always reduce in float32.
+DECODE_REDUCE_DTYPE = "compute"
+
+
+def reduce_dtype(mode: str, compute_dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype of the partial sums that a region of `mode` ("train", "prefill", "decode") reduces over `tensor`."""
+    return compute_dtype if mode == "decode" and DECODE_REDUCE_DTYPE == "compute" else jnp.float32
 
 
 # XLA's CPU compiler crashes on bfloat16 cotangents psum-ed in partially manual shard_maps (jax 0.10): in training
@@ -204,11 +262,10 @@ def prefill_layout(plan: LatentPlan, has_mask: bool, ndims: tuple[int, int]) -> 
 def decode_layout(
     plan: LatentPlan, has_mask: bool, ndims: tuple[int, int], batch_axes: tuple[str, ...], automatic: frozenset[str]
 ) -> RegionLayout:
-    """A decode step: every automatic axis manual, the batch split over `batch_axes` (where it divides), so that
-    the Pallas kernel inside runs on each device's own sequences (a kernel under partly automatic axes fails to
-    compile on GPUs); without batch axes, only `tensor`."""
-    manual = automatic if batch_axes else frozenset({TENSOR})
-    return _region_layout(plan, (batch_axes or None,), manual, False, has_mask, ndims)
+    """A decode step: every automatic axis manual (a kernel under partly automatic axes fails to compile on GPUs, and
+    XLA's CPU compiler crashes on bfloat16 reductions in them), the batch split over `batch_axes` where it divides
+    (the Pallas kernel inside runs on each device's own sequences), else whole on every device."""
+    return _region_layout(plan, (batch_axes or None,), automatic, False, has_mask, ndims)
 
 
 def per_device_bytes(array: jax.Array) -> int:

@@ -7,9 +7,10 @@
 
 A run lives in --workdir (default runs/NAME; a local folder or gs://bucket/path):
 checkpoints/ (Orbax), metrics.jsonl, tensorboard/ and experiment.json. Running the same
-command again resumes from the latest complete checkpoint; SIGTERM saves a checkpoint and
-exits. Resuming with another data order or schedule (batch size, seq_len, total_steps,
-learning rate, seed, data) is refused unless --allow_changed names the fields.
+command again resumes from the latest complete checkpoint; SIGTERM or Ctrl-C (SIGINT) saves a
+checkpoint and exits (a second Ctrl-C aborts without saving). Resuming with another data order or
+schedule (batch size, seq_len, total_steps, learning rate, seed, data, other data under the same path)
+is refused unless --allow_changed names the fields.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 from mlra_jax.backends import compile_only
 from mlra_jax.cli import apply_overrides, command_parser, fields_help
 from mlra_jax.command import command
-from mlra_jax.compilation_cache import enable_compilation_cache
+from mlra_jax.compilation_cache import enable_compilation_cache, repairing
 from mlra_jax.config import ConfigError, Experiment
 from mlra_jax.distributed import add_arguments as add_distributed_arguments
 from mlra_jax.experiments import all_experiments, resolve_experiment
@@ -170,6 +171,11 @@ def _chosen_experiment(argv: list[str]) -> Experiment | None:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser(_chosen_experiment(argv) if "-h" in argv or "--help" in argv else None)
     args, overrides = parser.parse_known_args(argv)
+    if args.compile_for is not None and not args.compile_for.strip():
+        raise ConfigError(
+            "--compile_for is empty (an unset variable in a launcher?); give a TPU slice such as v5p-128, or leave "
+            "the option out to train"
+        )
     if args.compile_for:
         compile_only()  # compile-only TPU devices; no accelerator is needed here
     apply_gpu_defaults()  # before JAX starts a backend
@@ -188,9 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     if cache:
         logging.getLogger("mlra_jax.train").info("compiled steps are cached in %s", cache)
     workdir = as_path(args.workdir or Path("runs") / experiment.name)
-    result = train(
-        experiment, workdir, allow_changed=tuple(filter(None, args.allow_changed.split(","))), init_from=args.init_from
-    )
+    with repairing(cache):  # damaged entries are replaced; an error they cause names the cache
+        result = train(
+            experiment,
+            workdir,
+            allow_changed=tuple(filter(None, args.allow_changed.split(","))),
+            init_from=args.init_from,
+        )
     print(
         f"{'stopped' if result.stopped_by_signal else 'finished'} at step {result.step}"
         f"{f' (loss {result.last_loss:.4f} on the last step line)' if result.last_loss is not None else ''}. "

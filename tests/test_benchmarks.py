@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -42,7 +43,7 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
     4-device deployment of the study on the first four."""
     assert jax.device_count() == 8
     out = tmp_path / "throughput.json"
-    decode_throughput.main(["--contexts=64", "--repeats=1", f"--out={out}"])
+    decode_throughput.main(["--cpu", "--contexts=64", "--repeats=1", f"--out={out}", "--no_isolate"])
     record = json.loads(out.read_text())
     assert record["device_count"] == 8 and record["command"].startswith("python -m") and record["date"]
     assert all("error" not in r for r in record["results"]), record["results"]
@@ -50,8 +51,34 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
         deployed = {r["variant"]: (r["tp"], r["dp"], r["batch"]) for r in record["results"] if r["scope"] == scope}
         assert deployed == {"gqa": (8, 1, 128), "mla": (1, 8, 128), "gla2": (2, 4, 128), "mlra4": (4, 2, 128)}
     assert all(r["tokens_per_s"] > 0 for r in record["results"])
+    # the roofline of every row: bytes and FLOPs per device, the floor at the measured ceilings, the collectives
+    for r in record["results"]:
+        assert r["weight_bytes"] > 0 and r["cache_bytes"] > 0 and r["flops"] > 0, r
+        assert r["floor_time_s"] == max(r["memory_floor_s"], r["compute_floor_s"]) > 0
+        assert r["time_over_floor"] == pytest.approx(r["step_time_s"] / r["floor_time_s"])
+    rows = {(r["scope"], r["variant"]): r for r in record["results"]}
+    # MLA at DP=8 holds the whole cache of its 16 sequences; MLRA-4 at TP=4 x DP=2 one latent block (and the RoPE
+    # key) of its 64: per device, (16 * (R_total + r)) against (64 * (R_total / 4 + r)) elements per token
+    mla, mlra4 = decode_throughput.THROUGHPUT_MODELS["mla"], decode_throughput.THROUGHPUT_MODELS["mlra4"]
+    per_token = {
+        "mla": 16 * (mla.kv_lora_rank + mla.qk_rope_head_dim),
+        "mlra4": 64 * (mlra4.kv_lora_rank // 4 + mlra4.qk_rope_head_dim),
+    }
+    for variant, elements in per_token.items():
+        assert rows["attention", variant]["cache_bytes"] == 64 * elements * 2, variant
+    assert rows["model", "mla"]["collectives"] == {}  # data parallel: nothing crosses devices
+    # MLRA-4 at TP=4: per layer one all-reduce after the attention and one after the MLP, one for the embedding
+    assert rows["model", "mlra4"]["collectives"] == {"all-reduce": 3} and rows["model", "mlra4"]["collective_bytes"]
     decode_throughput.main(
-        ["--devices=4", "--scopes=attention", "--variants=gla2", "--contexts=64", "--repeats=1", f"--out={out}"]
+        [
+            "--cpu",
+            "--devices=4",
+            "--scopes=attention",
+            "--variants=gla2",
+            "--contexts=64",
+            "--repeats=1",
+            f"--out={out}",
+        ]
     )
     deployed = {r["variant"]: (r["tp"], r["dp"], r["batch"]) for r in json.loads(out.read_text())["results"]}
     assert deployed == {"gla2": (2, 2, 128)}
@@ -67,13 +94,22 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
 
     monkeypatch.setattr(decode_throughput, "time_step", fail_second)
     decode_throughput.main(
-        ["--devices=4", "--scopes=attention", "--variants=gla2", "--contexts=64,128", "--repeats=1", f"--out={out}"]
+        [
+            "--cpu",
+            "--devices=4",
+            "--scopes=attention",
+            "--variants=gla2",
+            "--contexts=64,128",
+            "--repeats=1",
+            f"--out={out}",
+        ]
     )
     results = json.loads(out.read_text())["results"]
     assert [r["context"] for r in results] == [64, 128] and "RESOURCE_EXHAUSTED" in results[1]["error"]
     # --merge measures the failed context again and keeps the one measured before
     decode_throughput.main(
         [
+            "--cpu",
             "--devices=4",
             "--scopes=attention",
             "--variants=gla2",
@@ -87,6 +123,41 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
     assert [(r["variant"], r["context"]) for r in merged["results"]] == [("gla2", 64), ("gla2", 128)]
     assert merged["results"][0] == results[0] and "error" not in merged["results"][1] and len(merged["runs"]) == 2
     assert benchmarks.deployment("mlra4", 4) == (4, 1, 64) and benchmarks.deployment("gqa", 2) == (2, 1, 32)
+
+
+def test_decode_throughput_refuses_a_cpu_at_once(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        decode_throughput.main([f"--out={tmp_path / 'throughput.json'}"])
+    assert exit_info.value.code == 2 and "--cpu measures it anyway" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_decode_throughput_measures_each_setting_in_a_process_of_its_own(tmp_path, monkeypatch):
+    """--isolate (the default for several settings): one process per (scope, variant); a process that dies (out of
+    memory) is recorded as its setting's failure, and the others' rows are kept."""
+    script = (
+        "import json, sys; out, variant = sys.argv[1], sys.argv[2]\n"
+        "if variant == 'gqa': sys.exit(3)\n"
+        "json.dump({'device': 'cpu', 'date': 'd', 'jax_version': 'j', 'devices_used': 4, "
+        "'results': [{'scope': 'model', 'variant': variant, 'context': 64, 'tokens_per_s': 1.0}]}, open(out, 'w'))\n"
+    )
+    seen = []
+
+    def child(args, scope, variant, out):
+        seen.append((scope, variant))
+        return [sys.executable, "-c", script, str(out), variant]
+
+    monkeypatch.setattr(decode_throughput, "child_argv", child)
+    out = tmp_path / "isolated.json"
+    assert decode_throughput.main(["--cpu", "--scopes=model", "--variants=mla,gqa,mlra4", f"--out={out}"]) == 0
+    record = json.loads(out.read_text())
+    assert seen == [("model", "mla"), ("model", "gqa"), ("model", "mlra4")]
+    assert [(r["variant"], "error" in r) for r in record["results"]] == [
+        ("mla", False),
+        ("gqa", True),
+        ("mlra4", False),
+    ]
+    assert "exited with 3" in record["results"][1]["error"] and record["device"] == "cpu"
 
 
 def test_decode_attention_and_model_modes(tmp_path):
@@ -179,6 +250,15 @@ def test_train_benchmark_settings(tmp_path):
     assert fsdp["fsdp_gather"] == "step" and results[0]["fsdp_gather"] is None  # remat none; no FSDP
     assert "not a multiple" in bad["error"]
     assert fsdp["warmup_steps"] >= 1  # --warmup=0: steps ran to fill --warmup_s
+
+
+def test_train_benchmark_that_measures_nothing_exits_non_zero_and_writes_beside_the_user(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not a checkout: no experiments/results/ here
+    argv = ["--experiments=mlra4_tiny", "--n_layer=1", "--seq_len=16", "--steps=1", "--override=--train.seed=-1"]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: none of the 1 settings was measured" in err and "seed=-1 must be" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["bench_train.json"]
 
 
 def test_train_benchmark_auto_batch_leaves_the_micro_batch_to_the_trainer():
@@ -410,3 +490,61 @@ def test_interleaved_benchmark_refuses_settings_it_cannot_compare(tmp_path, caps
         interleaved.main(["--experiment=mlra4_tiny", "--n_layer=1", "--seq_len=16", *sides, f"--out={tmp_path / 'x'}"])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_throughput_figure_draws_the_study_with_its_floors(tmp_path, capsys):
+    from mlra_jax.benchmarks import throughput_figure
+
+    def row(variant, tp, dp, context, tokens, floor_tokens):
+        return {
+            "scope": "model",
+            "variant": variant,
+            "tp": tp,
+            "dp": dp,
+            "batch": 64,
+            "context": context,
+            "tokens_per_s": tokens,
+            "floor_tokens_per_s": floor_tokens,
+            "time_over_floor": floor_tokens / tokens,
+        }
+
+    record = {
+        "device": "NVIDIA H100 80GB HBM3",
+        "devices_used": 4,
+        "results": [
+            row("mlra4", 4, 1, 8192, 20000.0, 30000.0),
+            row("mlra4", 4, 1, 2048, 25000.0, 40000.0),
+            row("mla", 1, 4, 2048, 15000.0, 26000.0),
+            {**row("mla", 1, 4, 2048, 1.0, 26000.0), "superseded": "an earlier version's"},
+            {"scope": "model", "variant": "gqa", "context": 2048, "error": "JaxRuntimeError: RESOURCE_EXHAUSTED"},
+        ],
+    }
+    path = tmp_path / "throughput.json"
+    path.write_text(json.dumps(record))
+    out = tmp_path / "figure.png"
+    assert throughput_figure.main([str(path), f"--out={out}"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    lines = [line.split() for line in printed.splitlines() if line.startswith("model")]
+    assert [(line[1], line[-4]) for line in lines] == [("MLRA-4", "2048"), ("MLRA-4", "8192"), ("MLA", "2048")]
+    assert lines[0][-1] == "1.60"  # 40,000 / 25,000: the step over its floor
+    record["results"] = record["results"][4:]
+    path.write_text(json.dumps(record))
+    with pytest.raises(SystemExit) as exit_info:
+        throughput_figure.main([str(path), f"--out={tmp_path / 'none.png'}"])
+    assert exit_info.value.code == 2 and not (tmp_path / "none.png").exists()
+
+
+def test_collective_census_counts_every_form_of_a_collective():
+    from mlra_jax.benchmarks.roofline import collective_census
+
+    hlo = """
+      %all-reduce-start = bf16[64,1,3072]{2,1,0} all-reduce-start(bf16[64,1,3072]{2,1,0} %x), channel_id=1
+      %all-reduce-done = bf16[64,1,3072]{2,1,0} all-reduce-done(%all-reduce-start)
+      %rs = ((bf16[64,1,128,128]{3,2,1,0}), bf16[64,1,32,128]{3,2,1,0}) reduce-scatter-start(%y), dimensions={2}
+      %ag = f32[8,24,128]{2,1,0} all-gather(f32[8,6,128]{2,1,0} %z), dimensions={1}
+      %f = f32[8] fusion(%a), kind=kLoop, calls=%all-reduce.3
+    """
+    census = collective_census(hlo)
+    assert census["collectives"] == {"all-reduce": 1, "reduce-scatter": 1, "all-gather": 1}
+    assert census["collective_bytes"] == 64 * 3072 * 2 + 64 * 32 * 128 * 2 + 8 * 24 * 128 * 4

@@ -9,7 +9,9 @@ import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
+import threading
 from pathlib import Path
 
 import jax
@@ -322,6 +324,30 @@ def test_plot_says_when_it_replaces_an_image_and_writes_it_whole(run, tmp_path, 
     assert plot_main([str(run), "--out", str(out)]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {out} (1 run; replaced the earlier image)"
     assert out.read_bytes().startswith(b"\x89PNG") and os.listdir(tmp_path) == ["curves.png"]  # no temporary left
+
+
+def test_an_out_onto_a_device_or_a_fifo_is_written_through_and_never_replaced(run, tmp_path, capsys):
+    """As root (containers, Colab) a rename over /dev/null would replace it: here nodes made under tmp_path."""
+    pytest.importorskip("matplotlib")
+    null, block, fifo = tmp_path / "null", tmp_path / "block", tmp_path / "fifo"
+    os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # the same device as /dev/null
+    os.mknod(block, stat.S_IFBLK | 0o600, os.makedev(7, 0))
+    os.mkfifo(fifo)
+    val = find_shards(builtin_shards(), "*_val_*.bin")[0]
+    ppl = ["ppl", "--checkpoint", str(run), "--data", f"v={val}", "--seq_len", str(SEQ), "--batch_size", "1"]
+    assert eval_main([*ppl, "--tokens", str(SEQ), "--out", str(null)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"results: {null}"  # nothing "replaced"
+    assert plot_main([str(run), "--out", str(null)]) == 0 and null.is_char_device()
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()))
+    reader.start()
+    assert plot_main([str(run), "--out", str(fifo)]) == 0
+    reader.join(timeout=30)
+    assert fifo.is_fifo() and received[0].startswith(b"\x89PNG")
+    capsys.readouterr()
+    assert plot_main([str(run), "--out", str(block)]) == 2
+    assert f"{block} is a block device, not a regular file" in one_error(capsys) and block.is_block_device()
+    assert sorted(os.listdir(tmp_path)) == ["block", "fifo", "null"]  # no temporary left
 
 
 def test_plot_skips_binary_lines_and_names_a_file_without_records(run, tmp_path, capsys):

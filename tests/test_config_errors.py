@@ -102,3 +102,35 @@ def test_train_config():
         TrainConfig(total_steps=10, warmup_steps=20)
     with pytest.raises(ConfigError, match="global_batch_size=0"):
         TrainConfig(global_batch_size=0)
+
+
+@pytest.mark.parametrize(
+    "argument, message",
+    [
+        ("--train.seed=18446744073709551615", "seed=18446744073709551615 must be a whole number in [0, 2**32)"),
+        ("--train.global_batch_size=99999999999999999999", "global_batch_size=99999999999999999999 must be a positive"),
+        ("--model.n_layer=100000000000000000000000", "n_layer=100000000000000000000000 must be a positive integer"),
+        ("--model.n_layer=100000", "n_layer=100000 is more layers than any model has"),
+        ("--compile_for=", "--compile_for is empty"),
+        ("--distributed --num_processes=0", "--num_processes=0 must be at least 1"),
+        ("--distributed", "--distributed: coordinator_address should be defined"),
+    ],
+)
+def test_values_out_of_range_exit_2_naming_the_field(argument, message, capsys, monkeypatch, tmp_path):
+    """Each in one error line with exit 2, before any work: --dry_run reports no absurd model, and no run
+    directory is made."""
+    import jax
+
+    from mlra_jax.train import main as train_main
+
+    def no_cluster(**kwargs):  # what JAX raises where no cluster is detected (once a backend runs, it refuses)
+        raise ValueError("coordinator_address should be defined.")
+
+    for variable in ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(jax.distributed, "initialize", no_cluster)
+    monkeypatch.chdir(tmp_path)
+    assert train_main(["--experiment=mlra4_tiny", "--dry_run", *argument.split()]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err and "unexpected" not in err
+    assert not list(tmp_path.iterdir())

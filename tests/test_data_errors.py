@@ -151,3 +151,21 @@ def test_an_empty_eval_file_is_named_not_a_traceback(tmp_path):
     write_shard(tmp_path / "empty.bin", np.zeros(0, np.int32))
     with pytest.raises(DataError, match="empty.bin holds 0 tokens, fewer than one batch"):
         eval_windows(tmp_path / "empty.bin", 16, 100, 2)
+
+
+def test_a_full_disk_under_orbax_is_one_line_naming_the_folder_and_its_free_space(tmp_path):
+    """TensorStore (Orbax's writer) reports a full disk as a RESOURCE_EXHAUSTED status in a ValueError, no OSError."""
+    from mlra_jax.command import exit_code
+
+    folder = tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp"
+    store = ValueError(
+        f'RESOURCE_EXHAUSTED: Error writing "d/8f2c" in OCDBT database at local file "{folder}/state/": '
+        "[OS error 28: No space left on device]"
+    )
+    assert exit_code(RuntimeError("the async writer failed"))[0] == 1  # alone: no disk named
+    try:
+        raise RuntimeError("the async writer failed") from store
+    except RuntimeError as err:
+        code, message = exit_code(err)
+    assert code == 2 and "\n" not in message and f"no space left on the device while writing {folder}/state/" in message
+    assert f"MiB free in {tmp_path}" in message and "run the same command again" in message

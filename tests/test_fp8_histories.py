@@ -19,7 +19,7 @@ from mlra_jax import fp8
 from mlra_jax.benchmarks.train import gemm_calls
 from mlra_jax.checkpoint import Checkpointer
 from mlra_jax.model import fp8_histories, init_model
-from mlra_jax.training.loop import train
+from mlra_jax.training.loop import TrainingLoop, train
 from mlra_jax.training.state import build_setup
 from mlra_jax.training.step import make_train_step
 
@@ -166,3 +166,64 @@ def test_info_and_dry_run_describe_the_histories(capsys):
     assert describe(micro_experiment("mlra4_tiny"))["fp8"] is None
     assert train_main(["--experiment=mlra4_tiny", *FLOAT8, "--dry_run"]) == 0
     assert "FP8 amax histories: 8 projections x 4 layers" in capsys.readouterr().out
+
+
+def _saved_run(workdir, experiment, steps_and_histories):
+    """A run whose checkpoints (step -> FP8 histories, None: the fresh ones) are saved directly: no training."""
+    from mlra_jax.training.resume_check import record_experiment
+    from mlra_jax.training.state import init_state
+
+    fresh = init_state(build_setup(experiment, ONE_DEVICE))
+    checkpointer = Checkpointer(workdir / "checkpoints", experiment.checkpoint)
+    for step, histories in steps_and_histories.items():
+        state = dict(fresh)
+        state["fp8"] = state["fp8"] if histories is None else histories(state["fp8"])
+        metadata = {"step": step, "examples": step * experiment.train.global_batch_size, "experiment": "x"}
+        checkpointer.save(step, state, metadata)
+    checkpointer.close()
+    record_experiment(workdir, experiment)
+
+
+RESUME = ("--train.eval_every=0", "--checkpoint.every=100", "--train.warmup_steps=1")
+
+
+@pytest.mark.slow
+def test_a_delayed_run_resumes_with_fp8_off_or_dynamic(tmp_path, caplog):
+    delayed = micro_experiment("mlra4_tiny", *FLOAT8, *RESUME, "--train.total_steps=2")
+    _saved_run(tmp_path, delayed, {2: None})
+    for changed in ("--model.matmul_dtype=compute", "--model.fp8_scaling=dynamic"):
+        caplog.clear()
+        resumed = micro_experiment("mlra4_tiny", *FLOAT8, *RESUME, changed, "--train.total_steps=3")
+        with caplog.at_level("INFO"):
+            assert train(resumed, tmp_path, devices=ONE_DEVICE, allow_changed=("train.total_steps",)).step == 3
+        assert "resumed from" in caplog.text and "holds fp8 of another layout" in caplog.text
+        shutil.rmtree(tmp_path / "checkpoints" / "3")  # the next change resumes from the delayed step 2 again
+    assert not list((tmp_path / "checkpoints").glob("*.damaged*"))
+
+
+@pytest.mark.slow
+def test_histories_of_another_length_or_damaged_ones_start_fresh(tmp_path, caplog, monkeypatch):
+    """Step 4 saved by a version that kept 16 steps of history (and one projection fewer): a valid checkpoint,
+    restored without them; step 6's histories hold NaN, inf, negative and huge amaxes: those are reset."""
+    experiment = micro_experiment("mlra4_tiny", *FLOAT8, *RESUME, "--train.total_steps=5")
+    with monkeypatch.context() as old:
+        old.setattr(fp8, "HISTORY", 16)
+        _saved_run(tmp_path, experiment, {2: None, 4: lambda h: {"blocks": {"mlp": h["blocks"]["mlp"]}}})
+    with caplog.at_level("INFO"):
+        assert train(experiment, tmp_path, devices=ONE_DEVICE).step == 5
+    assert "resumed from" in caplog.text and "at step 4" in caplog.text and "step 4 starts fresh FP8" in caplog.text
+    assert not list((tmp_path / "checkpoints").glob("*.damaged*"))
+
+    values = iter([float("nan"), float("inf"), -1.0, 1e30])
+    damage = lambda h: jax.tree.map(lambda a: a.at[0, 0, 0].set(next(values, 0.0)), h)
+    _saved_run(tmp_path, experiment, {6: damage})
+    setup = build_setup(experiment, ONE_DEVICE)
+    caplog.clear()
+    with caplog.at_level("INFO"), jax.set_mesh(setup.mesh):
+        loop = TrainingLoop(setup, tmp_path)  # restores step 6 (nothing is compiled or trained)
+        loop.checkpointer.close()
+        loop.writer.close()
+    assert loop.step == 6 and "in checkpoint 6 hold NaN, inf, negative or huge values" in caplog.text
+    assert caplog.text.count("blocks.") >= 4
+    histories = jax.tree.leaves(loop.state["fp8"])
+    assert all(bool(jnp.isfinite(h).all() and (h >= 0).all() and (h < 1e19).all()) for h in histories)

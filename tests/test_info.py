@@ -93,7 +93,8 @@ def test_cli_json(capsys):
     assert info.main(["--experiment", "gqa_2p9b", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["num_params"] == 2872593408 and data["per_device_kv_d_h"]["2"] == 6
-    assert data["per_device_kv_d_h"]["4"] == 12 and data["replicated"]["4"] == ["k", "v"]  # 6 KV heads, TP=4
+    # 6 KV heads of 24 query heads at TP=4: each device stores the 2 KV heads its 6 query heads read
+    assert data["per_device_kv_d_h"]["4"] == 4 and data["replicated"]["4"] == []
 
 
 def test_cli_paper_tables_and_list(capsys):

@@ -80,12 +80,13 @@ def test_settings_that_keep_the_trajectory_resume_freely(tmp_path, caplog):
 def test_a_changed_model_shape_is_refused_naming_the_field(tmp_path, capsys):
     run = [f"--workdir={tmp_path}", "--experiment=mlra4_tiny", *MICRO]
     record_experiment(tmp_path, apply_overrides(get_experiment("mlra4_tiny"), MICRO))
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)  # refused before it is read
     saved = (tmp_path / "experiment.json").read_text()
     assert train_main([*run, "--model.n_layer=2"]) == 2
     err = capsys.readouterr().err
     assert "holds a run of a different model (model.n_layer was 1, now 2); use another --workdir" in err
     assert (tmp_path / "experiment.json").read_text() == saved
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["experiment.json", "lock"]  # no checkpoint, no metrics
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "experiment.json"]  # no metrics, no lock
 
 
 def test_averaged_losses_after_a_resume_equal_the_uninterrupted_ones(tmp_path):

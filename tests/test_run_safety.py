@@ -6,7 +6,7 @@ import json
 
 import jax
 import pytest
-from helpers import MICRO, micro_experiment
+from helpers import MICRO, micro_experiment, run_training
 
 from mlra_jax.generate import main as generate_main
 from mlra_jax.train import main as train_main
@@ -117,3 +117,96 @@ def test_a_stop_right_after_a_save_does_not_save_the_step_again(tmp_path, monkey
     monkeypatch.setattr(Checkpointer, "reached_preemption", lambda self, step: True)
     result = train(longer, tmp_path, devices=jax.devices()[:1], allow_changed=("train.total_steps",))
     assert result.stopped_by_signal and result.step == 4
+
+
+def test_a_deleted_lock_file_does_not_admit_a_second_writer(tmp_path):
+    from mlra_jax.config import ConfigError
+    from mlra_jax.training.run_lock import RunLock
+
+    with RunLock(tmp_path):
+        (tmp_path / "lock").unlink()  # the folder's own lock still holds
+        with pytest.raises(ConfigError, match="in use by another training process"):
+            RunLock(tmp_path).acquire()
+    RunLock(tmp_path).acquire().release()  # free again once the holder ends
+
+
+def test_a_folder_without_a_checkpoint_takes_new_settings_and_refused_starts_leave_nothing(tmp_path, capsys):
+    """A run that died before its first checkpoint (its experiment.json names another model) takes the corrected
+    command, and that start removes the temporaries killed rewrites left; a start refused in a new folder leaves no
+    folder and no lock file."""
+    from mlra_jax.training.resume_check import record_experiment
+
+    run = tmp_path / "run"
+    run.mkdir()
+    record_experiment(run, micro_experiment("mlra4_tiny", "--model.n_layer=2"))
+    stale = [".metrics.jsonl.k2j4x9qa.tmp", ".experiment.json.0a1b2c3d.tmp"]
+    for name in [*stale, ".notes.tmp"]:
+        (run / name).write_text("partial")
+    experiment = micro_experiment("mlra4_tiny", "--train.total_steps=3", "--train.eval_every=0")
+    assert train(experiment, run, devices=jax.devices()[:1]).step == 3
+    recorded = json.loads((run / "experiment.json").read_text())
+    assert recorded["model"]["n_layer"] == 1 and len(recorded["data_fingerprint"]) == 16
+    assert not any((run / name).exists() for name in stale) and (run / ".notes.tmp").exists()  # not ours: kept
+
+    new = tmp_path / "new"
+    assert train_main(["--experiment=mlra4_tiny", f"--workdir={new}", *MICRO, "--mesh.data=3"]) == 2
+    assert "error: " in capsys.readouterr().err and not new.exists()
+
+
+def test_other_data_under_the_same_path_is_refused_on_resume(tmp_path, capsys):
+    """prepare --overwrite put other text into the run's dataset folder: the fingerprint in experiment.json differs."""
+    import numpy as np
+
+    from mlra_jax.data.pipeline import data_fingerprint
+    from mlra_jax.data.shards import write_shard
+    from mlra_jax.training.resume_check import check_resume, record_experiment
+
+    data, run = tmp_path / "data", tmp_path / "run"
+    data.mkdir()
+    write_shard(data / "d_train_000000.bin", np.arange(200) % 100)
+    overrides = [*MICRO, f"--data.dataset={data}", "--train.eval_every=0"]
+    experiment = micro_experiment("mlra4_tiny", *overrides[len(MICRO) :])
+    (run / "checkpoints" / "4").mkdir(parents=True)
+    record_experiment(run, experiment, data_fingerprint(experiment.data))
+    saved = (run / "experiment.json").read_text()
+    write_shard(data / "d_train_000000.bin", np.arange(300) % 100)
+    assert train_main(["--experiment=mlra4_tiny", f"--workdir={run}", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert f"the training data in {data} changed since {run} was trained on it" in err
+    assert "--allow_changed=data.dataset" in err and (run / "experiment.json").read_text() == saved
+    check_resume(run, experiment, True, ("data.dataset",), data_fingerprint(experiment.data))  # allowed: no error
+
+
+def test_a_first_ctrl_c_asks_for_a_save_and_a_second_aborts():
+    """As SIGTERM: the loop saves a checkpoint at the next step and exits (run()'s stop path)."""
+    import os
+    import signal
+
+    from mlra_jax.train import _parser
+    from mlra_jax.training.loop import _StopSignal
+
+    stop = _StopSignal()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.received == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert "Ctrl-C (SIGINT) saves a\ncheckpoint" in _parser().format_help()
+
+
+def test_a_truncated_newest_checkpoint_is_one_warning_line_and_the_run_resumes_from_the_one_before(tmp_path):
+    trained_run(tmp_path)
+    data = max((tmp_path / "checkpoints" / "8" / "state").rglob("ocdbt.process_0/d/*"), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # a copy or a disk that stopped midway
+    result = run_training(tmp_path, "--train.total_steps=8", "--train.eval_every=0")
+    output = result.stdout + result.stderr
+    (warning,) = [line for line in output.splitlines() if "WARNING" in line]
+    assert "checkpoints/8 is incomplete or damaged" in warning and "restored step 4" in warning, output
+    assert "Traceback" not in output and "Event loop is closed" not in output and "Exception ignored" not in output, (
+        output
+    )
+    assert "TensorStore details" not in warning  # TensorStore's own error, not Orbax's repr of the store
+    assert (tmp_path / "checkpoints" / "8.damaged").is_dir() and "finished at step 8" in result.stdout

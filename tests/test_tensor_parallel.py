@@ -136,6 +136,53 @@ def test_kv_heads_that_do_not_divide_are_replicated(caplog):
     assert per_device_bytes(state.kv["k"]) == state.kv["k"].nbytes
 
 
+@pytest.mark.parametrize("data", [1, 2])
+def test_gqa_kv_heads_stored_by_the_query_heads_that_read_them(data):
+    """GQA with 6 KV heads of 24 query heads at TP=4 (the 2.9B GQA's layout): each device stores the 2 KV heads its
+    6 query heads read, prefill and decode equal the unsharded model, and no step gathers the cache."""
+    model = init_model(small("gqa", n_head=24, group_size=4, head_dim=8), seed=0)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tokens = jax.random.randint(jax.random.key(3), (2, 7), 0, 128)
+    expected, _ = decode(model, params, tokens)
+    mesh = make_mesh(MeshConfig(data=data, tensor=4), jax.devices()[: 4 * data])
+    with jax.set_mesh(mesh):
+        sharded = shard_params(model, params, mesh)
+        logits, state = decode(model, sharded, tokens, mesh)
+        graphdef = nnx.split(model)[0]
+        step = jax.jit(lambda p, t, s: nnx.merge(graphdef, p).forward_cached(t, s, True))
+        hlo = step.lower(sharded, tokens[:, :1], state).compile().as_text()
+    np.testing.assert_allclose(logits, expected, atol=2e-5)
+    plan = dict(state.plans)["k"]
+    assert plan.aligned and plan.unit_index.tolist() == [0, 1, 1, 2, 3, 4, 4, 5]
+    assert state.kv["k"].shape[3] == 8 and per_device_bytes(state.kv["k"]) == state.kv["k"].nbytes // (4 * data)
+    assert not [line for line in hlo.splitlines() if re.search(r"= \S+ all-gather\(", line)]
+
+
+def test_decode_branch_sums_in_bfloat16_against_float32(monkeypatch):
+    """MLRA-4 at TP=4 in bfloat16: decode steps reduce the branch sums in bfloat16 (half the bytes), and the logits
+    stay within bfloat16 rounding of the float32 reduction's."""
+    import mlra_jax.tensor_parallel as tp_module
+
+    model = init_model(small("mlra4", compute_dtype="bfloat16"), seed=0)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tokens = jax.random.randint(jax.random.key(4), (2, 7), 0, 128)
+    mesh = make_mesh(MeshConfig(data=1, tensor=4), jax.devices()[:4])
+    outputs, reductions = {}, {}
+    for dtype in ("compute", "float32"):
+        monkeypatch.setattr(tp_module, "DECODE_REDUCE_DTYPE", dtype)
+        with jax.set_mesh(mesh):
+            sharded = shard_params(model, params, mesh)
+            outputs[dtype], state = decode(model, sharded, tokens, mesh)
+            graphdef = nnx.split(model)[0]
+            step = jax.jit(lambda p, t, s: nnx.merge(graphdef, p).forward_cached(t, s, True))
+            hlo = step.lower(sharded, tokens[:, :1], state).as_text()
+        reductions[dtype] = re.findall(r"stablehlo\.reduce_scatter\".*?\}\) : \(tensor<([^>]*)>", hlo, re.DOTALL)
+    assert reductions["compute"] and all(r.endswith("bf16") for r in reductions["compute"]), reductions
+    assert reductions["float32"] and all(r.endswith("f32") for r in reductions["float32"]), reductions
+    scale = float(np.abs(outputs["float32"]).max())
+    np.testing.assert_allclose(outputs["compute"], outputs["float32"], atol=0.02 * scale)
+
+
 @pytest.mark.parametrize("variant", ["mla", "mlra4"])
 def test_bfloat16_training_under_tp(variant):
     """bf16 compute through the latent shard_map region, backward included (float32 params)."""

@@ -31,13 +31,14 @@ def test_mla_splits_its_heads_and_replicates_the_latent():
     assert layout.stored_kv == (P(None, None, None, None), P(None)) and layout.mask == P(None)
 
 
-def test_a_decode_step_makes_every_automatic_axis_manual_where_the_batch_splits():
+def test_a_decode_step_makes_every_automatic_axis_manual():
     automatic = frozenset({"data", "fsdp", TENSOR})
     split = decode_layout(MLRA4_TP4, True, (4, 4), batch_axes=("data",), automatic=automatic)
     assert split.manual_axes == automatic and split.queries == P(("data",)) and split.mask == P(("data",))
     assert split.stored_kv == (P(("data",), None, TENSOR, None), P(("data",)))
+    # a batch that does not split: whole on every device, every axis still manual (no partly automatic region)
     whole = decode_layout(MLRA4_TP4, True, (4, 4), batch_axes=(), automatic=automatic)
-    assert whole.manual_axes == {TENSOR} and whole.queries == P(None)
+    assert whole.manual_axes == automatic and whole.queries == P(None)
 
 
 def test_widening_touches_only_replicated_floating_inputs_in_training():

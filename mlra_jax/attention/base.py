@@ -31,6 +31,9 @@ class CacheComponent:
     units: int
     unit_shape: tuple[int, ...]
     unit_axis: str | None  # logical axis name of the units (None: one unit, replicated under TP)
+    # query heads that read the units, head i reading unit i // (heads / units) (GQA's KV heads); 0: none do, and
+    # TP cannot store a unit per device by the heads that read it (tensor_parallel.UnitPlan.aligned)
+    read_by_heads: int = 0
 
     @property
     def unit_elements(self) -> int:
@@ -133,6 +136,20 @@ class Attention(nnx.Module):
         del absorbed
         cache = store_entry(cache, self.cache_entry(x, positions), index, plans)
         return self.attend(x, positions, cache, mask), cache
+
+    def attend_and_project(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        mask: jax.Array,
+        index: jax.Array,
+        plans: dict,
+        absorbed: bool,
+    ) -> tuple[jax.Array, KVCache]:
+        """write_and_attend, then the output projection: the attention's output [B, T, d] and the cache."""
+        heads, cache = self.write_and_attend(x, positions, cache, mask, index, plans, absorbed)
+        return self.output(x, heads), cache
 
     def output(self, x: jax.Array, heads_out: jax.Array) -> jax.Array:
         """Optional sigmoid gate computed from x (the attention's input), then the output projection; heads_out

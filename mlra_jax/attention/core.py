@@ -16,7 +16,7 @@ from mlra_jax.attention.fused import choose
 from mlra_jax.attention.latent_kernels import latent_decode_attention, use_kernel
 from mlra_jax.layers import einsum
 
-_MASKED = float(jnp.finfo(jnp.float32).min)
+MASKED = float(jnp.finfo(jnp.float32).min)  # the logit of a key a query may not see
 ATTENTION_INPUTS = ("attention_q", "attention_k", "attention_v")  # checkpoint names of what attention() attends with
 
 
@@ -45,7 +45,7 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, mas
     q = q.reshape(b, t, hq // groups, groups, dk)
     logits = einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
     if mask is not None:
-        logits = jnp.where(mask[:, None, None], logits, _MASKED)
+        logits = jnp.where(mask[:, None, None], logits, MASKED)
     probs = jax.nn.softmax(logits, axis=-1)
     out = einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, hq, v.shape[-1]).astype(v.dtype)
@@ -78,7 +78,7 @@ def latent_attention(
     if mask is None:
         positions = jnp.broadcast_to(jnp.arange(q_latent.shape[1]), q_latent.shape[:2])
         mask = causal_mask(positions, positions)
-    logits = jnp.where(mask[:, None, None], logits, _MASKED)
+    logits = jnp.where(mask[:, None, None], logits, MASKED)
     probs = jax.nn.softmax(logits, axis=-1)
     out = einsum("bnhts,bsnr->btnhr", probs.astype(latent.dtype), latent, preferred_element_type=jnp.float32)
     return out.astype(latent.dtype)

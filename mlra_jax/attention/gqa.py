@@ -4,13 +4,16 @@ KV head i // group_size serves query head i. MHA is group_size 1, MQA group_size
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from mlra_jax.attention.base import Attention, CacheComponent, DecodeShape, KVCache
-from mlra_jax.attention.core import attention
+from mlra_jax.attention.base import Attention, CacheComponent, DecodeShape, KVCache, store_entry
+from mlra_jax.attention.core import MASKED, attention
 from mlra_jax.attention.rope import apply_rope
 from mlra_jax.config import ModelConfig
-from mlra_jax.layers import dense_init, make_param, project
+from mlra_jax.layers import dense_init, einsum, make_param, project
+from mlra_jax.tensor_parallel import TENSOR, UnitPlan, tensor_size
 
 
 class GroupedQueryAttention(Attention):
@@ -24,7 +27,10 @@ class GroupedQueryAttention(Attention):
 
     @staticmethod
     def cache_layout(cfg: ModelConfig) -> list[CacheComponent]:
-        return [CacheComponent(name, cfg.n_kv_head, (cfg.head_dim,), "kv_heads") for name in ("k", "v")]
+        return [
+            CacheComponent(name, cfg.n_kv_head, (cfg.head_dim,), "kv_heads", read_by_heads=cfg.n_head)
+            for name in ("k", "v")
+        ]
 
     @staticmethod
     def decode_shape(cfg: ModelConfig) -> DecodeShape:
@@ -41,5 +47,55 @@ class GroupedQueryAttention(Attention):
         return {"k": k, "v": project(x, self.v_proj, "btd,dhk->bthk", self.dtype)}
 
     def attend(self, x: jax.Array, positions: jax.Array, kv: KVCache, mask: jax.Array | None) -> jax.Array:
-        q = apply_rope(project(x, self.q_proj, "btd,dhk->bthk", self.dtype), positions, self.theta)
-        return attention(q, kv["k"], kv["v"], scale=self.scale, impl=self.impl, mask=mask)
+        return attention(self.queries(x, positions), kv["k"], kv["v"], scale=self.scale, impl=self.impl, mask=mask)
+
+    def queries(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        return apply_rope(project(x, self.q_proj, "btd,dhk->bthk", self.dtype), positions, self.theta)
+
+    def write_and_attend(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        mask: jax.Array,
+        index: jax.Array,
+        plans: dict,
+        absorbed: bool,
+    ) -> tuple[jax.Array, KVCache]:
+        """Attention.write_and_attend; under TP with KV heads stored as their query heads read them
+        (UnitPlan.aligned), each device attends over the KV heads it stores (aligned_attention)."""
+        plan = plans["k"]
+        if not (plan.aligned and tensor_size() == plan.tp):
+            return super().write_and_attend(x, positions, cache, mask, index, plans, absorbed)
+        cache = store_entry(cache, self.cache_entry(x, positions), index, plans)
+        return aligned_attention(self.queries(x, positions), cache["k"], cache["v"], mask, plan, self.scale), cache
+
+
+def aligned_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, plan: UnitPlan, scale: float
+) -> jax.Array:
+    """GQA over a cache stored by an aligned plan, in one shard_map over `tensor`: q [B, T, h, D] split over heads,
+    k and v [B, S, stored, D] split over their slots, mask [B, T, S] -> [B, T, h, D] split over heads. Each device
+    scores its query heads against each of its k stored KV heads and masks the pairs that GQA does not pair
+    (UnitPlan.local_heads_slot), so one softmax over (slot, key) is each head's softmax over its own KV head: the
+    cache is read as stored, with no gather and no transposed copy, for k times the scores' FLOPs."""
+    reads = jnp.asarray(plan.local_heads_slot)  # [tp, h / tp]
+
+    def on_device(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+        (b, t, h, d), (s, slots) = q.shape, k.shape[1:3]
+        paired = reads[jax.lax.axis_index(TENSOR)][:, None] == jnp.arange(slots)[None, :]  # [h / tp, k]
+        # (query, head) rows against (slot, KV head) rows: batched products of the cache as stored (a KV head axis
+        # between the slots and the width would otherwise be transposed out of the whole cache)
+        rows = (b, t * h, d)
+        keys = k.reshape(b, s * slots, d)
+        logits = einsum("bqd,bnd->bqn", q.reshape(rows), keys, preferred_element_type=jnp.float32)
+        logits = logits.reshape(b, t, h, s, slots) * scale
+        logits = jnp.where(paired[None, None, :, None, :] & mask[:, :, None, :, None], logits, MASKED)
+        probs = jax.nn.softmax(logits.reshape(b, t * h, s * slots), axis=-1).astype(v.dtype)
+        out = einsum("bqn,bnd->bqd", probs, v.reshape(b, s * slots, d), preferred_element_type=jnp.float32)
+        return out.reshape(b, t, h, d).astype(v.dtype)
+
+    heads = P(None, None, TENSOR, None)
+    return jax.shard_map(
+        on_device, in_specs=(heads, heads, heads, P()), out_specs=heads, axis_names={TENSOR}, check_vma=False
+    )(q, k, v, mask)

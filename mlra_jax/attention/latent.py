@@ -27,6 +27,7 @@ from typing import Callable, Literal
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from mlra_jax.attention.base import Attention, CacheComponent, DecodeShape, KVCache, store_entry
 from mlra_jax.attention.core import attention, latent_attention
@@ -40,6 +41,7 @@ from mlra_jax.tensor_parallel import (
     RegionLayout,
     decode_layout,
     prefill_layout,
+    reduce_dtype,
     tensor_size,
     train_layout,
 )
@@ -89,6 +91,10 @@ class LatentAttention(Attention):
         self.product_keys = cfg.latent_keys == "product" or (
             cfg.latent_keys == "auto" and self.block_rank <= self.PRODUCT_KEYS_MAX_RANK
         )
+        # Decode steps under TP project the heads' output inside the blocks' region where each device serves every
+        # head (LatentPlan.serves_every_head), with o_proj whole on every device: set by the serving layer, which
+        # holds o_proj so (decode.layouts.tensor_parallel_weights).
+        self.project_in_region = False
 
     @staticmethod
     def cache_layout(cfg: ModelConfig) -> list[CacheComponent]:
@@ -192,6 +198,32 @@ class LatentAttention(Attention):
         queries = self.queries_from(c_q, positions)
         return self.run_blocks("decode" if absorbed else "prefill", queries, cache, mask), cache
 
+    def attend_and_project(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        mask: jax.Array,
+        index: jax.Array,
+        plans: dict,
+        absorbed: bool,
+    ) -> tuple[jax.Array, KVCache]:
+        """Attention.attend_and_project; a decode step under TP with project_in_region runs the output projection
+        on each device's branch sums and reduces the hidden state once (no reduce-scatter of the heads, no
+        all-reduce after a row-parallel projection)."""
+        tp = tensor_size()
+        plan = LatentPlan(self.blocks, self.branches, self.n_head, tp) if tp > 1 else None
+        if not (absorbed and self.project_in_region and plan is not None and plan.serves_every_head):
+            return super().attend_and_project(x, positions, cache, mask, index, plans, absorbed)
+        if self.gate_proj is not None:
+            raise ValueError("project_in_region serves models without the output gate")
+        c_q, (latent, k_rope) = self.q_projection(x), self.kv_projections(x)
+        cache = store_entry(cache, self.entry_from(latent, k_rope, positions), index, plans)
+        queries = self.queries_from(c_q, positions)
+        kv_up = self.kv_up[...].astype(self.dtype)
+        out = self.tensor_parallel_blocks("decode", plan, queries, cache, kv_up, mask, self.o_proj[...])
+        return out, cache
+
     def run_blocks(
         self, mode: Mode, queries: tuple[jax.Array, jax.Array], kv: KVCache, mask: jax.Array | None
     ) -> jax.Array:
@@ -236,12 +268,15 @@ class LatentAttention(Attention):
         kv: KVCache,
         kv_up: jax.Array,
         mask: jax.Array | None,
+        o_proj: jax.Array | None = None,
     ) -> jax.Array:
         """The blocks in one shard_map over `tensor`: device d runs its latent block(s), their kv_up slices and its
         cache slice from the heads it serves (`plan`); the branch outputs meet in one psum_scatter that leaves
         [B, T, h, d_h] split over heads for the row-parallel output projection. queries: q_nope, q_rope
         [B, T, h, D]; kv: fresh entries in training, else the stored cache. The specs and manual axes of each
-        mode come from tensor_parallel's train_layout, prefill_layout and decode_layout."""
+        mode come from tensor_parallel's train_layout, prefill_layout and decode_layout. With o_proj (whole on
+        every device; decode steps of a plan that serves every head on each device), each device projects its
+        branch sums and one psum of [B, T, d] returns the attention's output."""
         latent = plan.units.store(kv["latent"], axis=2) if mode == "train" else kv["latent"]  # laid out as the cache
         stored_kv = (latent, kv["k_rope"])
         kv_up = plan.units.store(kv_up, axis=0)
@@ -257,12 +292,12 @@ class LatentAttention(Attention):
         stored_kv = tuple(layout.widen(x, spec) for x, spec in zip(stored_kv, layout.stored_kv))
         mapped = jax.shard_map(
             functools.partial(self._blocks_on_device, mode, plan, layout),
-            in_specs=(layout.queries, layout.stored_kv, layout.kv_up, layout.mask),
-            out_specs=layout.out,
+            in_specs=(layout.queries, layout.stored_kv, layout.kv_up, layout.mask, P()),
+            out_specs=layout.out if o_proj is None else P(layout.queries[0]),
             axis_names=set(layout.manual_axes),
             check_vma=False,
         )
-        return mapped(queries, stored_kv, kv_up, mask)
+        return mapped(queries, stored_kv, kv_up, mask, o_proj)
 
     def _blocks_on_device(
         self,
@@ -273,9 +308,11 @@ class LatentAttention(Attention):
         stored_kv: tuple[jax.Array, jax.Array],
         kv_up: jax.Array,
         mask: jax.Array | None,
+        o_proj: jax.Array | None,
     ) -> jax.Array:
         """The region's body on one device: its blocks' attention, their branches summed into their heads' places,
-        reduced over `tensor`."""
+        reduced over `tensor` (in the compute dtype in decode steps, tensor_parallel.reduce_dtype); with o_proj,
+        projected first and reduced as the hidden state [B, T, d]."""
         h, t, out_dtype = plan.heads, plan.tp, self.dtype
         queries = tuple(x.astype(out_dtype) for x in queries)
         stored_kv = tuple(x.astype(out_dtype) for x in stored_kv)
@@ -301,6 +338,10 @@ class LatentAttention(Attention):
             current = jax.lax.dynamic_slice_in_dim(full, start, width, axis=2)
             full = jax.lax.dynamic_update_slice_in_dim(full, current + out[:, :, j], start, axis=2)
         full = full * self.branch_scale
+        if o_proj is not None:
+            hidden = einsum("bthk,hkd->btd", full.astype(out_dtype), o_proj.astype(out_dtype))
+            return jax.lax.psum(hidden.astype(reduce_dtype(mode, out_dtype)), TENSOR).astype(out_dtype)
+        full = full.astype(reduce_dtype(mode, out_dtype))
         if h % t == 0:
             return jax.lax.psum_scatter(full, TENSOR, scatter_dimension=2, tiled=True).astype(out_dtype)
         return jax.lax.psum(full, TENSOR).astype(out_dtype)

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mlra_jax.benchmarks import roofline
 from mlra_jax.benchmarks.common import (
     benchmark_params,
     device_time,
@@ -64,6 +65,11 @@ class AttentionCase:
         per_token = self.latent + self.rope if self.latent else 2 * self.kv_heads * self.head_dim
         return batch * context * per_token * 2  # bf16
 
+    def flops(self, batch: int, context: int) -> int:
+        """The attention's FLOPs: each query head's scores over its key width and its sum over its value width."""
+        key, value = (self.latent + self.rope, self.latent) if self.latent else (self.head_dim, self.head_dim)
+        return batch * context * self.heads * 2 * (key + value)
+
 
 CASES = {
     "mlra4": AttentionCase("MLRA-4 (TP=4)", heads=64, latent=128, rope=64),
@@ -71,14 +77,6 @@ CASES = {
     "mla": AttentionCase("MLA", heads=64, latent=512, rope=64),
     "gqa": AttentionCase("GQA (TP=8)", heads=8, latent=0, rope=0, kv_heads=1, head_dim=128),
 }
-
-
-def copy_bandwidth(gigabytes: float) -> float:
-    """Device-to-device copy bandwidth in bytes/s (bytes read plus bytes written), timed like the kernels."""
-    n = int(gigabytes * 2**30 / 2)
-    x = jnp.full((n,), 1.5, jnp.bfloat16)
-    seconds = device_time(lambda a: a + jnp.bfloat16(1), (x,), repeats=10, calls=1)["time_s"]
-    return 2 * n * 2 / seconds
 
 
 def _length_mask(lengths: jax.Array, context: int) -> jax.Array:
@@ -170,12 +168,14 @@ def bench_attention(args: argparse.Namespace) -> tuple[list[dict], dict]:
     """Every (variant, setting, impl); the JSON is rewritten after each result, so a run cut short keeps what
     it measured. With --merge, results of an earlier run in --out that this run does not measure are kept
     (each result names the copy bandwidth of its own run)."""
-    bandwidth = copy_bandwidth(args.copy_gb)
+    ceilings = roofline.measured_ceilings(args.copy_gb)
+    bandwidth = ceilings["copy_bandwidth_bytes_per_s"]
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s", flush=True)
     settings = [(1, c) for c in args.batch1_contexts] + [(128, c) for c in args.batch128_contexts]
     kept, runs = _earlier_results(args, settings)
     extra = {
         "copy_bandwidth_bytes_per_s": bandwidth,
+        "ceilings": ceilings,
         "runs": [*runs, {**environment(), "copy_bandwidth_bytes_per_s": bandwidth}],
     }
     results = kept
@@ -214,8 +214,10 @@ def bench_attention(args: argparse.Namespace) -> tuple[list[dict], dict]:
                     "ideal_time_s_3p35": moved / H100_BANDWIDTH,
                     "ideal_time_s_measured": moved / bandwidth,
                     "fraction_of_measured_bandwidth": moved / bandwidth / seconds,
-                    "copy_bandwidth_bytes_per_s": bandwidth,
+                    **roofline.floor(0, moved, case.flops(batch, context), ceilings, seconds),
                 }
+                if "kernels_s" in timing:
+                    result["kernel_sum_s"] = roofline.kernel_sum(timing["kernels_s"])
                 results.append(result)
                 save(args.out, "decode_attention", results, **extra)
                 print(
@@ -256,6 +258,14 @@ def serving_floor_bytes(serving, batch: int, context: int) -> dict[str, int]:
     return {"weight_bytes": int(weight_bytes), "cache_bytes": int(batch * context * per_token * serving.cfg.n_layer)}
 
 
+def serving_flops(serving, batch: int, context: int) -> float:
+    """FLOPs of one decode step on one device: two per weight element that multiplies (the layers' and the tied
+    head's) and row, and the attention over `context` cached tokens per sequence and layer."""
+    matrices = roofline.matrix_elements({"layers": serving.weights["layers"], "head": serving.weights["head"]})
+    attention = serving.cfg.n_layer * batch * context * roofline.attention_flops_per_token(serving.cfg, 1)
+    return 2 * matrices * batch + attention
+
+
 def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
     """Whole-model decode steps on the serving path (decode.serving: bf16 weights split per layer, per-layer caches
     donated and updated in place, a capacity bucket of exactly `context` slots), against the bandwidth floor: the
@@ -267,9 +277,14 @@ def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
     from mlra_jax.kv_cache import init_layer_caches
     from mlra_jax.model import abstract_model
 
-    bandwidth = copy_bandwidth(args.copy_gb)
-    print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s", flush=True)
-    extra = {"copy_bandwidth_bytes_per_s": bandwidth}
+    ceilings = roofline.measured_ceilings(args.copy_gb)
+    bandwidth = ceilings["copy_bandwidth_bytes_per_s"]
+    print(
+        f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s, bf16 matmul {ceilings['bf16_flops_per_s'] / 1e12:.0f} "
+        "TFLOP/s",
+        flush=True,
+    )
+    extra = {"copy_bandwidth_bytes_per_s": bandwidth, "ceilings": ceilings}
     results = []
     for name in args.experiments.split(","):
         base = dataclasses.replace(
@@ -301,18 +316,21 @@ def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
                         save(args.out, "decode_model", results, **extra)
                         continue
                     floor = serving_floor_bytes(serving, batch, context)
-                    floor_s = (floor["weight_bytes"] + floor["cache_bytes"]) / bandwidth
                     seconds = result["step_time_s"]
                     result.update(
-                        floor,
-                        tokens_per_s=batch / seconds,
-                        floor_time_s=floor_s,
-                        floor_tokens_per_s=batch / floor_s,
-                        time_over_floor=seconds / floor_s,
-                        copy_bandwidth_bytes_per_s=bandwidth,
+                        roofline.floor(
+                            floor["weight_bytes"],
+                            floor["cache_bytes"],
+                            serving_flops(serving, batch, context),
+                            ceilings,
+                            seconds,
+                        )
                     )
+                    floor_s = result["floor_time_s"]
+                    result.update(tokens_per_s=batch / seconds, floor_tokens_per_s=batch / floor_s)
                     if args.generate_tokens:
                         result.update(_time_generate(model, serving, batch, context, args.generate_tokens))
+                        result["generate_over_floor"] = result["generate_s_per_token"] / floor_s
                     results.append(result)
                     save(args.out, "decode_model", results, **extra)
                     generated = (
@@ -384,10 +402,13 @@ def _time_serving_step(serving, batch: int, context: int, args: argparse.Namespa
     if jax.default_backend() == "gpu":
         profiled = profiled_time(run, repeats=args.repeats)
         top = sorted(profiled["kernels_s"].items(), key=lambda kv: -kv[1])[:12]
+        kernels = roofline.kernel_sum(profiled["kernels_s"])
         timing = {
             "step_time_s": profiled["time_s"],
             "timing": "profiler span per step (median)",
             "wall_time_per_step_s": wall,
+            "kernel_sum_s": kernels,
+            "span_over_kernels": profiled["time_s"] / kernels,
             "kernels_s": dict(top),
         }
         if args.timeline:

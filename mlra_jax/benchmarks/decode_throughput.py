@@ -8,20 +8,33 @@ on fewer devices the TP degree is capped at the device count), fills the caches 
 length, and times one decode step for the whole batch (tokens/s = batch / step time):
 
 * scope `attention`: one layer of DeepSeek-V3's attention shape (THROUGHPUT_MODELS), as the paper
-  measures: pre-attention projections, cache write and attention (absorbed for the latent family);
+  measures: pre-attention projections, cache write and attention (absorbed for the latent family), with the
+  weights held as the serving layer holds them (decode.layouts.tensor_parallel_weights);
 * scope `model`: the 2.9B model ({variant}_2p9b) on the serving path (decode.serving: bf16 weights
   split per layer, per-layer caches updated in place), embedding to logits.
 
 --attention_impl auto (default) takes the Pallas kernels for the latent family's decode where they run
 (Hopper GPUs, TPUs) and XLA elsewhere (GQA always). On GPUs the step time is the profiler's span on
-device 0 (the wall time and the top kernels are recorded too); elsewhere the median wall time.
+device 0 (the wall time, the sum of all kernels and the top kernels are recorded too); elsewhere the median
+wall time.
+
+Every row gives its roofline on one device (benchmarks.roofline): the weight and cache bytes the device must read,
+the FLOPs it must do, the floor at the copy bandwidth and bf16 matrix rate measured in the same process, the step
+as a multiple of the floor, and the compiled step's collectives (count by kind and bytes). Each (scope, variant)
+runs in a process of its own (--isolate, the default), so that a failure (out of memory) loses only its own rows;
+`mlra bench throughput_figure RECORD` draws the study's figure with the floors.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,7 +42,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mlra_jax import tensor_parallel
 from mlra_jax.attention import attention_class
+from mlra_jax.benchmarks import roofline
 from mlra_jax.benchmarks.common import (
     benchmark_params,
     earlier_results,
@@ -40,6 +55,7 @@ from mlra_jax.benchmarks.common import (
     save,
 )
 from mlra_jax.config import MeshConfig, ModelConfig
+from mlra_jax.decode import layouts
 from mlra_jax.decode.serving import ServingModel, serving_compiler_options
 from mlra_jax.experiments.benchmarks import PAPER_BATCH, THROUGHPUT_CONTEXTS, THROUGHPUT_MODELS, deployment
 from mlra_jax.kv_cache import cache_shardings, init_cache, init_layer_caches, layer_cache_shardings, slot_mask
@@ -61,18 +77,35 @@ def with_impl(cfg: ModelConfig, impl: str) -> ModelConfig:
     return dataclasses.replace(cfg, attention_impl=impl if cfg.spec.latent_layout else "xla")
 
 
+def pipelined_time(run: Callable[[], Any], steps: int) -> float:
+    """Wall seconds per step of `steps` calls of run() dispatched back to back, blocking only on the last (as a
+    server decodes: the host enqueues a step while the device runs the one before)."""
+    jax.block_until_ready(run())
+    start = time.perf_counter()
+    out = None
+    for _ in range(steps):
+        out = run()
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / steps
+
+
 def time_step(run: Callable[[], Any], repeats: int) -> dict[str, Any]:
-    """Seconds per call of run(): the profiler's span on GPUs (with the wall time and the top kernels), else the
-    median wall time."""
+    """Seconds per call of run(): the profiler's span on GPUs (with the wall time of single steps and of steps
+    dispatched back to back, the sum of all kernels and the top kernels), else the median wall time."""
     wall = median_time(run, repeats=repeats)
+    pipelined = pipelined_time(run, repeats)
     if jax.default_backend() != "gpu":
-        return {"step_time_s": wall, "timing": "wall time per step (median)"}
+        return {"step_time_s": wall, "timing": "wall time per step (median)", "pipelined_step_s": pipelined}
     profiled = profiled_time(run, repeats=repeats)
     top = dict(sorted(profiled["kernels_s"].items(), key=lambda kv: -kv[1])[:10])
+    kernels = roofline.kernel_sum(profiled["kernels_s"])
     return {
         "step_time_s": profiled["time_s"],
         "timing": "profiler span per step on device 0 (median)",
         "wall_time_per_step_s": wall,
+        "pipelined_step_s": pipelined,
+        "kernel_sum_s": kernels,
+        "span_over_kernels": profiled["time_s"] / kernels,
         "kernels_s": top,
     }
 
@@ -85,6 +118,7 @@ def measure_attention(
     devices: list[jax.Device],
     batch: int,
     results: list[dict],
+    ceilings: dict[str, float],
 ) -> None:
     """One decode step of one attention layer (DeepSeek-V3's shape) per context, appended to results."""
     cfg = with_impl(THROUGHPUT_MODELS[variant], impl)
@@ -95,6 +129,8 @@ def measure_attention(
     axes = {k: v[1:] if v and v[0] == "layers" else v for k, v in logical_axes(attn).items()}
     with jax.set_mesh(mesh):
         params = jax.device_put(params, tree_shardings(params, axes, mesh))
+        params = layouts.tensor_parallel_weights({"attn": params}, cfg, tp)["attn"]  # as the serving layer holds them
+        read = {k: v for k, v in params.items() if k not in ("o_proj", "gate_proj")}  # what the scope's step reads
 
         def step(params, x, state):
             positions, mask = slot_mask(state, 1)
@@ -114,13 +150,20 @@ def measure_attention(
             holder = {"state": dataclasses.replace(state, kv=kv, index=jnp.int32(context - 4 * repeats - 16))}
             del state, kv
 
+            compiled = jitted.lower(params, x, holder["state"]).compile()
+
             def run():
-                heads, holder["state"] = jitted(params, x, holder["state"])
+                heads, holder["state"] = compiled(params, x, holder["state"])
                 return heads
 
-            results.append(
-                _record(variant, "attention", cfg, tp, dp, len(devices), batch, context, time_step(run, repeats))
-            )
+            timing = time_step(run, repeats)
+            rows = batch // dp
+            flops = 2 * roofline.matrix_elements(read) * rows
+            flops += rows * context * roofline.attention_flops_per_token(cfg, tp)
+            cache = roofline.cache_bytes_in_use(holder["state"].kv, context, slot_axis=2)
+            timing |= roofline.floor(roofline.shard_bytes(read), cache, flops, ceilings, timing["step_time_s"])
+            timing |= roofline.collective_census(compiled.as_text())
+            results.append(_record(variant, "attention", cfg, tp, dp, len(devices), batch, context, timing))
             holder.clear()  # the cache's buffers go before the next context's are made
 
 
@@ -132,6 +175,7 @@ def measure_model(
     devices: list[jax.Device],
     batch: int,
     results: list[dict],
+    ceilings: dict[str, float],
 ) -> None:
     """One decode step of the whole 2.9B model on the serving path per context, appended to results."""
     from mlra_jax.model import abstract_model
@@ -157,15 +201,19 @@ def measure_model(
             holder = {"caches": dataclasses.replace(caches, layers=layers, index=jnp.int32(context - 4 * repeats - 16))}
             del caches, layers
 
-            step = serving.compiled(True, tokens.shape)
+            step = serving.compiled(True, tokens.shape).lower(serving.weights, tokens, holder["caches"]).compile()
 
             def run():
                 logits, holder["caches"] = step(serving.weights, tokens, holder["caches"])
                 return logits
 
-            results.append(
-                _record(variant, "model", cfg, tp, dp, len(devices), batch, context, time_step(run, repeats))
+            timing = time_step(run, repeats)
+            weight_bytes, cache_bytes, flops = roofline.model_step_floor(
+                cfg, serving.weights, holder["caches"].layers, tp, batch // dp, context
             )
+            timing |= roofline.floor(weight_bytes, cache_bytes, flops, ceilings, timing["step_time_s"])
+            timing |= roofline.collective_census(step.as_text())
+            results.append(_record(variant, "model", cfg, tp, dp, len(devices), batch, context, timing))
             holder.clear()  # the cache's buffers go before the next context's are made
 
 
@@ -181,9 +229,11 @@ def _record(
     timing: dict[str, Any],
 ) -> dict[str, Any]:
     seconds = timing["step_time_s"]
+    kernels = f"  kernels {timing['kernel_sum_s'] * 1e3:7.3f} ms" if "kernel_sum_s" in timing else ""
     print(
         f"{scope:9} {variant:6} TP={tp} DP={dp} B={batch:<4} ctx={context:<6} {cfg.attention_impl:6} "
-        f"{seconds * 1e3:8.3f} ms  {batch / seconds:12,.0f} tokens/s",
+        f"{seconds * 1e3:8.3f} ms  {batch / seconds:12,.0f} tokens/s  floor {timing['floor_time_s'] * 1e3:7.3f} ms "
+        f"({timing['time_over_floor']:.2f}x){kernels}  collectives {timing['collectives']}",
         flush=True,
     )
     return {
@@ -197,6 +247,7 @@ def _record(
         "attention_impl": cfg.attention_impl,
         **timing,
         "tokens_per_s": batch / seconds,
+        "floor_tokens_per_s": batch / timing["floor_time_s"],
     }
 
 
@@ -221,7 +272,7 @@ def earlier_throughput(
     return kept, runs
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mlra bench decode_throughput",
         description=__doc__,
@@ -239,31 +290,147 @@ def main(argv: list[str] | None = None) -> int:
         choices=("auto", "xla", "pallas"),
         help="the latent family's decode attention (GQA stays on XLA)",
     )
+    parser.add_argument(
+        "--tp_reduce",
+        default=tensor_parallel.DECODE_REDUCE_DTYPE,
+        choices=("compute", "float32"),
+        help="the dtype of the latent branches' reductions over `tensor` in decode steps (tensor_parallel)",
+    )
+    parser.add_argument(
+        "--tp_output",
+        default="in_region" if layouts.PROJECT_IN_REGION else "row_parallel",
+        choices=("in_region", "row_parallel"),
+        help="MLRA's output projection in decode steps under TP: in the blocks' region (one all-reduce) or "
+        "row-parallel after a reduce-scatter of the heads (decode.layouts.PROJECT_IN_REGION)",
+    )
+    parser.add_argument("--copy_gb", type=float, default=2.0, help="size of the bandwidth-reference copy")
+    parser.add_argument(
+        "--no_isolate",
+        dest="isolate",
+        action="store_false",
+        help="measure every (scope, variant) in this process (default: a process each)",
+    )
+    parser.add_argument("--cpu", action="store_true", help="measure a CPU anyway (tiny models in the tests)")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/decode_throughput.json"))
     parser.add_argument(
         "--merge",
         action="store_true",
         help="keep the results in --out of the settings this run does not measure (with its runs)",
     )
+    return parser
+
+
+def accelerator_present() -> bool:
+    """Whether JAX's default backend here is a GPU or a TPU, asked without starting a backend in this process where
+    the study runs in processes of their own (a started GPU backend would hold the memory the children need)."""
+    code = "import jax, sys; sys.exit(jax.default_backend() == 'cpu')"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def child_argv(args: argparse.Namespace, scope: str, variant: str, out: Path) -> list[str]:
+    """The command line of the process that measures one (scope, variant) of this run."""
+    return [
+        sys.executable,
+        "-m",
+        "mlra_jax.benchmarks.decode_throughput",
+        f"--variants={variant}",
+        f"--scopes={scope}",
+        f"--contexts={args.contexts}",
+        f"--devices={args.devices}",
+        f"--batch={args.batch}",
+        f"--repeats={args.repeats}",
+        f"--attention_impl={args.attention_impl}",
+        f"--tp_reduce={args.tp_reduce}",
+        f"--tp_output={args.tp_output}",
+        f"--copy_gb={args.copy_gb}",
+        "--no_isolate",
+        f"--out={out}",
+        *(["--cpu"] if args.cpu else []),
+    ]
+
+
+def measure_isolated(args: argparse.Namespace, scopes: list[str], variants: list[str]) -> int:
+    """Each (scope, variant) in a process of its own; their rows (or the failure of a process that saved none)
+    gathered into --out, rewritten after each process. This process never starts a backend: the children have the
+    devices to themselves."""
+    contexts = [int(c) for c in args.contexts.split(",")]
+    results, runs = (
+        earlier_throughput(args.out, scopes, variants, contexts, args.attention_impl) if args.merge else ([], [])
+    )
+    record: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for scope in scopes:
+            for variant in variants:
+                out = Path(folder) / f"{scope}_{variant}.json"
+                code = subprocess.run(child_argv(args, scope, variant, out)).returncode
+                if out.exists():
+                    child = json.loads(out.read_text())
+                    results += child["results"]
+                    record = record or {k: v for k, v in child.items() if k not in ("results", "runs")}
+                if code != 0:
+                    error = f"the measuring process exited with {code}"
+                    results.append(
+                        {"scope": scope, "variant": variant, "attention_impl": args.attention_impl, "error": error}
+                    )
+                    print(f"{scope} {variant}: failed: {error}", flush=True)
+                if record:
+                    _save_gathered(args.out, record, runs, results)
+    if not record:
+        print("error: no process measured anything", file=sys.stderr)
+        return 1
+    print(f"saved {args.out} ({record['device']} x{record.get('devices_used')})")
+    return 0
+
+
+def _save_gathered(path: Path, record: dict[str, Any], runs: list[dict], results: list[dict]) -> None:
+    keys = ("device", "command", "date", "jax_version", "devices_used")
+    command = " ".join(["python -m mlra_jax.benchmarks.decode_throughput", *sys.argv[1:]])
+    gathered = {**record, "command": command, "runs": [*runs, {**{k: record.get(k) for k in keys}, "command": command}]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**gathered, "results": results}, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.cpu and not accelerator_present():
+        parser.error("the study measures GPUs or TPUs (minutes of meaningless work on a CPU); --cpu measures it anyway")
     logging.basicConfig(level=logging.WARNING)
-    devices = jax.devices()[: args.devices or None]
-    if args.devices > len(jax.devices()):
-        parser.error(f"--devices={args.devices}: only {len(jax.devices())} devices are present")
     scopes = args.scopes.split(",")
     if set(scopes) - set(SCOPES):
         parser.error(f"--scopes={args.scopes}: choose from {', '.join(SCOPES)}")
     contexts = [int(c) for c in args.contexts.split(",")]
     variants = args.variants.split(",")
+    if args.isolate and len(scopes) * len(variants) > 1:
+        return measure_isolated(args, scopes, variants)
+    devices = jax.devices()[: args.devices or None]
+    if args.devices > len(jax.devices()):
+        parser.error(f"--devices={args.devices}: only {len(jax.devices())} devices are present")
+    tensor_parallel.DECODE_REDUCE_DTYPE = args.tp_reduce
+    layouts.PROJECT_IN_REGION = args.tp_output == "in_region"
     results, runs = (
         earlier_throughput(args.out, scopes, variants, contexts, args.attention_impl) if args.merge else ([], [])
     )
-    extra = {"devices_used": len(devices), "runs": [*runs, {**environment(), "devices_used": len(devices)}]}
+    ceilings = roofline.measured_ceilings(args.copy_gb)
+    print(
+        f"copy {ceilings['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+        f"{ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
+    extra = {
+        "devices_used": len(devices),
+        "tp_reduce": args.tp_reduce,
+        "tp_output": args.tp_output,
+        "ceilings": ceilings,
+        "runs": [*runs, {**environment(), "devices_used": len(devices)}],
+    }
     for scope in scopes:
         for variant in variants:
             before = len(results)
             try:
-                MEASURE[scope](variant, contexts, args.repeats, args.attention_impl, devices, args.batch, results)
+                MEASURE[scope](
+                    variant, contexts, args.repeats, args.attention_impl, devices, args.batch, results, ceilings
+                )
             except Exception as err:  # noqa: BLE001 - record it (the contexts measured before it stay) and go on
                 message = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
                 measured = {r["context"] for r in results[before:]}

@@ -26,7 +26,7 @@ def measure(name: str, overrides: list[str], steps: int) -> dict[str, Any]:
     import jax.numpy as jnp
 
     from mlra_jax.benchmarks.common import benchmark_params, filled_like, median_time, profiled_time
-    from mlra_jax.benchmarks.decode import copy_bandwidth
+    from mlra_jax.benchmarks.roofline import copy_bandwidth
     from mlra_jax.cli import apply_overrides
     from mlra_jax.experiments import get_experiment
     from mlra_jax.optim import make_optimizer

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from mlra_jax.benchmarks.common import filled_like, profiled_time, save
-from mlra_jax.benchmarks.decode import copy_bandwidth
+from mlra_jax.benchmarks.roofline import copy_bandwidth
 from mlra_jax.decode.serving import serving_compiler_options
 from mlra_jax.layers import rms_norm
 from mlra_jax.pallas_kernels.row_products_gpu import (

@@ -33,6 +33,7 @@ import gc
 import logging
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -279,7 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="any experiment override, e.g. --override=--model.scan_layers=false (repeatable)",
     )
     parser.add_argument("--no_xla_defaults", action="store_true", help="leave out mlra_jax.xla_flags' GPU flags")
-    parser.add_argument("--out", type=Path, default=Path("experiments/results/train.json"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help=f"the JSON record (default: {CHECKOUT_RECORD} where that folder exists, as in a checkout of this "
+        f"repository; else {LOCAL_RECORD} in the current folder)",
+    )
     parser.add_argument(
         "--reference",
         type=Path,
@@ -294,9 +300,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CHECKOUT_RECORD = Path("experiments/results/train.json")  # where the repository keeps its records
+LOCAL_RECORD = Path("bench_train.json")
+
+
+def default_record() -> Path:
+    """--out's default: the repository's record in a checkout (its folder exists), else a file in the current folder
+    (never a checkout-shaped folder made for it)."""
+    return CHECKOUT_RECORD if CHECKOUT_RECORD.parent.is_dir() else LOCAL_RECORD
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.out = args.out or default_record()
     try:
         reference = read_reference(args.reference) if args.reference else None
     except AnchorFileError as err:
@@ -333,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         in planned
     )
     results, runs, _ = earlier_results(args.out, remeasured) if args.merge else ([], [], {})
+    failures: list[Exception] = []
     extra = {
         "xla_gpu_defaults": xla_defaults,
         "runs": [*runs, environment()],
@@ -352,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                             args.warmup_s,
                         )
                     except Exception as err:  # noqa: BLE001 - out of memory and the like: record it and go on
+                        failures.append(err)
                         result = {
                             "experiment": name,
                             "mesh": {"tensor": tp},
@@ -370,6 +389,16 @@ def main(argv: list[str] | None = None) -> int:
                     save(args.out, "train", results, **extra)
     mark_best(results)
     record = save(args.out, "train", results, **extra)
+    settings = len(names) * len(args.tp.split(",")) * len(args.remat.split(",")) * len(batches)
+    if len(failures) == settings:  # nothing measured: the exit code of the first failure (2 for bad input)
+        from mlra_jax.command import exit_code
+
+        code, message = exit_code(failures[0])
+        print(
+            f"error: none of the {settings} settings was measured (errors in {args.out}); the first: {message}",
+            file=sys.stderr,
+        )
+        return code
     print(f"saved {args.out} ({record['device']} x{record['device_count']})")
     return 0
 

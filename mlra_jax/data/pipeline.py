@@ -19,7 +19,7 @@ from etils import epath
 
 from mlra_jax.config import DataConfig
 from mlra_jax.data.builtin import builtin_shards
-from mlra_jax.data.shards import DataError, find_shards, open_shard, read_marker, verify_shards
+from mlra_jax.data.shards import DataError, find_shards, fingerprint, open_shard, read_marker, verify_shards
 from mlra_jax.paths import as_path
 
 
@@ -76,6 +76,12 @@ def check_data(cfg: DataConfig, seq_len: int, validation: bool, eval_sets: dict[
     for name, path in (eval_sets or {}).items():
         parts.append(f"{name}: {open_shard(as_path(path)).size:,} tokens")
     return f"data {directory}: " + "; ".join(parts)
+
+
+def data_fingerprint(cfg: DataConfig) -> str:
+    """The fingerprint of a run's training shards (shards.fingerprint), which its experiment.json records."""
+    directory = data_directory(cfg)
+    return fingerprint(directory, find_shards(directory, cfg.train_pattern))
 
 
 def train_dataset(

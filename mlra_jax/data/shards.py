@@ -190,6 +190,14 @@ def verify_shards(
             )
 
 
+def fingerprint(directory: Path | epath.Path, paths: Iterable[Path | epath.Path]) -> str:
+    """A digest of the shards `paths` of `directory`: their names and sizes, and the sha256 that prepare recorded for
+    each (prepare.json), reading no shard: other data under the same names (prepare --overwrite) gives another."""
+    files = (read_marker(directory) or {}).get("files", {})
+    entries = [[p.name, _size(p), files.get(p.name, {}).get("sha256")] for p in paths]
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
+
+
 def sha256_of(path: Path | epath.Path) -> str:
     digest = hashlib.sha256()
     with (local_path(path) if not is_remote(path) else epath.Path(path)).open("rb") as f:

@@ -14,6 +14,8 @@ they read in their own layout (norm scales, the gate, the attention of the varia
   products batch over block and head, which the parameter's [n, R, H, 2 d_h] interleaves with the rank, so
   XLA copies a transposed W_UK and W_UV out of it on every decode step (H100, 2.9B MLRA-4 at batch 1: 6.4 us
   of a layer's 132);
+* on a mesh, MLRA's q_up whole on every device of `tensor`, and o_proj too where each device serves every head
+  (`tensor_parallel_weights`): no all-gather of the queries, one all-reduce per attention;
 * out_major: every product's weight stored [out, in] (gate_up [2, f, d], down_proj [d, f], o_proj [d, h, d_v],
   x_proj [d_c' + n R + d_h^R, d], q_up [h, d_h + d_h^R, d_c']), the layout of the batch-1 row kernels
   (decode.row_step), which the XLA steps of the same model read as well.
@@ -26,7 +28,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlra_jax.attention.latent import LatentAttention
+from mlra_jax.config import ModelConfig
 from mlra_jax.model import Block
+from mlra_jax.sharding import without_axis
+from mlra_jax.tensor_parallel import TENSOR, LatentPlan
 
 Weights = dict[str, jax.Array]
 # The MLP's hidden width in serving weights is padded with zeros to a multiple of this (padded_mlp).
@@ -111,3 +116,33 @@ def padded_mlp(mlp: dict[str, jax.Array], multiple: int = MLP_MULTIPLE) -> dict[
         "up_proj": pad(mlp["up_proj"], -1),
         "down_proj": pad(mlp["down_proj"], -2),
     }
+
+
+# Decode steps of MLRA on a mesh project the heads' output inside the blocks' region where they can
+# (projects_in_region); False keeps the reduce-scatter of the heads into the row-parallel o_proj.
+PROJECT_IN_REGION = True
+
+
+def projects_in_region(cfg: ModelConfig, tp: int) -> bool:
+    """Whether decode steps at TP degree `tp` project the latent heads' output inside the blocks' region
+    (LatentAttention.project_in_region): MLRA where every device serves every head, without the output gate."""
+    layout = cfg.spec.latent_layout
+    if not PROJECT_IN_REGION or tp == 1 or layout is None or cfg.gated:
+        return False
+    return LatentPlan(*layout, cfg.n_head, tp).serves_every_head
+
+
+def tensor_parallel_weights(blocks: Weights, cfg: ModelConfig, tp: int) -> Weights:
+    """The blocks' weights (sharded arrays on a mesh of TP degree `tp`) as MLRA's decode steps read them: q_up whole
+    on every device of `tensor` where the latent blocks serve several branches (every device projects all heads'
+    queries from its whole c_q, a small share of a layer's weights, instead of all-gathering the head-sharded
+    q_nope and q_rope in every layer), and o_proj whole where the heads' output is projected in the region
+    (projects_in_region: one all-reduce per attention instead of a reduce-scatter and an all-reduce)."""
+    layout = cfg.spec.latent_layout
+    if tp == 1 or layout is None or layout[1] == 1:
+        return blocks
+    whole = ("q_up", "o_proj") if projects_in_region(cfg, tp) else ("q_up",)
+    attn = dict(blocks["attn"])
+    for name in whole:
+        attn[name] = jax.device_put(attn[name], without_axis(attn[name].sharding, TENSOR))
+    return {**blocks, "attn": attn}

@@ -6,7 +6,8 @@
   to a multiple of 128 (layouts.padded_mlp). On one device the serving layer holds the products' weights in the
   layouts its steps read best (decode.layouts: the products of the same input merged into one, the latent
   family's W_UK and W_UV head-major) and runs the blocks on copies of the modules without them
-  (decode.serving_block); on a mesh the modules run as trained. A one-row product runs on two rows
+  (decode.serving_block); on a mesh the modules run as trained, MLRA's queries and output projection whole on
+  every device of `tensor` (layouts.tensor_parallel_weights). A one-row product runs on two rows
   (layers.two_rows), and a chain of products (the MLP; the latent queries; W_UV and the output projection)
   on copies of the row, sliced once at its end (layers.row_copies).
 * The cache is `LayerCaches`: one buffer per layer and cached tensor, donated to every jitted step
@@ -124,7 +125,10 @@ class ServingModel:
             layers = {"block": layouts.module_weights(blocks), **layouts.held_weights(blocks, out_major=self.rows)}
             self.block_def = nnx.split(layouts.serving_shell(shell.blocks))[0]
         else:
-            layers = {"block": blocks}
+            tp = mesh.shape.get("tensor", 1)
+            layers = {"block": layouts.tensor_parallel_weights(blocks, self.cfg, tp)}
+            if layouts.projects_in_region(self.cfg, tp):
+                shell.blocks.attn.project_in_region = True
             self.block_def = nnx.split(shell.blocks)[0]
         self.embed_def = nnx.split(shell.embed)[0]
         self.norm_def = nnx.split(shell.final_norm)[0]

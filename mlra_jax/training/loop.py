@@ -22,20 +22,22 @@ import jax
 import numpy as np
 from etils import epath
 
+from mlra_jax import fp8
 from mlra_jax.checkpoint import Checkpointer
 from mlra_jax.config import Experiment
 from mlra_jax.data.pipeline import (
     check_data,
     check_token_ids,
+    data_fingerprint,
     eval_windows,
     train_dataset,
     train_iterator,
     validation_batches,
 )
-from mlra_jax.guards import check_finite, check_run_dir
+from mlra_jax.guards import check_finite, check_run_dir, remove_stale_temporaries
 from mlra_jax.metrics import MetricWriter, format_line, peak_flops, training_flops_per_token
 from mlra_jax.optim import learning_rate_schedule
-from mlra_jax.paths import as_path
+from mlra_jax.paths import as_path, is_remote
 from mlra_jax.progress import progress_bar, show_library_logs
 from mlra_jax.sharding import batch_sharding
 from mlra_jax.tracking import WandbTracker, check_available
@@ -69,23 +71,29 @@ class TrainResult:
 
 
 class _StopSignal:
-    """Records SIGTERM (preemption notice) so the loop can checkpoint and exit cleanly. Only in a
-    single-process run: with several processes, JAX's preemption notifier keeps SIGTERM and the
-    processes agree on the step to stop at (`Checkpointer.reached_preemption`), where a flag per
-    process could stop them at different steps."""
+    """Records SIGTERM (preemption notice) and a first Ctrl-C (SIGINT) so the loop can checkpoint and exit cleanly;
+    a second Ctrl-C aborts at once (KeyboardInterrupt, nothing more saved). Only in a single-process run: with
+    several processes, JAX's preemption notifier keeps SIGTERM and the processes agree on the step to stop at
+    (`Checkpointer.reached_preemption`), where a flag per process could stop them at different steps."""
 
     def __init__(self) -> None:
         self.received: int | None = None
-        self._previous = None
+        self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.received is not None:
+            raise KeyboardInterrupt
         self.received = signum
+        if signum == signal.SIGINT:
+            log.warning("Ctrl-C: saving a checkpoint after this step, then exiting (Ctrl-C again aborts without it)")
 
     def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
 
 class TrainingLoop:
@@ -173,10 +181,19 @@ class TrainingLoop:
             )
             return
         self.step, self.state, metadata = restored
-        if "fp8" not in self.state:  # saved without FP8 histories (another matmul_dtype or fp8_scaling)
+        if "fp8" not in self.state:  # saved without FP8 histories or in another layout (Checkpointer.restore_step)
             self.state["fp8"] = fresh_fp8_histories(self.setup)
             if jax.tree.leaves(self.state["fp8"]):
                 log.info("model.matmul_dtype=float8 with delayed scaling: step %d starts fresh FP8 scales", self.step)
+        damaged = fp8.damaged_histories(self.state["fp8"])
+        if damaged:  # an infinite amax would give an infinite scale: those projections start fresh scales
+            self.state["fp8"] = fp8.reset_histories(self.state["fp8"], damaged)
+            log.warning(
+                "the FP8 amax histories of %s in checkpoint %d hold NaN, inf, negative or huge values; they start "
+                "fresh (scale 1 for a step)",
+                ", ".join(damaged[:8]) + (f" and {len(damaged) - 8} more" if len(damaged) > 8 else ""),
+                self.step,
+            )
         self.saved_step = self.step
         self.examples, self.window = metadata["examples"], metadata.get("log_window", [])
         log.info(
@@ -348,16 +365,26 @@ def train(
     check_available(experiment)  # before anything is written
     if init_from is not None:
         check_same_model(init_from, experiment.model)
+    made = not is_remote(workdir) and not os.path.isdir(workdir)  # a refused start removes the folder it made
     check_run_dir(workdir)
-    log.info(
-        "%s",
-        check_data(
-            experiment.data, experiment.train.seq_len, experiment.train.eval_every > 0, experiment.train.named_eval_sets
-        ),
-    )  # before the state is built
-    with RunLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():  # one writer per run
+    lock = RunLock(workdir) if jax.process_index() == 0 else None  # one writer per run
+    started = False
+    try:
+        log.info(
+            "%s",
+            check_data(
+                experiment.data,
+                experiment.train.seq_len,
+                experiment.train.eval_every > 0,
+                experiment.train.named_eval_sets,
+            ),
+        )  # before the state is built
+        if lock is not None:
+            lock.acquire()
+            _remove_stale_temporaries(workdir)
         has_checkpoints = any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*"))
-        check_resume(workdir, experiment, has_checkpoints, allow_changed)
+        fingerprint = data_fingerprint(experiment.data)
+        check_resume(workdir, experiment, has_checkpoints, allow_changed, fingerprint)
         setup = build_setup(experiment, devices)
         with jax.set_mesh(setup.mesh):  # the model reads the TP degree from the mesh in context
             log.info(
@@ -370,5 +397,22 @@ def train(
             )
             loop = TrainingLoop(setup, workdir, None if has_checkpoints else init_from)
             if jax.process_index() == 0:  # the run started: its record now says what it is
-                record_experiment(workdir, experiment)
+                record_experiment(workdir, experiment, fingerprint)
+            started = True
             return loop.run()
+    finally:
+        if lock is not None:
+            lock.release(started=started)
+        if made and not started:
+            with contextlib.suppress(OSError):
+                os.rmdir(workdir)  # only when empty: nothing of a refused start stays
+
+
+def _remove_stale_temporaries(workdir: epath.Path) -> None:
+    """The temporaries that a killed rewrite of the run's own files left (the run lock is held: no writer is
+    mid-write)."""
+    if is_remote(workdir):
+        return
+    removed = remove_stale_temporaries(workdir, ("metrics.jsonl", "experiment.json"))
+    if removed:
+        log.info("removed the temporaries of killed rewrites in %s: %s", workdir, ", ".join(removed))
