@@ -125,6 +125,21 @@ def _drop_tracebacks(err: BaseException | None) -> None:
         err = err.__cause__ or err.__context__
 
 
+@contextlib.contextmanager
+def _without_warning(prefix: str) -> Iterator[None]:
+    """absl's records that start with `prefix` are dropped inside the block (the logger is left as it was)."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(prefix)
+
+    absl = logging.getLogger("absl")
+    absl.addFilter(keep)
+    try:
+        yield
+    finally:
+        absl.removeFilter(keep)
+
+
 class CheckpointError(RuntimeError):
     """Checkpoints exist but none restores; nothing in the run was changed."""
 
@@ -135,10 +150,15 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, cfg: CheckpointConfig, read_only: bool = False):
         self.directory = as_path(directory)  # a local folder (absolute) or a URL: orbax writes both
         self.read_only = read_only
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=not read_only, read_only=read_only
+        options = ocp.CheckpointManagerOptions(  # read-only: none of the writing options (Orbax warns of each)
+            max_to_keep=None if read_only else cfg.keep,
+            save_interval_steps=0 if read_only else 1,
+            enable_async_checkpointing=cfg.async_save,
+            create=not read_only,
+            read_only=read_only,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        with _without_warning("Given directory is read only"):  # Orbax's note that read_only was asked for
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state: dict[str, Any], metadata: dict[str, Any]) -> None:
         """Start saving (returns before the write finishes when async); `wait` to block. Empty entries of the

@@ -83,9 +83,9 @@ def in_notebook() -> bool:
 
 
 def bars_drawn() -> bool:
-    """Whether a progress bar draws here: on an interactive terminal or in a notebook, not into a log file or a
-    pipe (where its redraws would be written as lines)."""
-    return sys.stderr.isatty() or in_notebook()
+    """Whether a progress bar draws here: on an interactive terminal or in a notebook that draws widgets, not into a
+    log file, a pipe or a notebook without ipywidgets (where its redraws would be written as lines)."""
+    return sys.stderr.isatty() or (in_notebook() and importlib.util.find_spec("ipywidgets") is not None)
 
 
 def progress_bar(total: int, initial: int) -> Any:
