@@ -1,7 +1,7 @@
 """Named experiments: the paper's 30 runs (`paper.py`), small CPU runs (`tiny.py`),
 and the settings of the paper's Tables 1-2 (`paper_tables.py`).
 
-    python -m mlra_jax.info --list        # every experiment with a one-line description
+    mlra info --list        # every experiment with a one-line description
 
 The folder installs as `mlra_jax.experiments` (pyproject's package-dir), a name no other package takes.
 """

@@ -49,7 +49,7 @@ def resolve_experiment(spec: str) -> Experiment:
     if spec not in experiment_names():
         raise ConfigError(
             f"unknown experiment {spec!r}{did_you_mean(spec, experiment_names())}; "
-            f"python -m mlra_jax.info --list lists them, or give FILE.py:NAME, package.module:NAME or "
+            f"mlra info --list lists them, or give FILE.py:NAME, package.module:NAME or "
             f"a run's experiment.json"
         )
     return get_experiment(spec)

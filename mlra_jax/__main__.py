@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, str] = {
     "tpu_compile": "the paper's experiments compiled for TPU slices",
     "decode": "decode attention and whole-model decode steps",
     "decode_throughput": "the paper's decoding-throughput study",
+    "throughput_figure": "the decoding-throughput study's figure from a decode_throughput record",
     "latent_kernel": "the Mosaic GPU latent decode kernel: self-check, tuning, bound",
     "row_products": "the batch-1 row kernels against XLA's GEMMs",
 }
@@ -41,7 +42,10 @@ BENCHMARKS: dict[str, str] = {
 def usage(commands: dict[str, str], prog: str) -> str:
     width = max(map(len, commands))
     rows = "\n".join(f"  {name:{width}}  {what}" for name, what in commands.items())
-    return f"usage: {prog} COMMAND [ARGS ...]\n\ncommands:\n{rows}\n\n{prog} COMMAND --help shows a command's options"
+    return (
+        f"usage: {prog} COMMAND [ARGS ...]\n\ncommands:\n{rows}\n\n{prog} COMMAND --help shows a command's options"
+        + ("; mlra --version the installed version" if prog == "mlra" else "")
+    )
 
 
 def _unknown(name: str, known: dict, prog: str) -> int:
@@ -58,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage(commands, "mlra"))
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from mlra_jax import __version__
+
+        print(f"mlra_jax {__version__}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         return _unknown(name, commands, "mlra")

@@ -53,6 +53,24 @@ def _layout(tree: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
     return {tuple(str(getattr(k, "key", k)) for k in path): tuple(getattr(leaf, "shape", ())) for path, leaf in leaves}
 
 
+def params_mismatch(
+    saved: dict[tuple[str, ...], tuple[int, ...]], wanted: dict[tuple[str, ...], tuple[int, ...]]
+) -> str | None:
+    """How saved parameters ({leaf path: shape}) differ from the model's in names or shapes (another model), or
+    None: checked before Orbax reads any array."""
+    if set(saved) != set(wanted):
+        absent, extra = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
+        named = lambda paths: ["/".join(p) for p in paths[:3]]
+        return (
+            f"the saved parameters differ from the model's (not saved: {named(absent)}; not in the model: "
+            f"{named(extra)})"
+        )
+    for path, shape in wanted.items():
+        if saved[path] != shape:
+            return f"params/{'/'.join(path)} is saved with shape {saved[path]}, the model's is {shape}"
+    return None
+
+
 def _abandoned_read(unraisable: Any) -> bool:
     """Whether an unraisable exception is the echo of an Orbax read abandoned when a restore failed: Orbax stops at
     the first array that fails and closes its event loop while TensorStore still completes the other reads, each
@@ -107,6 +125,21 @@ def _drop_tracebacks(err: BaseException | None) -> None:
         err = err.__cause__ or err.__context__
 
 
+@contextlib.contextmanager
+def _without_warning(prefix: str) -> Iterator[None]:
+    """absl's records that start with `prefix` are dropped inside the block (the logger is left as it was)."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(prefix)
+
+    absl = logging.getLogger("absl")
+    absl.addFilter(keep)
+    try:
+        yield
+    finally:
+        absl.removeFilter(keep)
+
+
 class CheckpointError(RuntimeError):
     """Checkpoints exist but none restores; nothing in the run was changed."""
 
@@ -117,10 +150,15 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, cfg: CheckpointConfig, read_only: bool = False):
         self.directory = as_path(directory)  # a local folder (absolute) or a URL: orbax writes both
         self.read_only = read_only
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=not read_only, read_only=read_only
+        options = ocp.CheckpointManagerOptions(  # read-only: none of the writing options (Orbax warns of each)
+            max_to_keep=None if read_only else cfg.keep,
+            save_interval_steps=0 if read_only else 1,
+            enable_async_checkpointing=cfg.async_save,
+            create=not read_only,
+            read_only=read_only,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        with _without_warning("Given directory is read only"):  # Orbax's note that read_only was asked for
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state: dict[str, Any], metadata: dict[str, Any]) -> None:
         """Start saving (returns before the write finishes when async); `wait` to block. Empty entries of the
@@ -147,6 +185,10 @@ class Checkpointer:
         missing = sorted(set(abstract_state) - set(saved) - set(OPTIONAL_ENTRIES))
         if missing:
             raise ValueError(f"the checkpoint holds {sorted(saved)}, not {missing}")
+        both = "params" in abstract_state and "params" in saved
+        mismatch = params_mismatch(saved["params"], _layout(abstract_state["params"])) if both else None
+        if mismatch:  # another model: refused before Orbax starts reading arrays
+            raise ValueError(mismatch)
         wanted, dropped = {}, []
         for name, tree in abstract_state.items():
             if name not in saved:

@@ -85,13 +85,13 @@ class ModelConfig:
     latent family (MLA, GLA, MLRA), whose RoPE width is `qk_rope_head_dim`.
     """
 
-    variant: str = dataclasses.field(metadata={"choices": VARIANTS})
-    n_layer: int
-    n_head: int
-    n_embd: int
-    intermediate_size: int
-    vocab_size: int = 50304
-    head_dim: int | None = None
+    variant: str = dataclasses.field(metadata={"choices": VARIANTS})  # the attention variant (mlra_jax.variants)
+    n_layer: int  # decoder layers
+    n_head: int  # query heads
+    n_embd: int  # model width d
+    intermediate_size: int  # SwiGLU hidden width of each MLP
+    vocab_size: int = 50304  # embedding rows: GPT-2's 50257 tokens padded to a multiple of 64
+    head_dim: int | None = None  # d_h of MHA, GQA, MQA, MFA, TPA and GTA (None: n_embd / n_head)
     group_size: int | None = None  # query heads per KV head (GQA, GTA); MQA: n_head
     q_lora_rank: int | None = None  # d_c' (latent family); share_q_dim (MFA)
     kv_lora_rank: int | None = None  # d_c
@@ -104,15 +104,19 @@ class ModelConfig:
     # False is the no-scale ablation (as the reference *_no_scale.py files compute it).
     latent_scale: bool = True
     output_init: Literal["zero", "normal"] = "zero"  # init of the two output projections
-    init_std: float = 0.02
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    max_seq_len: int = 2048
+    init_std: float = 0.02  # standard deviation of the normal initialization of the weights
+    rope_theta: float = 10000.0  # RoPE base frequency
+    norm_eps: float = 1e-6  # epsilon of the RMSNorms
+    max_seq_len: int = 2048  # longest sequence the model takes (RoPE table, train.seq_len and decoding's limit)
+    # dtype of the stored weights and optimizer state
     param_dtype: str = dataclasses.field(default="float32", metadata={"choices": tuple(DTYPES)})
+    # dtype of the activations and matmuls (bfloat16 on accelerators)
     compute_dtype: str = dataclasses.field(default="float32", metadata={"choices": tuple(DTYPES)})
     # auto: the fastest fused kernel for the backend and shape (attention.fused), else XLA
     attention_impl: str = dataclasses.field(default="auto", metadata={"choices": ATTENTION_IMPLS})
-    scan_layers: bool = True
+    scan_layers: bool = True  # one scanned layer body (compile time flat in depth); false unrolls the layers
+    # what the backward recomputes, least first: none, dots_attn_qkv, dots_attn_kv, dots_attn, dots, full; auto: the
+    # least that fits the device's memory
     remat: str = dataclasses.field(default="none", metadata={"choices": REMAT_POLICIES})
     # Training attention of the latent family (same math, same FLOPs): "expanded" up-projects per-head keys and
     # values; "absorbed" folds W_UK into the query and applies W_UV after the attention, so that each latent block
@@ -284,23 +288,23 @@ class ModelConfig:
 class TrainConfig:
     """The optimization recipe; defaults are the paper's (docs/conventions.md)."""
 
-    seq_len: int = 2048
+    seq_len: int = 2048  # tokens per training sequence (at most model.max_seq_len)
     global_batch_size: int = 480  # sequences per optimizer step
     micro_batch_size: int | None = None  # sequences per forward/backward (gradient accumulation); None: global
     # With micro_batch_size None: the micro-batch is the largest that puts at most this many sequences on
     # each data-parallel replica (resolved for the mesh by the trainer; None: the whole global batch)
     max_micro_batch_per_device: int | None = None
-    total_steps: int = 100_000
+    total_steps: int = 100_000  # optimizer steps of the run (the cosine schedule ends here)
     # Linear warmup: a number of steps, or a fraction of total_steps below 1 (0.1: the first tenth)
     warmup_steps: int | float = 2000
-    peak_lr: float = 1.6e-4
+    peak_lr: float = 1.6e-4  # AdamW learning rate after the warmup
     min_lr_ratio: float = 0.1  # cosine decays to min_lr_ratio * peak_lr at total_steps
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's epsilon
     weight_decay: float = 0.1  # applied to all parameters, as the reference does
     grad_clip: float = 1.0  # global norm
-    seed: int = 5000
+    seed: int = 5000  # initialization and data order
     log_every: int = 10  # steps between metric lines
     eval_every: int = 1000  # steps between validation losses (0: never)
     eval_batches: int = 20  # global batches per validation
@@ -398,9 +402,9 @@ class TrainConfig:
 class DataConfig:
     """Token data: 'builtin' (the shipped corpus) or a folder of llm.c shards."""
 
-    dataset: str = "data/fineweb_edu"
-    train_pattern: str = "*_train_*.bin"
-    val_pattern: str = "*_val_*.bin"
+    dataset: str = "data/fineweb_edu"  # builtin, a folder of llm.c shards, or gs://bucket/path
+    train_pattern: str = "*_train_*.bin"  # the training shards in the folder (a glob)
+    val_pattern: str = "*_val_*.bin"  # the validation shards in the folder (a glob)
     read_threads: int = 4  # grain threads reading windows
     prefetch: int = 4  # batches read ahead
 
@@ -412,9 +416,9 @@ class DataConfig:
 class MeshConfig:
     """Device mesh axes; one -1 takes the remaining devices."""
 
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
+    data: int = -1  # data-parallel replicas
+    fsdp: int = 1  # devices the weights and optimizer state are sharded over (FSDP)
+    tensor: int = 1  # tensor-parallel devices (the heads, latent blocks and MLP split over them)
     # When FSDP's compute-dtype weights are gathered under gradient accumulation: "step" once before the
     # micro-batches (held through them), "micro_batch" by each micro-batch where it reads them; "auto":
     # "step" where the layers recompute nothing in the backward (model.remat none) or where remat=auto found the
@@ -435,7 +439,7 @@ class MeshConfig:
 class CheckpointConfig:
     every: int = 1000  # steps between checkpoints (also on SIGTERM and at the end)
     keep: int = 3  # most recent checkpoints kept
-    async_save: bool = True
+    async_save: bool = True  # write checkpoints in the background while training goes on
 
     def __post_init__(self) -> None:
         _check_positive(self, "every", "keep")
@@ -466,15 +470,15 @@ class ProfileConfig:
 class Experiment:
     """A named experiment: the model, the recipe, the data, the mesh and the checkpoints."""
 
-    name: str
-    description: str
-    model: ModelConfig
-    train: TrainConfig = TrainConfig()
-    data: DataConfig = DataConfig()
-    mesh: MeshConfig = MeshConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    metrics: MetricsConfig = MetricsConfig()
-    profile: ProfileConfig = ProfileConfig()
+    name: str  # the experiment's name (runs/NAME by default)
+    description: str  # one line, shown by mlra info --list
+    model: ModelConfig  # the model (--model.FIELD)
+    train: TrainConfig = TrainConfig()  # the optimization recipe (--train.FIELD)
+    data: DataConfig = DataConfig()  # the token data (--data.FIELD)
+    mesh: MeshConfig = MeshConfig()  # the device mesh (--mesh.FIELD)
+    checkpoint: CheckpointConfig = CheckpointConfig()  # checkpoints (--checkpoint.FIELD)
+    metrics: MetricsConfig = MetricsConfig()  # metrics destinations (--metrics.FIELD)
+    profile: ProfileConfig = ProfileConfig()  # profiler trace (--profile.FIELD)
     reference_key: str | None = None  # key in paper_experiments.json, for the paper's runs
 
     def __post_init__(self) -> None:

@@ -1,9 +1,9 @@
-"""Checkpoints to Hugging Face, and to and from the official PyTorch code: `python -m mlra_jax.convert COMMAND`.
+"""Checkpoints to Hugging Face, and to and from the official PyTorch code: `mlra convert COMMAND`.
 
-    python -m mlra_jax.convert to-hf --workdir runs/mlra4 --out exports/mlra4_hf [--step N] [--dtype bfloat16]
+    mlra convert to-hf --workdir runs/mlra4 [--out runs/mlra4/hf] [--step N] [--dtype bfloat16]
         [--shard_size 5GB] [--push USER/NAME]
-    python -m mlra_jax.convert to-reference --workdir runs/mlra4 --out exports/mlra4 [--step N] [--shard_size 10GB]
-    python -m mlra_jax.convert from-reference --src Soughing-MLRA/mlra_4 --out runs/mlra4_imported [--variant mlra4]
+    mlra convert to-reference --workdir runs/mlra4 [--out runs/mlra4/reference] [--step N] [--shard_size 10GB]
+    mlra convert from-reference --src Soughing-MLRA/mlra_4 --out runs/mlra4_imported [--variant mlra4]
 
 to-hf writes a Hugging Face folder: config.json (model_type "mlra", every field of the variant, auto_map),
 our PyTorch modeling code (configuration_mlra.py, modeling_mlra.py: all 11 variants and their options, a KV
@@ -55,6 +55,7 @@ from mlra_jax.interop.files import parse_size, read_reference, write_reference
 from mlra_jax.interop.hf_folder import DTYPES, check_hf_folder, check_repo_id, push_folder, write_hf_folder
 from mlra_jax.interop.reference_config import reference_config
 from mlra_jax.params import unflatten
+from mlra_jax.paths import is_remote
 from mlra_jax.progress import configure_cli_logging
 from mlra_jax.training.state import build_setup, state_from_params
 
@@ -253,19 +254,19 @@ def from_reference(src: Path, out: Path, variant: str | None = None) -> ModelCon
     _fresh_output(out, lambda tmp: write_run(tmp, experiment, flat, str(src)))
     print(
         f"wrote run {out} ({cfg.variant}{' gated' if cfg.gated else ''}, {cfg.n_layer} layers) from {src}; "
-        f"generate with python -m mlra_jax.generate --workdir {out}, or train from it with python -m "
-        f"mlra_jax.train --init_from={out} ..."
+        f"generate with mlra generate --workdir {out}, or train from it with "
+        f"mlra train --init_from={out} ..."
     )
     return cfg
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = command_parser("python -m mlra_jax.convert", __doc__)
+    parser = command_parser("mlra convert", __doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     to_hf_cmd = add_subcommand(commands, "to-hf", "a run's checkpoint -> a Hugging Face folder (transformers)")
     add_run_argument(to_hf_cmd)
     to_hf_cmd.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
-    to_hf_cmd.add_argument("--out", required=True, type=Path, help="output folder (must not exist)")
+    to_hf_cmd.add_argument("--out", type=Path, help="output folder (must not exist; default RUN/hf)")
     to_hf_cmd.add_argument(
         "--dtype",
         default="float32",
@@ -284,7 +285,7 @@ def _parser() -> argparse.ArgumentParser:
     to_ref = add_subcommand(commands, "to-reference", "a run's checkpoint -> the official code's files")
     add_run_argument(to_ref)
     to_ref.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
-    to_ref.add_argument("--out", required=True, type=Path, help="output folder (must not exist)")
+    to_ref.add_argument("--out", type=Path, help="output folder (must not exist; default RUN/reference)")
     to_ref.add_argument("--shard_size", default="10GB", help="largest .bin file (e.g. 5GB, 500MB; default 10GB)")
     from_ref = add_subcommand(commands, "from-reference", "the official code's files -> a run directory")
     from_ref.add_argument(
@@ -302,10 +303,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _default_out(workdir: str, name: str) -> Path:
+    """An export's default folder: `name` inside the (local) run directory."""
+    if is_remote(workdir):
+        raise ConfigError(f"--workdir {workdir} is not a local folder: give the export's folder with --out")
+    return Path(workdir) / name
+
+
 @command
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     configure_cli_logging()
+    if args.command in ("to-hf", "to-reference") and args.out is None:
+        args.out = _default_out(args.workdir, "hf" if args.command == "to-hf" else "reference")
     if args.command == "to-hf":
         to_hf(args.workdir, args.out, args.step, args.dtype, args.shard_size, args.push)
     elif args.command == "to-reference":

@@ -1,10 +1,12 @@
 """Evaluate a run: perplexity on held-out token files, or lm-evaluation-harness tasks.
 
-    python -m mlra_jax.eval ppl --workdir runs/mlra4 --data fineweb=data/eval/fineweb_val.bin \\
+    mlra eval ppl --workdir runs/mlra4_tiny          # the validation split of the run's data, at its seq_len
+    mlra eval ppl --workdir runs/mlra4 --data fineweb=data/eval/fineweb_val.bin \\
         --data c4=data/eval/c4_val.bin --tokens 1e8 --seq_len 2048 --dtype bfloat16
-    python -m mlra_jax.eval lm-eval --workdir runs/mlra4 --tasks paper --batch_size 32
+    mlra eval lm-eval --workdir runs/mlra4 --tasks paper --batch_size 32
 
-ppl: loss and perplexity per set and their average, as the official eval_ppl.py computes them (see
+ppl: loss and perplexity per set (by default the validation shards of the run's data; `--data builtin`: the
+built-in corpus's held-out split) and their average, as the official eval_ppl.py computes them (see
 mlra_jax/perplexity.py for the windows): a table on stdout and JSON in RUN/eval/ppl_step{N}.json
 (--out to write elsewhere; a number that is not finite is written as null). Token ids are checked
 against the model's vocabulary, as training checks its shards. Data-parallel over the local devices, and
@@ -34,7 +36,9 @@ import jax
 
 from mlra_jax.cli import add_run_argument, add_subcommand, command_parser, dtype_argument
 from mlra_jax.command import command
-from mlra_jax.config import ConfigError, MeshConfig
+from mlra_jax.config import ConfigError, DataConfig, Experiment, MeshConfig
+from mlra_jax.data.pipeline import data_directory
+from mlra_jax.data.shards import DataError, find_shards
 from mlra_jax.distributed import add_arguments as add_distributed_arguments
 from mlra_jax.distributed import data_parallel_devices, initialize
 from mlra_jax.generate import load_model
@@ -42,14 +46,22 @@ from mlra_jax.guards import atomic_write_text, check_output_path, without_non_fi
 from mlra_jax.paths import as_path
 from mlra_jax.perplexity import batch_losses, evaluate_set
 from mlra_jax.progress import configure_cli_logging
+from mlra_jax.run_config import run_experiment
 from mlra_jax.sharding import make_mesh
 from mlra_jax.zero_shot import PAPER_SUITE, PAPER_TASKS, check_known, paper_table, task_names
 
+BUILTIN = "builtin"
+
 
 def _named_set(text: str) -> tuple[str, str]:
+    if text == BUILTIN:
+        return BUILTIN, BUILTIN  # the built-in corpus's validation shards, found in ppl()
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH (for example fineweb=data/fineweb_val.bin)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not NAME=PATH (for example fineweb=data/fineweb_val.bin) or {BUILTIN} (the built-in "
+            f"corpus's held-out split)"
+        )
     return name, path
 
 
@@ -74,8 +86,8 @@ def _tokens(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = command_parser("python -m mlra_jax.eval", __doc__)
-    add_distributed_arguments(parser)  # before the command: python -m mlra_jax.eval --distributed ... ppl ...
+    parser = command_parser("mlra eval", __doc__)
+    add_distributed_arguments(parser)  # before the command: mlra eval --distributed ... ppl ...
     commands = parser.add_subparsers(dest="command", required=True)
     ppl = add_subcommand(commands, "ppl", "loss and perplexity on held-out llm.c token files")
     add_run_argument(ppl)
@@ -84,12 +96,14 @@ def _parser() -> argparse.ArgumentParser:
         "--data",
         type=_named_set,
         action="append",
-        required=True,
         metavar="NAME=PATH",
-        help="an llm.c .bin file to evaluate (repeat for several sets)",
+        help="an llm.c .bin file to evaluate (repeat for several sets), or builtin: the built-in corpus's held-out "
+        "split (default: the validation shards of the run's data, its data.dataset and data.val_pattern)",
     )
     ppl.add_argument("--tokens", type=_tokens, default=int(1e8), help="tokens per set (default 1e8, the paper's)")
-    ppl.add_argument("--seq_len", type=int, default=2048, help="context per window (the paper's 2048)")
+    ppl.add_argument(
+        "--seq_len", type=int, help="context per window (default: the run's train.seq_len; the paper's is 2048)"
+    )
     ppl.add_argument(
         "--batch_size",
         type=int,
@@ -133,7 +147,36 @@ def _write_results(out: Path, results: dict, replaced: bool, **dumps) -> None:
     print(f"results: {out}{' (replaced the earlier result)' if replaced else ''}")
 
 
+def _validation_sets(data: DataConfig, where: str) -> list[tuple[str, str]]:
+    """(name, path) of each validation shard of `data`: `val` for one shard, else each file's name."""
+    try:
+        paths = find_shards(data_directory(data), data.val_pattern)
+    except DataError as err:
+        raise ConfigError(f"{where}: {err}; or give the files to evaluate with --data NAME=PATH") from None
+    if len(paths) == 1:
+        return [("val", str(paths[0]))]
+    return [(Path(str(path)).stem, str(path)) for path in paths]
+
+
+def _sets(args: argparse.Namespace, experiment: Experiment) -> list[tuple[str, str]]:
+    """--data's sets with builtin resolved; without --data, the validation shards of the run's data."""
+    if not args.data:
+        return _validation_sets(experiment.data, f"the validation split of the run's data ({experiment.data.dataset})")
+    sets = []
+    for name, path in args.data:
+        if (name, path) == (BUILTIN, BUILTIN):
+            builtin = DataConfig(dataset=BUILTIN)
+            sets += [(BUILTIN if n == "val" else n, p) for n, p in _validation_sets(builtin, "--data builtin")]
+        else:
+            sets.append((name, path))
+    return sets
+
+
 def ppl(args: argparse.Namespace) -> int:
+    experiment = run_experiment(as_path(args.workdir))
+    if args.seq_len is None:
+        args.seq_len = experiment.train.seq_len
+    args.data = _sets(args, experiment)
     if args.seq_len < 1 or args.batch_size < 1:
         raise ConfigError("--seq_len and --batch_size must be at least 1")
     if args.tokens < args.seq_len * args.batch_size:

@@ -1,6 +1,6 @@
-"""Generate text from a trained run: `python -m mlra_jax.generate --workdir runs/mlra4_tiny --prompt "..."`.
+"""Generate text from a trained run: `mlra generate --workdir runs/mlra4_tiny --prompt "..."`.
 
-    python -m mlra_jax.generate --workdir runs/mlra4_tiny --prompt "The return value" --prompt "A list" \\
+    mlra generate --workdir runs/mlra4_tiny --prompt "The return value" --prompt "A list" \\
         --max_new_tokens 40 --temperature 0.8 --top_p 0.95
 
 --workdir is a run directory (experiment.json and checkpoints/); the newest
@@ -29,7 +29,7 @@ from mlra_jax.guards import check_finite, error_summary
 from mlra_jax.model import Transformer, abstract_model
 from mlra_jax.paths import as_path
 from mlra_jax.progress import configure_cli_logging
-from mlra_jax.run_config import experiment_from_dict, read_run_config
+from mlra_jax.run_config import run_experiment
 
 
 def load_model(
@@ -39,15 +39,7 @@ def load_model(
     parameters are read (not the optimizer state). `run_dir` is a local folder or a URL (gs://...);
     `compute_dtype` ("float32", "bfloat16") overrides the run's."""
     run_dir = as_path(run_dir)
-    config_path = run_dir / "experiment.json"
-    if not config_path.exists():
-        raise ConfigError(
-            f"{run_dir} is not a run directory (no experiment.json); pass the --workdir of a training run"
-        )
-    try:
-        experiment = experiment_from_dict(read_run_config(config_path))
-    except TypeError as err:  # fields this version does not know
-        raise ConfigError(f"{config_path} does not describe an experiment of this version ({err})") from None
+    experiment = run_experiment(run_dir)
     if compute_dtype is not None:
         experiment = dataclasses.replace(
             experiment, model=dataclasses.replace(experiment.model, compute_dtype=compute_dtype)
@@ -93,7 +85,7 @@ def load_model(
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = command_parser("python -m mlra_jax.generate", __doc__)
+    parser = command_parser("mlra generate", __doc__)
     add_run_argument(parser)
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")

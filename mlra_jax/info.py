@@ -1,8 +1,8 @@
 """Describe experiments without allocating weights.
 
-python -m mlra_jax.info --list                      # every experiment
-python -m mlra_jax.info --experiment=mlra4_2p9b     # parameters, KV cache, TP loading, decode AI
-python -m mlra_jax.info --paper_tables              # Tables 1 and 2 at the paper's analysis settings
+mlra info --list                      # every experiment
+mlra info --experiment=mlra4_2p9b     # parameters, KV cache, TP loading, decode AI
+mlra info --paper_tables              # Tables 1 and 2 at the paper's analysis settings
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def paper_tables() -> str:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = command_parser("python -m mlra_jax.info", __doc__)
+    parser = command_parser("mlra info", __doc__)
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument(
         "--experiment",

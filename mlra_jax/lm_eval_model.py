@@ -5,7 +5,7 @@
     lm = MlraLM(model, batch_size=32, checkpoint="runs/mlra4", step=step)
     lm_eval.simple_evaluate(model=lm, tasks=["arc_easy"])
 
-(`python -m mlra_jax.eval lm-eval` does this.)
+(`mlra eval lm-eval` does this.)
 
 Requests are tokenized as lm-eval's Hugging Face model (HFLM) tokenizes them, through its own
 TemplateLM: a context's trailing spaces move to the continuation, the pair is encoded whole and
@@ -33,6 +33,7 @@ from mlra_jax.config import ConfigError, MeshConfig
 from mlra_jax.data.tokenizer import EOT, gpt2_tokenizer
 from mlra_jax.decode.generator import Generator, Sampling
 from mlra_jax.model import Transformer
+from mlra_jax.progress import bars_drawn
 from mlra_jax.scoring import ContinuationScorer, length_buckets
 from mlra_jax.sharding import make_mesh
 
@@ -107,7 +108,9 @@ class MlraLM(TemplateLM):
         sequence keeps its last max_length + 1 tokens, as HFLM truncates."""
         collator = Collator(requests, sort_fn=lambda r: (-len(r[1]) - len(r[2]), tuple(r[1] + r[2])))
         results = []
-        with tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood", leave=False) as bar:
+        with tqdm(
+            total=len(requests), disable=disable_tqdm or not bars_drawn(), desc="loglikelihood", leave=False
+        ) as bar:
             for chunk in collator.get_batched(n=self.batch_size):
                 sequences = [(context + continuation)[-(self._max_length + 1) :] for _, context, continuation in chunk]
                 scores = self.scorer.score(sequences, [len(continuation) for _, _, continuation in chunk])
@@ -165,7 +168,9 @@ class MlraLM(TemplateLM):
             sort_fn=lambda a: (-len(self.tok_encode(a[0])), a[0]),
         )
         results = []
-        with tqdm(total=len(requests), disable=disable_tqdm, desc="generate_until", leave=False) as bar:
+        with tqdm(
+            total=len(requests), disable=disable_tqdm or not bars_drawn(), desc="generate_until", leave=False
+        ) as bar:
             for chunk in collator.get_batched(n=self.batch_size):
                 contexts, all_kwargs = zip(*chunk)
                 sampling, until = self._sampling(all_kwargs[0])

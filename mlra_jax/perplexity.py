@@ -25,6 +25,7 @@ from mlra_jax.data.shards import DataError, open_shard
 from mlra_jax.guards import InputError
 from mlra_jax.model import Transformer
 from mlra_jax.paths import as_path
+from mlra_jax.progress import bars_drawn
 from mlra_jax.sharding import batch_sharding, replicated
 from mlra_jax.training.step import loss_fn
 
@@ -84,7 +85,11 @@ def evaluate_set(
     losses = [
         evaluate(windows[i : i + rows])
         for i in tqdm(
-            range(0, len(windows), rows), desc=name, unit="batch", leave=False, disable=jax.process_index() > 0
+            range(0, len(windows), rows),
+            desc=name,
+            unit="batch",
+            leave=False,
+            disable=jax.process_index() > 0 or not bars_drawn(),
         )
     ]
     loss, count = float(np.mean(losses)), len(windows) * processes

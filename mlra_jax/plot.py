@@ -1,12 +1,12 @@
 """Loss, validation loss and throughput curves of one or more runs, from their metrics.jsonl.
 
-    python -m mlra_jax.plot runs/mlra4_tiny                        # -> curves.png
-    python -m mlra_jax.plot runs/mla_tiny runs/mlra4_tiny --out compare.png
+    mlra plot runs/mlra4_tiny                        # -> runs/mlra4_tiny/curves.png
+    mlra plot runs/mla_tiny runs/mlra4_tiny --out compare.png
 
 One figure: training loss (solid) and validation loss (dashed, markers) against the step, each held-out
 set's val/NAME/loss, and tokens per second, one colour per run, as the paper compares variants. In a
 notebook, `show_runs([...])` draws it inline. Needs matplotlib (`pip install -e '.[plot]'`). The runs are
-only read; the image goes to --out (default curves.png in the current folder), which may not be one of the
+only read; the image goes to --out (default curves.png in the first run's folder), which may not be one of the
 runs' own files, and which is written whole (a kill leaves the earlier image or the new one).
 """
 
@@ -45,7 +45,7 @@ def read_records(run: str | os.PathLike) -> list[dict[str, Any]]:
     if not path.is_file():
         raise MetricsFileError(
             f"{path} does not exist: give a run directory (the --workdir of "
-            f"python -m mlra_jax.train, which writes metrics.jsonl) or a metrics.jsonl file"
+            f"mlra train, which writes metrics.jsonl) or a metrics.jsonl file"
         )
     records = []
     for number, line in enumerate(path.read_bytes().splitlines(), 1):
@@ -143,12 +143,12 @@ def _check_output(out: Any, runs: Sequence[str]) -> bool:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = command_parser("python -m mlra_jax.plot", __doc__)
+    parser = command_parser("mlra plot", __doc__)
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run directories (or their metrics.jsonl files)")
-    parser.add_argument("--out", default="curves.png", help="the PNG to write (default curves.png)")
+    parser.add_argument("--out", help="the PNG to write (default: curves.png in the first run's folder)")
     args = parser.parse_args(argv)
     configure_cli_logging()
-    out = as_path(args.out)
+    out = as_path(args.out) if args.out else metrics_file(args.runs[0]).parent / "curves.png"
     replaced = _check_output(out, args.runs)
     try:
         plot_runs(args.runs, out)

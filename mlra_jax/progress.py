@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import sys
 from typing import Any, TextIO
 
@@ -62,9 +63,16 @@ def show_library_logs() -> None:
 
 def configure_cli_logging(library_level: int = logging.INFO) -> None:
     """Every command's logging: one handler on stdout with timestamps, other libraries (orbax, grain) at WARNING,
-    absl at ERROR (Orbax's notes about read-only checkpoint managers are not a user's concern), the library at
-    `library_level`."""
+    absl at ERROR, the library at `library_level`; where no bar draws (a log file, a pipe), no library's progress
+    bar (TQDM_DISABLE, HF_HUB_DISABLE_PROGRESS_BARS, unless set)."""
+    root = logging.getLogger()
+    if _unconfigured_root():  # absl's implicit basicConfig (orbax logs at import) is nobody's choice: replace it
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
     logging.basicConfig(level=logging.WARNING, format=LINE_FORMAT, stream=sys.stdout)
+    if not bars_drawn():  # a log file or a pipe: no other library's progress bars either (tqdm, Hugging Face)
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.getLogger("absl").setLevel(logging.ERROR)
     logging.getLogger(LIBRARY_LOGGER).setLevel(library_level)
 
@@ -74,15 +82,22 @@ def in_notebook() -> bool:
     return "ipykernel.zmqshell" in sys.modules
 
 
+def bars_drawn() -> bool:
+    """Whether a progress bar draws here: on an interactive terminal or in a notebook that draws widgets, not into a
+    log file, a pipe or a notebook without ipywidgets (where its redraws would be written as lines)."""
+    return sys.stderr.isatty() or (in_notebook() and importlib.util.find_spec("ipywidgets") is not None)
+
+
 def progress_bar(total: int, initial: int) -> Any:
-    """A tqdm bar on an interactive terminal, a tqdm.auto (widget) bar in a notebook that can draw widgets;
-    None elsewhere (log files, pipes, notebooks without ipywidgets): the step lines show progress there."""
+    """A tqdm bar (steps done, the time left, and the loss and tokens/s of the last step line) on an interactive
+    terminal, a tqdm.auto (widget) bar in a notebook that can draw widgets; None elsewhere (log files, pipes,
+    notebooks without ipywidgets): the step lines show progress there."""
     if sys.stderr.isatty():
         from tqdm import tqdm
 
-        return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+        return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, desc="training")
     if in_notebook() and importlib.util.find_spec("ipywidgets") is not None:
         from tqdm.auto import tqdm
 
-        return tqdm(total=total, initial=initial, unit="step")
+        return tqdm(total=total, initial=initial, unit="step", desc="training")
     return None

@@ -55,3 +55,17 @@ def read_run_config(path: Path) -> dict[str, Any]:
             f"{path} is not a run's experiment.json ({type(err).__name__}: {err}); it records the "
             f"configuration the run was trained with: restore it, or use another --workdir"
         ) from None
+
+
+def run_experiment(run_dir: Any) -> Experiment:
+    """The Experiment a run directory (a Path or an epath.Path) recorded in its experiment.json; a ConfigError
+    naming the fix when it is not a run or records fields this version does not know."""
+    config_path = run_dir / "experiment.json"
+    if not config_path.exists():
+        raise ConfigError(
+            f"{run_dir} is not a run directory (no experiment.json); pass the --workdir of a training run"
+        )
+    try:
+        return experiment_from_dict(read_run_config(config_path))
+    except TypeError as err:  # fields this version does not know
+        raise ConfigError(f"{config_path} does not describe an experiment of this version ({err})") from None

@@ -8,7 +8,7 @@ of arguments, outputs, temporaries and generated code) against the chip's HBM, t
 program (splash attention, the latent decode kernel: lowered for the TPU, not interpreted), XLA's cost
 analysis and a roofline estimate of the step time and MFU at the chip's peak.
 
-    python -m mlra_jax.train --experiment=mlra4_2p9b --compile_for=v5p-128
+    mlra train --experiment=mlra4_2p9b --compile_for=v5p-128
 """
 
 from __future__ import annotations

@@ -9,13 +9,16 @@ with the real TPU compiler, Mosaic kernels included, while this process keeps it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
+from typing import Iterator
 
 import jax
 
+from mlra_jax.backends import tpu_may_be_attached
 from mlra_jax.config import ConfigError
 
 
@@ -128,16 +131,17 @@ def topology_devices(topology: Topology) -> list[jax.Device]:
     from jax.experimental import topologies
 
     try:
-        description = topologies.get_topology_desc(
-            platform="tpu",
-            topology_name=topology.name,
-            chip_config_name=topology.chip.chip_config,
-            chips_per_host_bounds=(2, 2, 1),
-            num_slices=1,
-            # v4 and v5p slices are tori; a v5e or v6e grid wraps only along a full 16-chip side, which libtpu
-            # knows by itself (it refuses wrap-around along a shorter one)
-            **({"wrap": (True, True, True)} if topology.chip.grid_dims == 3 else {}),
-        )
+        with _quiet_libtpu(topology):
+            description = topologies.get_topology_desc(
+                platform="tpu",
+                topology_name=topology.name,
+                chip_config_name=topology.chip.chip_config,
+                chips_per_host_bounds=(2, 2, 1),
+                num_slices=1,
+                # v4 and v5p slices are tori; a v5e or v6e grid wraps only along a full 16-chip side, which libtpu
+                # knows by itself (it refuses wrap-around along a shorter one)
+                **({"wrap": (True, True, True)} if topology.chip.grid_dims == 3 else {}),
+            )
     except Exception as err:  # noqa: BLE001 - libtpu's errors are RuntimeErrors of several kinds
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         if not _libtpu_installed():
@@ -155,6 +159,21 @@ def topology_devices(topology: Topology) -> list[jax.Device]:
             f"libtpu described {len(devices)} devices for {topology.name}, not one per chip ({topology.chips})"
         )
     return devices
+
+
+@contextlib.contextmanager
+def _quiet_libtpu(topology: Topology) -> Iterator[None]:
+    """On a machine without a TPU, libtpu (loaded by the first topology asked for) looks for the TPU VM's
+    accelerator type and worker hostnames and prints errors when it finds none: name the slice compiled for and
+    this host, while it loads only (child processes never see them)."""
+    names = {"TPU_ACCELERATOR_TYPE": topology.slice_name, "TPU_WORKER_HOSTNAMES": "localhost"}
+    added = {} if tpu_may_be_attached() else {k: v for k, v in names.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def _libtpu_installed() -> bool:

@@ -1,9 +1,9 @@
-"""Train an experiment: `python -m mlra_jax.train --experiment=NAME [--section.field=value ...]`.
+"""Train an experiment: `mlra train --experiment=NAME [--section.field=value ...]`.
 
-    python -m mlra_jax.train --experiment=mlra4_tiny
-    python -m mlra_jax.train --experiment=mlra4_2p9b --data.dataset=data/fineweb_edu --workdir=runs/mlra4
-    python -m mlra_jax.train --experiment=mlra4_2p9b --dry_run      # config, parameters, mesh, memory; no training
-    python -m mlra_jax.train --experiment=mlra4_2p9b --compile_for=v5p-128   # fits a TPU slice? (needs libtpu)
+    mlra train --experiment=mlra4_tiny
+    mlra train --experiment=mlra4_2p9b --data.dataset=data/fineweb_edu --workdir=runs/mlra4
+    mlra train --experiment=mlra4_2p9b --dry_run      # config, parameters, mesh, memory; no training
+    mlra train --experiment=mlra4_2p9b --compile_for=v5p-128   # fits a TPU slice? (needs libtpu)
 
 A run lives in --workdir (default runs/NAME; a local folder or gs://bucket/path):
 checkpoints/ (Orbax), metrics.jsonl, tensorboard/ and experiment.json. Running the same
@@ -19,10 +19,10 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
+from mlra_jax.backends import compile_only
 from mlra_jax.cli import apply_overrides, command_parser, fields_help
 from mlra_jax.command import command
 from mlra_jax.compilation_cache import enable_compilation_cache, repairing
@@ -47,7 +47,7 @@ def _parser(experiment: Experiment | None = None) -> argparse.ArgumentParser:
         f"experiments (or FILE.py:NAME, package.module:NAME, RUN/experiment.json):\n{experiments}\n\n"
         f"overridable fields (--SECTION.FIELD=VALUE; {values}):\n{fields_help(experiment)}"
     )
-    parser = command_parser("python -m mlra_jax.train", __doc__, epilog=epilog)
+    parser = command_parser("mlra train", __doc__, epilog=epilog)
     parser.add_argument(
         "--experiment",
         required=True,
@@ -88,8 +88,8 @@ def _parser(experiment: Experiment | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--init_from",
         metavar="RUN_OR_HF_DIR",
-        help="start a new run from the weights of this run directory (e.g. one made by python -m "
-        "mlra_jax.convert from-reference) or Hugging Face folder (made by convert to-hf): fresh "
+        help="start a new run from the weights of this run directory (e.g. one made by mlra "
+        "convert from-reference) or Hugging Face folder (made by convert to-hf): fresh "
         "optimizer state, step 0, data from its start; the model config must be the same. "
         "Ignored once --workdir has checkpoints (it resumes)",
     )
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             "the option out to train"
         )
     if args.compile_for:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices; no accelerator is needed here
+        compile_only()  # compile-only TPU devices; no accelerator is needed here
     apply_gpu_defaults()  # before JAX starts a backend
     configure_cli_logging()  # one handler, on stdout; orbax and grain stay at WARNING
     if args.distributed:

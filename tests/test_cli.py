@@ -65,7 +65,8 @@ def test_help_shows_the_experiments_values_and_what_each_field_means(capsys):
         """The option's line in --help and the lines of its description after it."""
         lines = [line.strip() for line in out.splitlines()]
         at = next(i for i, line in enumerate(lines) if line == option or line.startswith(option + " "))
-        return " ".join(lines[at : at + 3])
+        end = next((i for i in range(at + 1, len(lines)) if lines[i].startswith("--") or not lines[i]), len(lines))
+        return " ".join(lines[at:end])
 
     with pytest.raises(SystemExit):
         train_main(["--experiment=mlra4_2p9b", "--help"])

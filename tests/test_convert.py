@@ -1,4 +1,4 @@
-"""python -m mlra_jax.convert: runs <-> the official code's files, and train --init_from."""
+"""mlra convert: runs <-> the official code's files, and train --init_from."""
 
 from __future__ import annotations
 
@@ -91,6 +91,12 @@ def test_round_trip_is_bitwise(tmp_path, variant, options):
     assert_same_params(params_of(tmp_path / "run"), params_of(tmp_path / "back"))
     back = json.loads((tmp_path / "back" / "experiment.json").read_text())["model"]
     assert back == dataclasses.asdict(experiment.model)
+
+
+def test_an_export_goes_into_the_run_by_default(tmp_path):
+    random_run(tmp_path / "run", "mha")
+    assert convert.main(["to-reference", "--workdir", str(tmp_path / "run")]) == 0
+    assert sorted(os.listdir(tmp_path / "run" / "reference")) == ["config.json", "pytorch_model.bin"]
 
 
 def test_file_sources_and_detection_by_tensor_names(tmp_path):

@@ -1,4 +1,4 @@
-"""python -m mlra_jax.convert to-hf: a Hugging Face folder that transformers loads (trust_remote_code), computes
+"""mlra convert to-hf: a Hugging Face folder that transformers loads (trust_remote_code), computes
 the JAX model's logits, generates with a KV cache as our Generator does, and that train --init_from starts from."""
 
 from __future__ import annotations

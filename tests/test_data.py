@@ -51,7 +51,7 @@ def test_truncated_body_is_named(tmp_path):
 
 
 def test_missing_directory_and_pattern(tmp_path):
-    with pytest.raises(DataError, match="does not exist; create it with `python -m mlra_jax.data.prepare"):
+    with pytest.raises(DataError, match="does not exist; create it with `mlra prepare"):
         find_shards(tmp_path / "nope", "*_train_*.bin")
     (tmp_path / "other.txt").write_text("x")
     with pytest.raises(DataError, match=r"no file in .* matches '\*_train_\*.bin' \(it holds: other.txt\)"):

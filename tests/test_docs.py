@@ -95,3 +95,13 @@ def test_configuration_page_takes_help_from_config_comments():
     assert "sequences per optimizer step" in row
     assert "`dots_attn`" in next(line for line in page.splitlines() if line.startswith("| `--model.remat`"))
     assert (ROOT / "docs" / "configuration.md").read_text().count(_config_reference_module().MARKER) == 1
+
+
+def test_every_config_field_has_help():
+    """--help and the configuration page show each field's comment in config.py: none may lack one."""
+    from mlra_jax.config_docs import field_docs
+
+    classes = _config_reference_module().config_classes()
+    fields = [(c, f.name) for c in classes for f in dataclasses.fields(c)]
+    missing = [f"{c.__name__}.{name}" for c, name in fields if not field_docs(c).get(name)]
+    assert not missing, f"fields without a help comment in mlra_jax/config.py: {missing}"

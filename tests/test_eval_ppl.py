@@ -1,4 +1,4 @@
-"""`python -m mlra_jax.eval ppl`: the official evaluation's windows, equal to training's own validation loss
+"""`mlra eval ppl`: the official evaluation's windows, equal to training's own validation loss
 and to a loss computed by hand; one row per set; bad files named."""
 
 import json
@@ -58,6 +58,20 @@ def test_ppl_equals_the_runs_own_validation_loss_on_the_same_windows(run, capsys
     assert [s["name"] for s in result["sets"]] == ["val", "again"] and result["sets"][0]["windows"] == 2 * BATCH
     assert result["sets"][0]["loss"] == pytest.approx(records(run)[12]["val_loss"], abs=1e-5)
     assert result["sets"][0]["perplexity"] == pytest.approx(np.exp(result["sets"][0]["loss"]))
+
+
+def test_ppl_defaults_to_the_runs_validation_split_at_its_seq_len(run, capsys):
+    """No option but the run: its data's validation shards (here the built-in corpus's) at its train.seq_len;
+    --data builtin names the same split."""
+    tokens = ["--tokens", str(2 * BATCH * SEQ), "--batch_size", str(BATCH)]
+    assert eval_main(["ppl", "--workdir", str(run), *tokens]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[0] == "val"
+    result = json.loads((run / "eval" / "ppl_step12.json").read_text())
+    assert result["seq_len"] == SEQ and result["sets"][0]["path"] == str(find_shards(builtin_shards(), "*_val_*")[0])
+    assert result["sets"][0]["loss"] == pytest.approx(records(run)[12]["val_loss"], abs=1e-5)
+    assert eval_main(["ppl", "--workdir", str(run), "--data", "builtin", *tokens]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[0] == "builtin"
+    assert json.loads((run / "eval" / "ppl_step12.json").read_text())["sets"][0]["loss"] == result["sets"][0]["loss"]
 
 
 def test_ppl_of_a_three_window_file_matches_a_hand_computed_loss(run, tmp_path):

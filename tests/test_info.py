@@ -108,4 +108,4 @@ def test_cli_paper_tables_and_list(capsys):
 
 def test_cli_unknown_experiment(capsys):
     assert info.main(["--experiment=nope"]) == 2
-    assert "unknown experiment 'nope'; python -m mlra_jax.info --list lists them" in capsys.readouterr().err
+    assert "unknown experiment 'nope'; mlra info --list lists them" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""python -m mlra_jax.plot: the curves of runs' metrics.jsonl into a PNG; bad input exits 2 naming the file."""
+"""mlra plot: the curves of runs' metrics.jsonl into a PNG; bad input exits 2 naming the file."""
 
 import json
 
@@ -81,3 +81,11 @@ def test_bad_input_exits_2_naming_the_file_and_writes_nothing(tmp_path, two_runs
 def test_an_output_folder_that_does_not_exist_is_named(tmp_path, two_runs, capsys):
     assert plot_main([str(two_runs[0]), f"--out={tmp_path / 'missing' / 'x.png'}"]) == 2
     assert f"the folder {tmp_path / 'missing'} does not exist" in capsys.readouterr().err
+
+
+def test_the_image_goes_into_the_first_runs_folder_by_default(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    run = write_run(tmp_path / "mine", [10.9, 9.0])
+    assert plot_main([str(run)]) == 0
+    assert (run / "curves.png").read_bytes().startswith(PNG_MAGIC) and not (tmp_path / "curves.png").exists()
+    assert f"wrote {run / 'curves.png'}" in capsys.readouterr().out

@@ -8,6 +8,7 @@ import contextlib
 import gzip
 import json
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -150,3 +151,18 @@ def test_a_bar_only_where_one_draws(monkeypatch):
     bar = progress_bar(total=10, initial=3)
     assert (bar.total, bar.n) == (10, 3)
     bar.close()
+
+
+def test_a_command_replaces_absls_implicit_handler_and_silences_bars_in_a_log(capsys, monkeypatch):
+    """orbax makes absl call basicConfig at import; the command's setup still gives one timestamped stdout line,
+    and with stderr not a terminal no library draws a bar."""
+    for name in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        monkeypatch.setenv(name, "restored after the test")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    with unconfigured_logging():
+        logging.basicConfig()  # absl's implicit one: stderr, "LEVEL:name:message"
+        configure_cli_logging()
+        out, err = emitted(capsys)
+    assert " INFO a step line" in out and not err
+    assert os.environ["TQDM_DISABLE"] == os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"

@@ -1,6 +1,6 @@
 """The training attention core on an NVIDIA GPU: cuDNN (the trainer's kernel) against the Pallas kernels JAX ships.
 
-    python -m mlra_jax.benchmarks.attention_kernels --out=experiments/results/attention_kernels_h100.json
+    mlra bench attention_kernels --out=experiments/results/attention_kernels_h100.json
 
 For each experiment's attention layer (its heads and key / value widths, sequences of its length):
 
@@ -128,7 +128,7 @@ def mosaic_rows(row: Callable[..., dict[str, Any]], inputs: list[jax.Array], pad
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mlra_jax.benchmarks.attention_kernels",
+        prog="mlra bench attention_kernels",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

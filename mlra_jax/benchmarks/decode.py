@@ -1,7 +1,7 @@
 """Decode benchmarks.
 
-    python -m mlra_jax.benchmarks.decode attention --impls=xla --out=experiments/results/decode_attention.json
-    python -m mlra_jax.benchmarks.decode model --experiments=mlra4_2p9b,mla_2p9b --batch=1,64 --context=8192
+    mlra bench decode attention --impls=xla --out=experiments/results/decode_attention.json
+    mlra bench decode model --experiments=mlra4_2p9b,mla_2p9b --batch=1,64 --context=8192
 
 `attention`: one decode step of attention on one device at the paper's per-device
 settings (docs/conventions.md): MLRA-4 at TP=4 (64 heads over a 128-wide latent block plus
@@ -418,7 +418,7 @@ def _time_serving_step(serving, batch: int, context: int, args: argparse.Namespa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mlra_jax.benchmarks.decode",
+        prog="mlra bench decode",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,6 +1,6 @@
 """Decoding throughput on several devices (the paper's Sec. 5 study), of the attention layer and of whole models.
 
-    python -m mlra_jax.benchmarks.decode_throughput --devices=4 --out=experiments/results/decode_throughput_4gpu.json
+    mlra bench decode_throughput --devices=4 --out=experiments/results/decode_throughput_4gpu.json
 
 For each variant it deploys over a DP x TP mesh of --devices devices as the paper does on 8 GPUs
 (experiments/benchmarks.py: GQA TP=8, MLA DP=8, GLA-2 TP=2, MLRA-4 TP=4, DP taking the other devices;
@@ -22,7 +22,7 @@ Every row gives its roofline on one device (benchmarks.roofline): the weight and
 the FLOPs it must do, the floor at the copy bandwidth and bf16 matrix rate measured in the same process, the step
 as a multiple of the floor, and the compiled step's collectives (count by kind and bytes). Each (scope, variant)
 runs in a process of its own (--isolate, the default), so that a failure (out of memory) loses only its own rows;
-`python -m mlra_jax.benchmarks.throughput_figure RECORD` draws the study's figure with the floors.
+`mlra bench throughput_figure RECORD` draws the study's figure with the floors.
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def earlier_throughput(
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m mlra_jax.benchmarks.decode_throughput",
+        prog="mlra bench decode_throughput",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,6 +1,6 @@
 """Two settings of one training step timed alternately, so that both see the same GPU clocks.
 
-    python -m mlra_jax.benchmarks.interleaved --experiment=mlra4_2p9b --n_layer=8 --batch_per_device=12 \\
+    mlra bench interleaved --experiment=mlra4_2p9b --n_layer=8 --batch_per_device=12 \\
         --a=--model.latent_keys=product --b=--model.latent_keys=concat --pairs=20
 
 A power-capped GPU's clock moves by several percent between runs (benchmarks.gpu_clocks), often more than
@@ -79,7 +79,7 @@ def measure(name: str, base: list[str], sides: dict[str, list[str]], pairs: int,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mlra_jax.benchmarks.interleaved",
+        prog="mlra bench interleaved",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

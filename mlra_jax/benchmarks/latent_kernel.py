@@ -1,8 +1,8 @@
 """The Mosaic GPU latent decode kernel on a GPU: a self-check against the reference, its tuning, its bound.
 
-    python -m mlra_jax.benchmarks.latent_kernel          # max |error| against the jnp reference
-    python -m mlra_jax.benchmarks.latent_kernel tune     # device time per call and each kernel's share
-    python -m mlra_jax.benchmarks.latent_kernel bound --out=experiments/results/latent_kernel_bound_h100.json
+    mlra bench latent_kernel          # max |error| against the jnp reference
+    mlra bench latent_kernel tune     # device time per call and each kernel's share
+    mlra bench latent_kernel bound --out=experiments/results/latent_kernel_bound_h100.json
 
 `bound`: what limits a 2.9B model's batch-1 decode attention (24 heads, 8K tokens; MLA one 512-wide latent,
 MLRA-4 four 128-wide blocks): the kernel and its merge over split-KV counts, and one program (splits=1) over
@@ -150,7 +150,7 @@ def bound(out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mlra_jax.benchmarks.latent_kernel",
+        prog="mlra bench latent_kernel",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

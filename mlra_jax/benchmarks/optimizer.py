@@ -1,6 +1,6 @@
 """The update of a train step (clipping, AdamW, the finite checks) against its memory-traffic floor.
 
-    python -m mlra_jax.benchmarks.optimizer --experiments=mlra4_2p9b --n_layer=8 \\
+    mlra bench optimizer --experiments=mlra4_2p9b --n_layer=8 \\
         --out=experiments/results/optimizer_h100.json
 
 It times `training.step.apply_gradients`, the code the train step runs after the backward, on the parameters
@@ -67,7 +67,7 @@ def measure(name: str, overrides: list[str], steps: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlra_jax.benchmarks.optimizer", description=__doc__)
+    parser = argparse.ArgumentParser(prog="mlra bench optimizer", description=__doc__)
     parser.add_argument("--experiments", default="mlra4_2p9b")
     parser.add_argument("--n_layer", type=int, default=8, help="layers (0: the experiment's own)")
     parser.add_argument("--steps", type=int, default=5)

@@ -91,15 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m mlra_jax.benchmarks.reference",
+        prog="mlra bench reference",
         description="Put the official code's training throughput (the anchor script's "
         "JSON lines) beside a saved `benchmarks.train` record.",
     )
-    parser.add_argument("results", type=Path, help="a JSON record of python -m mlra_jax.benchmarks.train")
+    parser.add_argument("results", type=Path, help="a JSON record of mlra bench train")
     parser.add_argument("reference", type=Path, help="the anchor script's output, timed on the same GPU")
     args = parser.parse_args(argv)
     if not args.results.is_file():
-        parser.error(f"{args.results}: no such file; give the --out of python -m mlra_jax.benchmarks.train")
+        parser.error(f"{args.results}: no such file; give the --out of mlra bench train")
     try:
         record = annotate(args.results, args.reference)
     except AnchorFileError as err:

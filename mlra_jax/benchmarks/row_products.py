@@ -1,7 +1,7 @@
 """The batch-1 row-product kernels (pallas_kernels.row_products_gpu) on a GPU: their tilings against XLA's GEMMs.
 
-    python -m mlra_jax.benchmarks.row_products tune  --out=experiments/results/row_products_h100.json
-    python -m mlra_jax.benchmarks.row_products chain --out=experiments/results/row_products_chain_h100.json
+    mlra bench row_products tune  --out=experiments/results/row_products_h100.json
+    mlra bench row_products chain --out=experiments/results/row_products_chain_h100.json
 
 `tune`: each product of a 2.9B decode layer at batch 1 (the shapes of MLRA-4 and MLA), for every tiling in
 the --tilings set, against XLA's GEMM on two copies of the row, as the XLA path runs it (xla_gemm). Every
@@ -274,7 +274,7 @@ def best_tilings(path: Path) -> dict[str, Tiling]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mlra_jax.benchmarks.row_products",
+        prog="mlra bench row_products",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,7 +1,7 @@
 """The decoding-throughput study's figure (the paper's Sec. 5): tokens/s against context for each variant, ours and
 their floors, one panel per scope, from a `benchmarks.decode_throughput` record.
 
-    python -m mlra_jax.benchmarks.throughput_figure experiments/results/decode_throughput_h100x4_b64.json \
+    mlra bench throughput_figure experiments/results/decode_throughput_h100x4_b64.json \
         --out docs/assets/decode_throughput_h100x4_b64.png
 
 It also prints the table the figure draws (tokens/s, the floor's tokens/s and the step over its floor).
@@ -89,7 +89,7 @@ def draw(record: dict[str, Any], out: Path) -> None:
 @command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mlra_jax.benchmarks.throughput_figure",
+        prog="mlra bench throughput_figure",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

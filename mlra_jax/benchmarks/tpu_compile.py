@@ -1,9 +1,9 @@
 """The paper's experiments compiled for TPU slices on this machine (no TPU needed; libtpu installed).
 
     # every *_2p9b train step for two slices, at the paper's global batch (480 x 2048)
-    python -m mlra_jax.benchmarks.tpu_compile --train --topologies=v5p-64,v5e-32
+    mlra bench tpu_compile --train --topologies=v5p-64,v5e-32
     # the serving steps: MLRA-4 at TP=4 (one latent block per chip) and GLA-2 at TP=2, batch 1 and 128
-    python -m mlra_jax.benchmarks.tpu_compile --serving --topologies=v5e-4,v5p-8
+    mlra bench tpu_compile --serving --topologies=v5e-4,v5p-8
 
 Each setting is one `mlra_jax.tpu_compile` report (per-chip memory against HBM, the Mosaic kernels, XLA's
 cost analysis, the roofline estimate), saved to --out after each, with the device, command and date. A
@@ -38,7 +38,7 @@ def describe(row: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mlra_jax.benchmarks.tpu_compile",
+        prog="mlra bench tpu_compile",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

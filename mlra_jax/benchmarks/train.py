@@ -1,14 +1,14 @@
 """Training throughput: tokens/s, step time, MFU, device memory and the attention kernels chosen.
 
     # (a) the 8-layer proxy of each 2.9B experiment on one GPU, batch (and --remat) tried
-    python -m mlra_jax.benchmarks.train --n_layer=8 --batch_per_device=8,12 --out=experiments/results/train_h100.json
+    mlra bench train --n_layer=8 --batch_per_device=8,12 --out=experiments/results/train_h100.json
     # (b) full 24-layer models with FSDP at the paper's global batch (480 x 2048 through accumulation)
-    python -m mlra_jax.benchmarks.train --experiments=mlra4_2p9b,mla_2p9b --n_layer=24 --fsdp \\
+    mlra bench train --experiments=mlra4_2p9b,mla_2p9b --n_layer=24 --fsdp \\
         --global_batch=480 --batch_per_device=auto
     # (c) tensor parallelism: TP degrees over all devices, the rest data parallel
-    python -m mlra_jax.benchmarks.train --experiments=mlra4_2p9b --tp=1,2,4
+    mlra bench train --experiments=mlra4_2p9b --tp=1,2,4
     # (d) beside the official PyTorch code timed on the same GPU (the JSON lines of its anchor script)
-    python -m mlra_jax.benchmarks.train --experiments=mlra4_2p9b,mla_2p9b --batch_per_device=8,12 \\
+    mlra bench train --experiments=mlra4_2p9b,mla_2p9b --batch_per_device=8,12 \\
         --reference=ref.jsonl
 
 Each setting runs the real jitted train step (AdamW, bf16 compute, the trainer's shardings)
@@ -235,7 +235,7 @@ def mark_best(results: list[dict[str, Any]]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's command line; its defaults are the setting other benchmarks time too (benchmarks.interleaved)."""
     parser = argparse.ArgumentParser(
-        prog="python -m mlra_jax.benchmarks.train",
+        prog="mlra bench train",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

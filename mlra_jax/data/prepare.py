@@ -1,13 +1,13 @@
 """Tokenize text into llm.c shards with the GPT-2 tokenizer (offline).
 
-    python -m mlra_jax.data.prepare --input corpus/ --output data/mine
-    python -m mlra_jax.data.prepare --input docs.jsonl --output data/mine --text_field body
-    python -m mlra_jax.data.prepare --input hf:HuggingFaceFW/fineweb-edu:sample-10BT --output data/fineweb_edu
+    mlra prepare --input corpus/ --output data/mine
+    mlra prepare --input docs.jsonl --output data/mine --text_field body
+    mlra prepare --input hf:HuggingFaceFW/fineweb-edu:sample-10BT --output data/fineweb_edu
     # an eval set: 0.1B tokens of every 10th validation document, all in _val_ shards
-    python -m mlra_jax.data.prepare --input hf:allenai/c4:en --split validation --every 10 --max_tokens 1e8 \\
+    mlra prepare --input hf:allenai/c4:en --split validation --every 10 --max_tokens 1e8 \\
         --val_documents 1000000000 --output data/c4_eval
     # compare a prepared folder's shards with its prepare.json (sizes and sha256)
-    python -m mlra_jax.data.prepare --verify data/mine
+    mlra prepare --verify data/mine
 
 Inputs: .txt files (one document each), .jsonl / .jsonl.gz (one document per line,
 under --text_field), .parquet (a column named --text_field), folders of those, and
@@ -380,12 +380,12 @@ def verify(folder: str | Path | epath.Path) -> str:
     sha256, and no other shard; a DataError naming the first that differs. Returns what was checked."""
     folder = as_path(folder)
     if not folder.is_dir():
-        raise DataError(f"--verify {folder} is not a folder; give a folder made by python -m mlra_jax.data.prepare")
+        raise DataError(f"--verify {folder} is not a folder; give a folder made by mlra prepare")
     record = read_marker(folder)
     if record is None:
         raise DataError(
             f"{folder} has no {MARKER}, so there is nothing to verify its shards against (only folders "
-            f"made by python -m mlra_jax.data.prepare record their shards)"
+            f"made by mlra prepare record their shards)"
         )
     names = sorted(record["shards"])
     missing = [name for name in names if not (folder / name).is_file()]
@@ -396,7 +396,7 @@ def verify(folder: str | Path | epath.Path) -> str:
             if missing
             else f"{', '.join(strangers[:5])} are not listed in {MARKER}"
         )
-        raise DataError(f"{folder}: {problem}; re-create the folder with python -m mlra_jax.data.prepare --overwrite")
+        raise DataError(f"{folder}: {problem}; re-create the folder with mlra prepare --overwrite")
     verify_shards(folder, [folder / name for name in names], record, checksums=True)
     checked = "sizes and sha256" if record.get("files") else f"sizes only: this {MARKER} predates checksums"
     return f"{folder}: the {len(names)} shards match {MARKER} ({checked})"
@@ -419,7 +419,7 @@ def _count(least: int) -> Callable[[str], int]:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = command_parser("python -m mlra_jax.data.prepare", __doc__)
+    parser = command_parser("mlra prepare", __doc__)
     parser.add_argument("--input", help="file, folder, hf:NAME[:CONFIG], hf:FOLDER or tfds:NAME[:CONFIG] (required)")
     parser.add_argument("--output", help="folder for the shards, local or gs://... (required)")
     parser.add_argument("--prefix", default="data", help="shard name prefix (the reference uses fineweb)")

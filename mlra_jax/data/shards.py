@@ -7,7 +7,7 @@ A folder made by prepare holds `prepare.json`, which lists each shard with its t
 Training and evaluation refuse a shard of such a folder that the marker does not list, one it lists that
 is gone, and one whose size differs from the recorded one (a stat per shard, at every start). Checksums
 are compared only when asked (hashing 100s of GB at every start is slow): MLRA_JAX_VERIFY_SHARDS=1 for
-a run, or `python -m mlra_jax.data.prepare --verify FOLDER`. Folders without the marker (llm.c's
+a run, or `mlra prepare --verify FOLDER`. Folders without the marker (llm.c's
 downloads) are read as they are."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 MARKER = "prepare.json"  # written by prepare beside the shards it made: inputs, tokens, bytes and sha256 per shard
 VERIFY_VARIABLE = "MLRA_JAX_VERIFY_SHARDS"  # 1: also compare every shard's sha256 with the marker's at each start
-_REMAKE = "re-create the folder with python -m mlra_jax.data.prepare --overwrite, or restore the shard"
+_REMAKE = "re-create the folder with mlra prepare --overwrite, or restore the shard"
 
 
 class DataError(ValueError):
@@ -86,12 +86,12 @@ def _open_shard(path: Path | epath.Path) -> np.ndarray | RangedShard:
     if size < HEADER_BYTES:
         raise DataError(
             f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte llm.c header; the file is "
-            f"truncated or not a token shard (re-create it with python -m mlra_jax.data.prepare)"
+            f"truncated or not a token shard (re-create it with mlra prepare)"
         )
     if header[0] != MAGIC:
         raise DataError(
             f"{path}: magic number {header[0]} is not llm.c's {MAGIC}; this is not a token shard "
-            f"(re-create it with python -m mlra_jax.data.prepare)"
+            f"(re-create it with mlra prepare)"
         )
     if header[1] != VERSION:
         raise DataError(f"{path}: shard version {header[1]} is not supported (expected {VERSION}: uint16 tokens)")
@@ -110,7 +110,7 @@ def find_shards(directory: Path | epath.Path, pattern: str) -> list[Path | epath
     if not directory.is_dir():
         raise DataError(
             f"data directory {directory} does not exist; create it with "
-            f"`python -m mlra_jax.data.prepare --input <text files or dataset> --output {directory}` "
+            f"`mlra prepare --input <text files or dataset> --output {directory}` "
             f"or train on the shipped corpus with --data.dataset=builtin"
         )
     paths = sorted(directory.glob(pattern))
@@ -158,8 +158,7 @@ def read_marker(directory: Path | epath.Path) -> dict[str, Any] | None:
             raise TypeError("shards")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise DataError(
-            f"{marker} is damaged ({type(err).__name__}); re-create the folder with "
-            f"python -m mlra_jax.data.prepare --overwrite"
+            f"{marker} is damaged ({type(err).__name__}); re-create the folder with mlra prepare --overwrite"
         ) from None
     return record
 

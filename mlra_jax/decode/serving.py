@@ -1,4 +1,4 @@
-"""The serving path that `Generator.generate` and `python -m mlra_jax.generate` run.
+"""The serving path that `Generator.generate` and `mlra generate` run.
 
 * Weights are cast once to the compute dtype (norm scales and the embedding table stay float32,
   as the model reads them; the tied head gets its own copy in the compute dtype) and split into

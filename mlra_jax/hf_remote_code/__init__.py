@@ -1,4 +1,4 @@
-"""The PyTorch modeling code of the Hugging Face export (`python -m mlra_jax.convert to-hf`).
+"""The PyTorch modeling code of the Hugging Face export (`mlra convert to-hf`).
 
 `configuration_mlra.py` and `modeling_mlra.py` are package data: they import torch and transformers
 and nothing of mlra_jax, are copied into every exported folder, and run there through

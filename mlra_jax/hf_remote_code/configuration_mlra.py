@@ -1,6 +1,6 @@
 """MLRAConfig: the Hugging Face configuration of mlra_jax models (all 11 attention variants).
 
-Written by `python -m mlra_jax.convert to-hf` beside the weights and loaded with
+Written by `mlra convert to-hf` beside the weights and loaded with
 `AutoConfig.from_pretrained(DIR, trust_remote_code=True)`. Its fields are mlra_jax's ModelConfig
 fields (mlra_jax/config.py); this file imports nothing of mlra_jax.
 """

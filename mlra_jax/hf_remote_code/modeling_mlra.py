@@ -1,6 +1,6 @@
 """MLRAForCausalLM: mlra_jax models in PyTorch for Hugging Face transformers (all 11 attention variants).
 
-Copied into every folder that `python -m mlra_jax.convert to-hf` writes and loaded with
+Copied into every folder that `mlra convert to-hf` writes and loaded with
 `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`; it imports nothing of mlra_jax.
 It computes what mlra_jax's JAX modules compute (mlra_jax/model.py, layers.py, attention/*.py) under
 the official PyTorch code's tensor names (transformer.h.{i}.attn.c_q.weight, ...), so the weights are

@@ -76,7 +76,7 @@ def check_hf_folder(folder: Path, source: str) -> None:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise ConfigError(
                 f"{source}: {SAFETENSORS_INDEX} is not a shard index ({type(err).__name__}: {err}); "
-                f"export the run again with python -m mlra_jax.convert to-hf"
+                f"export the run again with mlra convert to-hf"
             ) from None
     else:
         wanted.append(SAFETENSORS_FILE)
@@ -85,7 +85,7 @@ def check_hf_folder(folder: Path, source: str) -> None:
         raise ConfigError(
             f"{source} is not a complete Hugging Face folder of convert to-hf: it lacks "
             f"{', '.join(map(str, missing[:6]))}{' and more' if len(missing) > 6 else ''} (an export "
-            f"that stopped before its end?); export the run again with python -m mlra_jax.convert to-hf"
+            f"that stopped before its end?); export the run again with mlra convert to-hf"
         )
 
 

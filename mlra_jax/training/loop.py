@@ -212,7 +212,7 @@ class TrainingLoop:
 
     def run(self) -> TrainResult:
         stop = _StopSignal()
-        bar = progress_bar(self.train_cfg.total_steps, self.step) if self.is_writer else None
+        bar, compiled = None, False
         try:
             while self.step < self.train_cfg.total_steps:
                 if stop.received is not None or self.checkpointer.reached_preemption(self.step):
@@ -221,7 +221,14 @@ class TrainingLoop:
                     self.checkpointer.wait()
                     return TrainResult(self.step, self.last_loss, stopped_by_signal=True)
                 self.profiler.before_step(self.step + 1)
+                if not compiled:  # the first call compiles (or loads from the compilation cache), then dispatches
+                    log.info("compiling the train step...")
+                    start = time.perf_counter()
                 self.train_one_step()
+                if not compiled:
+                    log.info("compiled the train step in %.1f s", time.perf_counter() - start)
+                    compiled = True
+                    bar = progress_bar(self.train_cfg.total_steps, self.step - 1) if self.is_writer else None
                 self.paused += self.profiler.after_step(self.step, self.state["params"])  # writing the trace
                 if bar is not None:
                     bar.update(1)
@@ -230,6 +237,8 @@ class TrainingLoop:
                     self.writer.write(self.step, record)
                     message = format_line(self.step, self.train_cfg.total_steps, record)
                     bar.write(message) if bar is not None else log.info(message)
+                    if bar is not None and "loss" in record:
+                        bar.set_postfix_str(f"loss {record['loss']:.3f}, {record['tokens_per_s']:,.0f} tokens/s")
                 if self._due(self.experiment.checkpoint.every):
                     self.save()
             self.check_pending()
