@@ -16,6 +16,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ["JAX_PLATFORMS"] == "cpu":  # JAX_PLATFORMS=cuda pytest -m gpu: the GPU's XLA rejects the CPU flags
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {IN_PROCESS}")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# Pallas's Mosaic GPU interpreter runs each simulated warpgroup as its own XLA computation, and a barrier wait
+# blocks a thread of the XLA CPU client's pool (one per core unless PJRT_NPROC says): a kernel of three warpgroups
+# deadlocks on two cores when the consumers take both threads first (tests/test_mlra_attention_kernel.py).
+os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, 4)))
 
 
 def pytest_configure(config) -> None:
