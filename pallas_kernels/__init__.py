@@ -6,4 +6,8 @@ Latent decode attention (MLA, GLA, MLRA), each module importing only those above
   * latent_decode_tpu        Pallas Mosaic TPU (also run in TPU interpret mode on CPU);
   * latent_decode_gpu        Pallas Mosaic GPU for Hopper, whose split-KV merge is a kernel too.
 The library chooses among them by backend and mesh (mlra_jax.attention.latent_kernels).
+
+Training attention:
+  * mlra_attention_gpu       MLRA's causal forward in Pallas Mosaic GPU (the RoPE scores shared by the branches),
+                             with its jnp reference; tested in GPU interpret mode on CPU, untimed, not yet used.
 """
