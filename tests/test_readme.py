@@ -79,7 +79,10 @@ def test_the_commands_after_the_quick_start_run_as_printed(tmp_path):
     if not (venv / "bin" / "mlra").exists():
         pytest.skip(f"the tests run from {venv}, not a virtual environment with mlra installed")
     (tmp_path / ".venv").symlink_to(venv)
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "VIRTUAL_ENV")}
+    # as a new user's shell has it: without the test session's platform flags and without the progress-bar switches
+    # that in-process commands run earlier in this worker set (mlra_jax.progress: a command writing into a pipe)
+    dropped = ("JAX_PLATFORMS", "XLA_FLAGS", "VIRTUAL_ENV", "TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env["PYTHONPATH"] = str(ROOT)  # this checkout's code, whichever checkout the venv was installed from
 
     # the quick start's training as printed, on a terminal, made tiny by overrides
