@@ -191,12 +191,18 @@ class LatentAttention(Attention):
     ) -> tuple[jax.Array, KVCache]:
         """Over the cache: prefill up-projects keys and values as training does; decode steps absorb the weights
         (paper Steps 1-3) and form no per-head key or value."""
+        queries, cache = self.written_queries(x, positions, cache, index, plans, absorbed)
+        return self.run_blocks("decode" if absorbed else "prefill", queries, cache, mask), cache
+
+    def written_queries(
+        self, x: jax.Array, positions: jax.Array, cache: KVCache, index: jax.Array, plans: dict, absorbed: bool
+    ) -> tuple[tuple[jax.Array, jax.Array], KVCache]:
+        """x's entries stored in the cache at `index`, and x's queries (q_nope, q_rope)."""
         c_q, (latent, k_rope) = self.q_projection(x), self.kv_projections(x)
         cache = store_entry(cache, self.entry_from(latent, k_rope, positions), index, plans)
         if absorbed and tensor_size() == 1:  # one row: q_up and W_UK on its copies (absorbed_blocks)
             c_q = row_copies(c_q)
-        queries = self.queries_from(c_q, positions)
-        return self.run_blocks("decode" if absorbed else "prefill", queries, cache, mask), cache
+        return self.queries_from(c_q, positions), cache
 
     def attend_and_project(
         self,
@@ -217,9 +223,7 @@ class LatentAttention(Attention):
             return super().attend_and_project(x, positions, cache, mask, index, plans, absorbed)
         if self.gate_proj is not None:
             raise ValueError("project_in_region serves models without the output gate")
-        c_q, (latent, k_rope) = self.q_projection(x), self.kv_projections(x)
-        cache = store_entry(cache, self.entry_from(latent, k_rope, positions), index, plans)
-        queries = self.queries_from(c_q, positions)
+        queries, cache = self.written_queries(x, positions, cache, index, plans, absorbed)
         kv_up = self.kv_up[...].astype(self.dtype)
         out = self.tensor_parallel_blocks("decode", plan, queries, cache, kv_up, mask, self.o_proj[...])
         return out, cache
