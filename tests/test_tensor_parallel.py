@@ -158,6 +158,47 @@ def test_gqa_kv_heads_stored_by_the_query_heads_that_read_them(data):
     assert not [line for line in hlo.splitlines() if re.search(r"= \S+ all-gather\(", line)]
 
 
+def products_batched_on_inner_axes(stablehlo: str) -> list[str]:
+    """dot_generals batched over axes that are not an operand's leading ones: a GPU's batched GEMM takes them only
+    after copying that operand transposed (for a product over the cache: the whole cache, every step)."""
+    found = []
+    for line in stablehlo.splitlines():
+        dims = re.search(r"batching_dims = \[([\d, ]*)\] x \[([\d, ]*)\]", line)
+        if dims and any([int(i) for i in d.split(",")] != list(range(len(d.split(",")))) for d in dims.groups()):
+            found.append(line.strip())
+    return found
+
+
+@pytest.mark.parametrize("n_head, group_size", [(16, 2), (8, 4)])
+def test_gqa_decode_reads_split_and_spread_caches_as_stored(n_head, group_size, monkeypatch):
+    """GQA whose KV heads TP splits (8 over 4 devices) or spreads (2 over 4): decode steps score each device's query
+    heads against the KV heads it stores as stored and equal the unsharded model; no product is batched over the
+    cache's inner KV-head axis, as the grouped product they replace is."""
+    import mlra_jax.attention.gqa as gqa_module
+
+    model = init_model(small("gqa", n_head=n_head, group_size=group_size, head_dim=8), seed=0)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tokens = jax.random.randint(jax.random.key(5), (2, 7), 0, 128)
+    expected, _ = decode(model, params, tokens)
+    mesh = make_mesh(MeshConfig(data=1, tensor=4), jax.devices()[:4])
+    transposes = {}
+    for slots in (0, gqa_module.MAX_SLOTS_READ_AS_STORED):
+        monkeypatch.setattr(gqa_module, "MAX_SLOTS_READ_AS_STORED", slots)
+        with jax.set_mesh(mesh):
+            sharded = shard_params(model, params, mesh)
+            logits, state = decode(model, sharded, tokens, mesh)
+            graphdef = nnx.split(model)[0]
+            step = jax.jit(lambda p, t, s: nnx.merge(graphdef, p).forward_cached(t, s, True))
+            stablehlo = step.lower(sharded, tokens[:, :1], state).as_text()
+        np.testing.assert_allclose(logits, expected, atol=2e-5)
+        transposes[slots] = products_batched_on_inner_axes(stablehlo)
+    plan = dict(state.plans)["k"]
+    with jax.set_mesh(mesh):
+        assert plan.sharded and not plan.aligned and gqa_module.reads_cache_as_stored(plan, 1)
+        assert not gqa_module.reads_cache_as_stored(plan, 7)  # prefill keeps the grouped product
+    assert not transposes[gqa_module.MAX_SLOTS_READ_AS_STORED] and transposes[0]
+
+
 def test_decode_branch_sums_in_bfloat16_against_float32(monkeypatch):
     """MLRA-4 at TP=4 in bfloat16: decode steps reduce the branch sums in bfloat16 (half the bytes), and the logits
     stay within bfloat16 rounding of the float32 reduction's."""

@@ -62,19 +62,35 @@ class GroupedQueryAttention(Attention):
         plans: dict,
         absorbed: bool,
     ) -> tuple[jax.Array, KVCache]:
-        """Attention.write_and_attend; under TP with KV heads stored as their query heads read them
-        (UnitPlan.aligned), each device attends over the KV heads it stores (aligned_attention)."""
+        """Attention.write_and_attend; under TP, where each device stores the KV heads its query heads read
+        (reads_cache_as_stored), each device attends over the KV heads it stores (aligned_attention)."""
         plan = plans["k"]
-        if not (plan.aligned and tensor_size() == plan.tp):
+        if not reads_cache_as_stored(plan, x.shape[1]):
             return super().write_and_attend(x, positions, cache, mask, index, plans, absorbed)
         cache = store_entry(cache, self.cache_entry(x, positions), index, plans)
         return aligned_attention(self.queries(x, positions), cache["k"], cache["v"], mask, plan, self.scale), cache
 
 
+# Most KV heads per device that one product over the cache as stored takes in a decode step: it scores every local
+# query head against every local KV head, so its score FLOPs grow with them (decode steps stay far below the ridge)
+MAX_SLOTS_READ_AS_STORED = 4
+
+
+def reads_cache_as_stored(plan: UnitPlan, new_tokens: int) -> bool:
+    """Whether aligned_attention serves this step: always for aligned plans (their KV heads are stored as the query
+    heads read them); for KV heads split or spread over `tensor`, in decode steps of at most
+    MAX_SLOTS_READ_AS_STORED KV heads per device, where XLA's grouped product would copy the cache transposed."""
+    if tensor_size() != plan.tp or not plan.heads or plan.heads % plan.tp:
+        return False
+    if plan.aligned:
+        return True
+    return plan.sharded and new_tokens == 1 and plan.per_device <= MAX_SLOTS_READ_AS_STORED
+
+
 def aligned_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, plan: UnitPlan, scale: float
 ) -> jax.Array:
-    """GQA over a cache stored by an aligned plan, in one shard_map over `tensor`: q [B, T, h, D] split over heads,
+    """GQA over a cache whose devices store the KV heads their query heads read, in one shard_map over `tensor`: q [B, T, h, D] split over heads,
     k and v [B, S, stored, D] split over their slots, mask [B, T, S] -> [B, T, h, D] split over heads. Each device
     scores its query heads against each of its k stored KV heads and masks the pairs that GQA does not pair
     (UnitPlan.local_heads_slot), so one softmax over (slot, key) is each head's softmax over its own KV head: the
