@@ -1,4 +1,4 @@
-"""MLRA's causal training attention, forward, as a Pallas Mosaic GPU kernel for Hopper (H100/H200); untimed.
+"""MLRA's causal training attention, forward, as a Pallas Mosaic GPU kernel for Hopper (H100/H200).
 
 The absorbed layout (mlra_jax.attention.latent, `absorbed_attention` / `latent_heads_attention`): n latent blocks
 (branches), each one KV head of key [latent_j || k_rope] (R + Dr wide) and value latent_j (R), serving H query
@@ -16,23 +16,30 @@ Design (FlashAttention-3's forward, jax.experimental.pallas.ops.gpu.attention_mg
   * A CTA takes one (head, group of `branches` latent blocks, 128 queries, sequence): two compute warpgroups of
     64 query rows each (wgmma's M) and one memory warpgroup.
   * Each compute warpgroup loads its q_rope tile and its branches' q_latent tiles by TMA once. The memory
-    warpgroup streams 64-key tiles by TMA through `stages` SMEM slots: the k_rope tile once and each branch's
-    latent tile (which is its key and its value: read once, used twice), with a barrier per slot for "loaded"
-    and one for "consumed" (both compute warpgroups arrive).
+    warpgroup streams tiles of `block_kv` keys (64 or 128) by TMA through `stages` SMEM slots: the k_rope tile
+    once and each branch's latent tile (which is its key and its value: read once, used twice), with a barrier
+    per slot for "loaded" and one for "consumed" (both compute warpgroups arrive).
   * Per key tile a compute warpgroup runs the RoPE scores q_r k_r^T once (wgmma, K = Dr) and then, per branch,
     accumulates that branch's latent scores onto them (wgmma initialized with the RoPE scores, K = R), an online
     softmax in the log2 domain with the branch's own running max and sum, and P latent_j (wgmma, P from
     registers). The RoPE product is 1/`branches` of what n separate attentions would spend on it.
-  * Causal tile skipping: a warpgroup's rows [q0, q0 + 64) read key tiles 0 .. q0 / 64 only; the tiles below
-    the diagonal run unmasked, the diagonal one masked. The memory warpgroup loads the tiles of the CTA's last
-    rows; the first warpgroup waits on (and releases) the tiles it skips after storing its output, so that every
-    barrier phase is observed in order.
+  * Causal tile skipping: a warpgroup's rows [q0, q0 + 64) read the key tiles up to the one holding key q0 + 63;
+    the tiles below the diagonal run unmasked, the last one masked. The memory warpgroup loads the tiles of the
+    CTA's last rows; the first warpgroup waits on (and releases) the tiles it skips after storing its output, so
+    that every barrier phase is observed in order.
   * `branches` (plan): the most branches whose accumulators fit 256 float32 columns per warpgroup (128
     registers a thread, FA3's head-dim-256 budget): 2 at R = 128 (MLRA-4 2.9B: the RoPE product shared by 2
     branches, half its FLOPs saved), 4 at R = 64. SMEM: at R = 128, Dr = 64, 2 branches: 80 KiB of queries and
     3 stages of 40 KiB.
   * Output: each warpgroup normalizes, writes its rows into its query SMEM (no longer read) and copies them out
     by TMA; the logsumexp likewise.
+
+On an H100 (jax 0.11; `mlra bench attention_kernels --kernels=mlra`, experiments/results/
+attention_kernels_mlra_h100.json) it matches its reference and cuDNN at the 2.9B MLRA-4 and MLRA-2 layers. There the
+2-branch plan spills registers (316-364 bytes a thread at R = 128, 64-key tiles) and runs slower than one branch
+per CTA; the fastest tiling measured is `branches=1, block_kv=128` (no spill), about as fast as cuDNN's forward.
+The accumulators' scopes index their SMEM tiles inside the scope (`_scores`, `_values`): under jax 0.11 a view
+made outside and closed over by `pl.run_state` fails to lower.
 
 Interpret mode (Pallas's Mosaic GPU interpreter on CPU, `interpret=True`; jax 0.10): it runs this kernel's
 threads, barriers, TMA copies between GMEM and SMEM, SMEM reads and writes, the pipeline's slots and phases,
@@ -44,18 +51,16 @@ by the same arithmetic on the same SMEM data:
   3. `pl.run_state` over a wgmma accumulator (accumulating onto the RoPE scores and the running output);
   4. register layouts (`plgpu.layout_cast`, `plgpu.broadcasted_iota(layout=...)`: no CPU lowering).
 In interpret mode the products are float32 jnp.dot of the operands read from SMEM (`_scores`, `_values`), the
-layouts plain arrays. What only an H100 can check: those four (the wgmma operand layouts, transposes and
-swizzles of the 64-column chunks, as latent_decode_gpu uses them at run time), the accumulator register budget
-(2 branches x 2 chunks x 32 + RoPE and branch scores + P, against the 232 registers given to a compute
-warpgroup: ptxas must not spill; `branches=1` is the fallback), the 128-byte swizzle of bf16 tiles (the
-interpreter ignores transforms), and the speed. Float32 inputs run only in interpret mode (the tests' exact
-comparison); the GPU takes bf16 or f16.
+layouts plain arrays; those four, the register budget, the 128-byte swizzle of bf16 tiles (the interpreter
+ignores transforms) and the speed are checked on the GPU only (the benchmark's rows carry their errors). Float32
+inputs run only in interpret mode (the tests' exact comparison); the GPU takes bf16 or f16.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +70,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 CHUNK = 64  # columns per SMEM tile (the 128-byte swizzle of bf16) and per value accumulator
 BLOCK_Q = 64  # query rows per compute warpgroup (wgmma's M)
-BLOCK_KV = 64  # keys per pipeline stage
+BLOCK_KV = 64  # keys per pipeline stage (the default; 128 also fits the CTA's 128 query rows)
 COMPUTE_WGS = 2
 SMEM_BYTES = 220 * 1024
 MAX_ACC_COLUMNS = 256  # float32 accumulator columns per warpgroup: 128 registers a thread
@@ -93,16 +98,17 @@ def mlra_attention_reference(
     return out.astype(latent.dtype), lse
 
 
-def plan(blocks: int, rank: int, rope: int, branches: int | None = None) -> tuple[int, int]:
-    """(branches per CTA, pipeline stages): the most branches (dividing the blocks) whose accumulators fit
-    MAX_ACC_COLUMNS and whose query tiles leave SMEM for at least two key stages (sized for bf16)."""
+def plan(blocks: int, rank: int, rope: int, branches: int | None = None, block_kv: int = BLOCK_KV) -> tuple[int, int]:
+    """(branches per CTA, pipeline stages of block_kv keys): the most branches (dividing the blocks) whose
+    accumulators fit MAX_ACC_COLUMNS and whose query tiles leave SMEM for at least two key stages (sized for
+    bf16)."""
     candidates = [branches] if branches else [d for d in (4, 2, 1) if blocks % d == 0 and d * rank <= MAX_ACC_COLUMNS]
     for d in candidates:
         if blocks % d:
             raise ValueError(f"branches={d} does not divide the {blocks} latent blocks")
         columns = rope + d * rank
         q_bytes = COMPUTE_WGS * BLOCK_Q * columns * 2 + COMPUTE_WGS * d * BLOCK_Q * 4
-        stages = (SMEM_BYTES - q_bytes) // (BLOCK_KV * columns * 2)
+        stages = (SMEM_BYTES - q_bytes) // (block_kv * columns * 2)
         if stages >= 2:
             return d, min(stages, MAX_STAGES)
     raise ValueError(f"latent blocks of {rank} with RoPE {rope} do not fit the pipeline in shared memory")
@@ -134,12 +140,14 @@ def _rows(shape: tuple[int, int], interpret: bool) -> jax.Array:
     return plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
 
 
-def _scores(pairs, init: jax.Array | None, interpret: bool) -> jax.Array:
-    """init (or zeros) + sum of a b^T over pairs of SMEM tiles a [64, CHUNK] (queries), b [BLOCK_KV, CHUNK]
-    (keys): wgmma with b transposed on the GPU; float32 products of the SMEM contents in interpret mode."""
+def _scores(pairs: Callable[[], list], init: jax.Array | None, interpret: bool, block_kv: int) -> jax.Array:
+    """init (or zeros) + sum of a b^T over the pairs() of SMEM tiles a [64, CHUNK] (queries), b [block_kv, CHUNK]
+    (keys): wgmma with b transposed on the GPU; float32 products of the SMEM contents in interpret mode. The tiles
+    are indexed inside the accumulator's scope (`pairs` is called there): a view made outside and closed over
+    brings its static indices into `pl.run_state` as operands, which Mosaic GPU (jax 0.11) cannot pass through."""
     if interpret:
         total = init
-        for a, b in pairs:
+        for a, b in pairs():
             product = lax.dot_general(
                 a[...], b[...], (((1,), (1,)), ((), ())), precision="highest", preferred_element_type=jnp.float32
             )
@@ -147,7 +155,7 @@ def _scores(pairs, init: jax.Array | None, interpret: bool) -> jax.Array:
         return total
 
     def body(acc_ref):
-        for a, b in pairs:
+        for a, b in pairs():
             plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b, (1, 0)))
 
     if init is None:
@@ -156,27 +164,30 @@ def _scores(pairs, init: jax.Array | None, interpret: bool) -> jax.Array:
             body(acc_ref)
             return acc_ref[...]
 
-        return pl.run_scoped(scoped, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
+        return pl.run_scoped(scoped, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
     return pl.run_state(body)(plgpu.ACC.init(init))
 
 
-def _values(accs: tuple[jax.Array, ...], p: jax.Array, values, interpret: bool) -> tuple[jax.Array, ...]:
-    """accs[c] + p values[c] for the value chunks values[c] [BLOCK_KV, CHUNK] in SMEM, p [64, BLOCK_KV] in
-    registers: wgmma with A from registers on the GPU."""
+def _values(
+    accs: tuple[jax.Array, ...], p: jax.Array, values: Callable[[], list], interpret: bool
+) -> tuple[jax.Array, ...]:
+    """accs[c] + p values()[c] for the value chunks values()[c] [block_kv, CHUNK] in SMEM (indexed inside the
+    accumulators' scope, as in `_scores`), p [64, block_kv] in registers: wgmma with A from registers on the
+    GPU."""
     if interpret:
         return tuple(
             acc + jnp.dot(p, v[...], precision="highest", preferred_element_type=jnp.float32)
-            for acc, v in zip(accs, values)
+            for acc, v in zip(accs, values())
         )
 
     def body(acc_refs):
-        for acc_ref, v in zip(acc_refs, values):
+        for acc_ref, v in zip(acc_refs, values()):
             plgpu.wgmma(acc_ref, p, v)
 
     return pl.run_state(body)(tuple(plgpu.ACC.init(a) for a in accs))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "branches", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "branches", "block_kv", "interpret"))
 def mlra_attention_gpu(
     q_latent: jax.Array,
     q_rope: jax.Array,
@@ -185,11 +196,13 @@ def mlra_attention_gpu(
     *,
     scale: float,
     branches: int | None = None,
+    block_kv: int = BLOCK_KV,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Causal MLRA attention forward: q_latent [B, T, n, H, R], q_rope [B, T, H, Dr] (every block's), latent
     [B, S, n, R], k_rope [B, S, Dr] -> (out [B, T, n, H, R], logsumexp [B, n, H, T] float32), as
-    mlra_attention_reference. branches: latent blocks per CTA sharing the RoPE scores (default: `plan`).
+    mlra_attention_reference. branches: latent blocks per CTA sharing the RoPE scores (default: `plan`); block_kv:
+    keys per pipeline stage, 64 or 128.
     interpret=True runs it in Pallas's GPU interpret mode (on CPU; see the module docstring)."""
     b, t, n, h, r = q_latent.shape
     s, dr = k_rope.shape[1], k_rope.shape[2]
@@ -209,7 +222,9 @@ def mlra_attention_gpu(
             f"the kernel takes causal self-attention (T == S) over a multiple of {COMPUTE_WGS * BLOCK_Q} tokens, "
             f"latent and RoPE widths that are multiples of {CHUNK}; got T={t}, S={s}, R={r}, Dr={dr}"
         )
-    per_cta, stages = plan(n, r, dr, branches)
+    if block_kv not in (64, 128) or t % block_kv:
+        raise ValueError(f"block_kv={block_kv}: the kernel takes 64 or 128 keys per stage, dividing T={t}")
+    per_cta, stages = plan(n, r, dr, branches, block_kv)
     groups = n // per_cta
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
     q_tiles = t // (COMPUTE_WGS * BLOCK_Q)
@@ -225,7 +240,7 @@ def mlra_attention_gpu(
         hi, first_block = head_group // groups, lax.rem(head_group, groups) * per_cta
         q_tile = q_tiles - 1 - lax.axis_index("q_tile")  # the longest rows first
         wg = lax.axis_index("wg")
-        max_steps = (q_tile + 1) * (COMPUTE_WGS * BLOCK_Q) // BLOCK_KV  # key tiles of the CTA's last rows
+        max_steps = (q_tile + 1) * (COMPUTE_WGS * BLOCK_Q) // block_kv  # key tiles of the CTA's last rows
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
@@ -244,8 +259,8 @@ def mlra_attention_gpu(
                         q_barriers.at[wg],
                     )
             plgpu.barrier_wait(q_barriers.at[wg])
-            steps = (q0 + BLOCK_Q) // BLOCK_KV  # key tiles these rows read
-            unmasked = q0 // BLOCK_KV  # those wholly at or below every row's diagonal
+            steps = (q0 + BLOCK_Q + block_kv - 1) // block_kv  # key tiles these rows read
+            unmasked = q0 // block_kv  # those wholly at or below every row's diagonal
             reduced = plgpu.Layout.WGMMA.reduce(1)
             m_i = tuple(
                 _layout(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), reduced, interpret) for _ in range(per_cta)
@@ -264,15 +279,15 @@ def mlra_attention_gpu(
                 slot = lax.rem(step, jnp.int32(stages))
                 plgpu.barrier_wait(kv_barriers.at[slot])
                 # the RoPE scores, once for all of this CTA's branches
-                rope = _scores([(qr_smem.at[wg, c], kr_smem.at[slot, c]) for c in range(rope_chunks)], None, interpret)
+                rope_tiles = lambda: [(qr_smem.at[wg, c], kr_smem.at[slot, c]) for c in range(rope_chunks)]  # noqa: E731
+                rope = _scores(rope_tiles, None, interpret, block_kv)
                 if masked:
-                    shape = (BLOCK_Q, BLOCK_KV)
-                    keep = _rows(shape, interpret) + q0 >= _columns(shape, interpret) + step * BLOCK_KV
+                    shape = (BLOCK_Q, block_kv)
+                    keep = _rows(shape, interpret) + q0 >= _columns(shape, interpret) + step * block_kv
                 new_accs, new_m, new_l = [], [], []
                 for j in range(per_cta):
-                    qk = _scores(
-                        [(ql_smem.at[wg, j, c], lat_smem.at[slot, j, c]) for c in range(lat_chunks)], rope, interpret
-                    )
+                    tiles = lambda j=j: [(ql_smem.at[wg, j, c], lat_smem.at[slot, j, c]) for c in range(lat_chunks)]  # noqa: E731
+                    qk = _scores(tiles, rope, interpret, block_kv)
                     qk = qk * scale_log2
                     if masked:
                         qk = jnp.where(keep, qk, -jnp.inf)
@@ -281,7 +296,7 @@ def mlra_attention_gpu(
                     p = jnp.exp2(qk - lax.broadcast_in_dim(m_new, qk.shape, [0]))
                     new_l.append(l_i[j] * alpha + p.sum(axis=1))
                     scaled = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs[j])
-                    values = [lat_smem.at[slot, j, c] for c in range(lat_chunks)]
+                    values = lambda j=j: [lat_smem.at[slot, j, c] for c in range(lat_chunks)]  # noqa: E731
                     new_accs.append(_values(scaled, p.astype(dtype), values, interpret))
                     new_m.append(m_new)
                 # the slot is refilled only while tiles remain to load: every "consumed" phase is awaited
@@ -319,7 +334,7 @@ def mlra_attention_gpu(
             plgpu.set_max_registers(40, action="decrease")
 
             def fetch(step, slot):
-                keys = pl.ds(step * BLOCK_KV, BLOCK_KV)
+                keys = pl.ds(step * block_kv, block_kv)
                 for c in range(rope_chunks):
                     plgpu.copy_gmem_to_smem(
                         kr_ref.at[bi, keys, pl.ds(c * CHUNK, CHUNK)], kr_smem.at[slot, c], kv_barriers.at[slot]
@@ -332,7 +347,7 @@ def mlra_attention_gpu(
                             kv_barriers.at[slot],
                         )
 
-            for i in range(min(stages, s // BLOCK_KV)):  # (statically in bounds)
+            for i in range(min(stages, s // block_kv)):  # (statically in bounds)
                 pl.when(i < max_steps)(functools.partial(fetch, i, i))
 
             @pl.loop(0, jnp.maximum(max_steps - stages, 0))
@@ -345,8 +360,8 @@ def mlra_attention_gpu(
         smem = (
             plgpu.SMEM((COMPUTE_WGS, rope_chunks, BLOCK_Q, CHUNK), dtype, transforms=transforms),
             plgpu.SMEM((COMPUTE_WGS, per_cta, lat_chunks, BLOCK_Q, CHUNK), dtype, transforms=transforms),
-            plgpu.SMEM((stages, rope_chunks, BLOCK_KV, CHUNK), dtype, transforms=transforms),
-            plgpu.SMEM((stages, per_cta, lat_chunks, BLOCK_KV, CHUNK), dtype, transforms=transforms),
+            plgpu.SMEM((stages, rope_chunks, block_kv, CHUNK), dtype, transforms=transforms),
+            plgpu.SMEM((stages, per_cta, lat_chunks, block_kv, CHUNK), dtype, transforms=transforms),
             plgpu.SMEM((COMPUTE_WGS, per_cta, BLOCK_Q), jnp.float32),
         )
         copies = rope_chunks + per_cta * lat_chunks

@@ -23,10 +23,10 @@ def inputs(b, t, n, h, r, dr, dtype, seed=0):
     )
 
 
-def check(shape, dtype, tolerance, branches=None):
+def check(shape, dtype, tolerance, branches=None, block_kv=64):
     args = inputs(*shape, dtype)
     scale = (shape[4] + shape[5]) ** -0.5
-    out, lse = mlra_attention_gpu(*args, scale=scale, branches=branches, interpret=True)
+    out, lse = mlra_attention_gpu(*args, scale=scale, branches=branches, block_kv=block_kv, interpret=True)
     want_out, want_lse = mlra_attention_reference(*args, scale=scale)
     b, t, n, h, r, _ = shape
     assert out.shape == (b, t, n, h, r) and out.dtype == dtype and lse.shape == (b, n, h, t)
@@ -37,11 +37,17 @@ def check(shape, dtype, tolerance, branches=None):
 def test_plan_shares_the_rope_scores_within_the_register_budget():
     assert plan(4, 128, 64) == (2, 3)  # MLRA-4 2.9B: two branches per CTA, three 40 KiB key stages
     assert plan(4, 64, 64)[0] == 4 and plan(2, 128, 64)[0] == 2 and plan(3, 128, 64)[0] == 1
+    assert plan(4, 128, 64, block_kv=128) == (1, 3)  # two branches' 128-key stages leave room for one only
 
 
 def test_float32_four_branches_over_one_rope_score():
     """4 blocks in one CTA, 4 key tiles through 3 stages (one slot refilled), both warpgroups' causal tails."""
     check((1, 256, 4, 1, 64, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5))
+
+
+def test_float32_128_key_tiles():
+    """Keys in tiles of 128: both warpgroups read every tile of the CTA, the diagonal one masked for both."""
+    check((1, 256, 2, 1, 64, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5), block_kv=128)
 
 
 def test_bfloat16():
@@ -88,3 +94,43 @@ def test_equals_the_library_training_path():
     np.testing.assert_array_equal(np.asarray(q_rope), np.broadcast_to(np.asarray(q_rope[:, :, :1]), q_rope.shape))
     out, _ = mlra_attention_gpu(q_latent, q_rope[:, :, 0], latent, k_rope[:, :, 0], scale=scale, interpret=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(z), rtol=1e-5, atol=1e-5)
+
+
+def test_the_benchmark_times_the_kernel_beside_cudnn_on_the_same_inputs(monkeypatch):
+    """`mlra bench attention_kernels --kernels=mlra` on an MLRA-2 layer (two head groups, each two branches sharing
+    the group's RoPE queries) on CPU: the kernel in interpret mode, XLA's attention standing in for cuDNN on the
+    absorbed layout, a fixed timer. The rows carry the layer's model FLOPs, errors of a correct kernel against
+    the reference and against the cuDNN stand-in, and the speed-up over that call."""
+    import dataclasses
+
+    from mlra_jax.experiments import get_experiment
+
+    from mlra_jax.attention.core import attention
+    from mlra_jax.benchmarks import attention_kernels as bench
+
+    times = iter([4e-3, 2e-3, 1e-3])  # the cuDNN call, then ours: two branches per CTA, then one with 128-key tiles
+
+    def timed(fn, repeats):
+        jax.block_until_ready(fn())
+        return {"time_s": next(times)}
+
+    monkeypatch.setattr(bench, "profiled_time", timed)
+    monkeypatch.setattr(bench, "MLRA_TILINGS", ((None, 64), (2, 64), (1, 128)))  # the plan's 2 taken once
+    monkeypatch.setattr(bench, "cudnn_attention", lambda q, k, v, scale: attention(q, k, v, scale=scale, impl="xla"))
+    model = tiny_model("mlra2", n_head=2, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64)
+    experiment = dataclasses.replace(get_experiment("mlra2_tiny"), model=model)
+    assert bench.mlra_layout(model) == {"groups": 2, "blocks": 2, "heads": 1, "rank": 64, "rope": 64}
+    rows = bench.mlra_rows(experiment, batch=1, repeats=1, interpret=True)
+    assert [(r["kernel"], r.get("tiling")) for r in rows] == [
+        ("cudnn", None),
+        ("mlra_mosaic_gpu", {"branches": 2, "block_kv": 64, "stages": 4}),
+        ("mlra_mosaic_gpu", {"branches": 1, "block_kv": 128, "stages": 4}),
+    ]
+    flops = bench.model_flops(1, 4, 128, 128, 64, causal=True, backward=False)  # 2 branches x 2 heads, 64 + 64 / 64
+    for row, seconds in zip(rows, (4e-3, 2e-3, 1e-3)):
+        assert (row["heads"], row["dk"], row["dv"], row["passes"], row["mask"]) == (4, 128, 64, "forward", "causal")
+        assert row["model_tflops_per_s"] == pytest.approx(flops / seconds / 1e12)
+        assert row["relative_error_vs_reference"] < 1e-2 and row["max_abs_error_vs_reference"] < 2e-2
+    for row, speedup in zip(rows[1:], (2.0, 4.0)):
+        assert row["finite"] and row["speedup_vs_cudnn"] == pytest.approx(speedup) and row["cudnn_time_s"] == 4e-3
+        assert row["max_abs_error_vs_cudnn"] < 2e-2 and row["lse_max_abs_error_vs_reference"] < 1e-4

@@ -356,11 +356,33 @@ def test_attention_kernels_count_the_flops_that_mfu_counts(experiment):
     assert attention_kernels.model_flops(1, heads, length, dk, dv, causal=False, backward=False) > 1.99 * forward
 
 
+def test_attention_kernels_lays_out_the_mlra_layers_for_our_kernel():
+    """MLRA-4: one head group of 4 branches over 24 heads; MLRA-2: 2 groups of 2 branches over 12 heads; the same
+    heads and widths as the layer's (so the same model FLOPs); none for layers without branches or whose absorbed
+    keys are wider than the trained heads'."""
+    layouts = {
+        "mlra4_2p9b": {"groups": 1, "blocks": 4, "heads": 24, "rank": 128, "rope": 64},
+        "mlra2_2p9b": {"groups": 2, "blocks": 2, "heads": 12, "rank": 128, "rope": 64},
+        "mla_2p9b": None,
+        "gla2_2p9b": None,
+        "gqa_2p9b": None,
+    }
+    for name, want in layouts.items():
+        model = get_experiment(name).model
+        layout = attention_kernels.mlra_layout(model)
+        assert layout == want, name
+        if layout:
+            heads, dk, dv = attention_class(model.variant).core_shape(model)
+            assert layout["groups"] * layout["blocks"] * layout["heads"] == heads
+            assert (layout["rank"] + layout["rope"], layout["rank"]) == (dk, dv)
+
+
 def test_attention_kernels_benchmark_refuses_a_cpu_and_bad_options(tmp_path, capsys):
     for argv, message in (
         ([], "need an NVIDIA GPU"),
         (["--experiments=gqa_2p9b,nope"], "unknown experiment 'nope'"),
         (["--batch=0"], "at least 1"),
+        (["--kernels=cudnn,nope"], "--kernels='cudnn,nope': name some of cudnn, pallas_triton, mosaic_gpu, mlra"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             attention_kernels.main([*argv, f"--out={tmp_path / 'attention.json'}"])

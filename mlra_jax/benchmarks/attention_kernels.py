@@ -1,4 +1,4 @@
-"""The training attention core on an NVIDIA GPU: cuDNN (the trainer's kernel) against the Pallas kernels JAX ships.
+"""The training attention core on an NVIDIA GPU: cuDNN (the trainer's kernel) against Pallas kernels (JAX's, ours).
 
     mlra bench attention_kernels --out=experiments/results/attention_kernels_h100.json
 
@@ -8,16 +8,23 @@ For each experiment's attention layer (its heads and key / value widths, sequenc
 * JAX's Pallas Triton flash attention (`jax.experimental.pallas.ops.gpu.attention`), causal, forward + backward,
   bf16, at a few tilings; it takes one head width, so the value is zero-padded to the key's;
 * JAX's Mosaic GPU attention (`...ops.gpu.attention_mgpu`, FlashAttention-3's design), float16 only: causal
-  forward, and forward + backward without a mask (it has no causal backward), beside cuDNN's on the same call.
+  forward, and forward + backward without a mask (it has no causal backward), beside cuDNN's on the same call;
+* for MLRA-2 and MLRA-4 (`mlra`): our kernel (`mlra_jax.pallas_kernels.mlra_attention_gpu`), causal forward, bf16,
+  on the absorbed layout, beside cuDNN's forward on the same inputs laid out as `latent_heads_attention` calls it
+  (query heads [q_latent || q_rope] over one KV head [latent || k_rope] / latent per block); each of our rows holds
+  its error against cuDNN's output (every sequence) and against the float32 `jnp` reference (the first), and its
+  speed-up over that cuDNN call.
 
-Keys and values have as many heads as the queries. Each time is the profiler's GPU span of one call, median of
-`--repeats`; the rate counts model FLOPs (2 (d_qk + d_v) per head per visible key forward, 3x that forward +
-backward, as MFU does). A kernel that cannot take a call is recorded with its error.
+Keys and values have as many heads as the queries, except in the `mlra` rows (`layout`). Each time is the
+profiler's GPU span of one call, median of `--repeats`; the rate counts model FLOPs (2 (d_qk + d_v) per head per
+visible key forward, 3x that forward + backward, as MFU does; our kernel's RoPE scores, shared by its branches,
+count per branch). A kernel that cannot take a call is recorded with its error.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,10 +34,15 @@ import jax.numpy as jnp
 from mlra_jax.attention import attention_class
 from mlra_jax.attention.fused import cudnn_attention
 from mlra_jax.benchmarks.common import experiment_list, profiled_time, save
+from mlra_jax.config import Experiment, ModelConfig
 from mlra_jax.experiments import get_experiment
+from mlra_jax.pallas_kernels.mlra_attention_gpu import mlra_attention_gpu, mlra_attention_reference, plan
 
 TRITON_TILINGS = ((128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3))  # block_q, block_k, warps, stages
 MOSAIC_TILINGS = ((64, 128, 2), (64, 64, 2))  # block_q, block_kv, concurrent steps
+# our kernel's tilings: branches per CTA (None: its plan's, sharing the RoPE scores; 1: none shared), keys per stage
+MLRA_TILINGS = ((None, 64), (1, 64), (None, 128), (1, 128))
+KERNELS = ("cudnn", "pallas_triton", "mosaic_gpu", "mlra")
 
 
 def model_flops(batch: int, heads: int, length: int, dk: int, dv: int, causal: bool, backward: bool) -> float:
@@ -70,8 +82,8 @@ def measure(fn: Callable[..., Any], args: tuple, flops: float, repeats: int, **r
     return {**row, "time_s": seconds, "model_tflops_per_s": flops / seconds / 1e12}
 
 
-def case_rows(name: str, batch: int, repeats: int) -> list[dict[str, Any]]:
-    """Every kernel's rows for one experiment's attention layer."""
+def case_rows(name: str, batch: int, repeats: int, kernels: tuple[str, ...] = KERNELS) -> list[dict[str, Any]]:
+    """The rows of `kernels` (of KERNELS) for one experiment's attention layer."""
     experiment = get_experiment(name)
     heads, dk, dv = attention_class(experiment.model.variant).core_shape(experiment.model)
     length, scale = experiment.train.seq_len, dk**-0.5
@@ -86,14 +98,18 @@ def case_rows(name: str, batch: int, repeats: int) -> list[dict[str, Any]]:
 
     q, k, v, do = layer_inputs(batch, heads, length, dk, dv, jnp.bfloat16)
     cudnn = lambda q, k, v: cudnn_attention(q, k, v, scale=scale)  # noqa: E731
-    rows = [
-        row("cudnn", jax.jit(cudnn), (q, k, v), True, dtype="bfloat16"),
-        row("cudnn", with_backward(cudnn), (q, k, v, do), True, dtype="bfloat16"),
-    ]
+    rows = []
+    if "cudnn" in kernels:
+        rows.append(row("cudnn", jax.jit(cudnn), (q, k, v), True, dtype="bfloat16"))
+        rows.append(row("cudnn", with_backward(cudnn), (q, k, v, do), True, dtype="bfloat16"))
+    if "mlra" in kernels:
+        rows += mlra_rows(experiment, batch, repeats)
+    if "pallas_triton" not in kernels and "mosaic_gpu" not in kernels:
+        return rows
     from jax.experimental.pallas.ops.gpu import attention as triton_attention
 
     wide = (q, k, padded(v, dk), padded(do, dk))  # Triton's kernel takes one head width
-    for block_q, block_k, warps, stages in TRITON_TILINGS:
+    for block_q, block_k, warps, stages in TRITON_TILINGS if "pallas_triton" in kernels else ():
         tiles = dict(block_q=block_q, block_k=block_k, block_q_dkv=block_q, block_kv_dkv=block_k)
         blocks = triton_attention.BlockSizes(**tiles, block_q_dq=block_q, block_kv_dq=block_k)
         triton = lambda q, k, v, b=blocks, w=warps, s=stages: triton_attention.mha(  # noqa: E731
@@ -101,7 +117,120 @@ def case_rows(name: str, batch: int, repeats: int) -> list[dict[str, Any]]:
         )
         tiling = {"block_q": block_q, "block_k": block_k, "warps": warps, "stages": stages}
         rows.append(row("pallas_triton", with_backward(triton), wide, True, dtype="bfloat16", tiling=tiling))
+    if "mosaic_gpu" not in kernels:
+        return rows
     return rows + mosaic_rows(row, [x.astype(jnp.float16) for x in wide], padded_from=dv if dv < dk else None)
+
+
+def mlra_layout(model: ModelConfig) -> dict[str, int] | None:
+    """Our MLRA kernel's layout of an MLRA layer's training attention (the absorbed one): `groups` head groups,
+    each of `blocks` latent blocks (the group's branches: blocks g, g + groups, ..., sharing the group's RoPE
+    queries) serving `heads` query heads, the blocks `rank` wide, the RoPE key `rope`. None for a variant without
+    branches, or where the blocks are not as wide as the trained heads' keys (the absorbed attention would then be
+    another problem than the layer's)."""
+    if model.spec.latent_layout is None:
+        return None
+    blocks, branches = model.spec.latent_layout
+    rank = model.kv_lora_rank // blocks
+    if branches == 1 or rank != model.qk_nope_head_dim:
+        return None
+    groups = blocks // branches
+    heads, rope = model.n_head // groups, model.qk_rope_head_dim
+    return {"groups": groups, "blocks": branches, "heads": heads, "rank": rank, "rope": rope}
+
+
+def mlra_inputs(batch: int, length: int, layout: dict[str, int], dtype: jnp.dtype) -> tuple[jax.Array, ...]:
+    """Random kernel inputs q_latent, q_rope, latent, k_rope for `batch` sequences: each head group its own row of
+    the kernel's batch (its queries, blocks and RoPE queries are its own; the RoPE key is the sequence's)."""
+    b, n, h, r, dr = batch * layout["groups"], layout["blocks"], layout["heads"], layout["rank"], layout["rope"]
+    keys = jax.random.split(jax.random.key(1), 4)
+    shapes = ((b, length, n, h, r), (b, length, h, dr), (b, length, n, r), (b, length, dr))
+    return tuple(jax.random.normal(key, shape, dtype) for key, shape in zip(keys, shapes))
+
+
+def absorbed_qkv(
+    q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The kernel's inputs as latent_heads_attention hands them to cuDNN: q [B, T, n H, R + Dr], one KV head per
+    block, k [B, S, n, R + Dr] and v = latent [B, S, n, R]."""
+    b, t, n, h, r = q_latent.shape
+    dr = q_rope.shape[-1]
+    q = jnp.concatenate([q_latent, jnp.broadcast_to(q_rope[:, :, None], (b, t, n, h, dr))], axis=-1)
+    k = jnp.concatenate([latent, jnp.broadcast_to(k_rope[:, :, None], (b, t, n, dr))], axis=-1)
+    return q.reshape(b, t, n * h, r + dr), k, latent
+
+
+def errors(out: jax.Array, want: jax.Array, suffix: str) -> dict[str, float]:
+    """Max abs and relative (L2) error of out against want, as float32."""
+    out, want = out.astype(jnp.float32), want.astype(jnp.float32)
+    return {
+        f"max_abs_error_{suffix}": float(jnp.max(jnp.abs(out - want))),
+        f"relative_error_{suffix}": float(jnp.linalg.norm(out - want) / jnp.linalg.norm(want)),
+    }
+
+
+def mlra_rows(experiment: Experiment, batch: int, repeats: int, interpret: bool = False) -> list[dict[str, Any]]:
+    """Our MLRA kernel's causal forward (bf16, each tiling of MLRA_TILINGS) beside cuDNN's forward on the
+    same inputs and layout; no rows for a layer that mlra_layout does not take. interpret=True runs our kernel in
+    Pallas's GPU interpreter (the tests, on CPU)."""
+    model = experiment.model
+    layout = mlra_layout(model)
+    if layout is None:
+        return []
+    heads, dk, dv = attention_class(model.variant).core_shape(model)
+    length, scale = experiment.train.seq_len, dk**-0.5
+    flops = model_flops(batch, heads, length, dk, dv, causal=True, backward=False)
+    kv_heads = layout["groups"] * layout["blocks"]
+    labels = {
+        "mask": "causal",
+        "passes": "forward",
+        "dtype": "bfloat16",
+        "layout": f"absorbed: {kv_heads} KV heads of {layout['heads']} query heads, RoPE shared by {layout['blocks']}",
+        "experiment": experiment.name,
+        "batch": batch,
+        "heads": heads,
+        "seq_len": length,
+        "dk": dk,
+        "dv": dv,
+    }
+    args = mlra_inputs(batch, length, layout, jnp.bfloat16)
+    q, k, v = absorbed_qkv(*args)
+    cudnn = jax.jit(lambda q, k, v: cudnn_attention(q, k, v, scale=scale))
+    base = measure(cudnn, (q, k, v), flops, repeats, kernel="cudnn", **labels)
+    with jax.default_matmul_precision("highest"):  # the first kernel-batch row: one sequence's head group
+        want, want_lse = jax.jit(functools.partial(mlra_attention_reference, scale=scale))(*(x[:1] for x in args))
+    theirs = None
+    if "time_s" in base:
+        theirs = cudnn(q, k, v).reshape(args[0].shape)
+        base.update(errors(theirs[:1], want, "vs_reference"))
+    rows, tried = [base], set()
+    for branches, block_kv in MLRA_TILINGS:
+        try:
+            per_cta, stages = plan(layout["blocks"], layout["rank"], layout["rope"], branches, block_kv)
+        except ValueError as error:
+            tiling = {"branches": branches, "block_kv": block_kv}
+            rows.append({"kernel": "mlra_mosaic_gpu", **labels, "tiling": tiling, "error": str(error)})
+            continue
+        if (per_cta, block_kv) in tried:
+            continue
+        tried.add((per_cta, block_kv))
+        attend = functools.partial(
+            mlra_attention_gpu, scale=scale, branches=per_cta, block_kv=block_kv, interpret=interpret
+        )
+        fn = jax.jit(attend)
+        tiling = {"branches": per_cta, "block_kv": block_kv, "stages": stages}
+        row = measure(fn, args, flops, repeats, kernel="mlra_mosaic_gpu", tiling=tiling, **labels)
+        if "time_s" in row:
+            out, lse = fn(*args)
+            row["finite"] = bool(jnp.isfinite(out.astype(jnp.float32)).all() and jnp.isfinite(lse).all())
+            row.update(errors(out[:1], want, "vs_reference"))
+            row["lse_max_abs_error_vs_reference"] = float(jnp.max(jnp.abs(lse[:1] - want_lse)))
+            if theirs is not None:
+                row.update(errors(out, theirs, "vs_cudnn"))
+                row["cudnn_time_s"] = base["time_s"]
+                row["speedup_vs_cudnn"] = base["time_s"] / row["time_s"]
+        rows.append(row)
+    return rows
 
 
 def mosaic_rows(row: Callable[..., dict[str, Any]], inputs: list[jax.Array], padded_from: int | None) -> list[dict]:
@@ -133,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--experiments", default="gqa_2p9b,mlra4_2p9b", help="comma-separated experiment names")
+    parser.add_argument(
+        "--kernels",
+        default=",".join(KERNELS),
+        help=f"comma-separated kernels to time, of {', '.join(KERNELS)} (mlra: ours beside cuDNN, MLRA layers only)",
+    )
     parser.add_argument("--batch", type=int, default=8, help="sequences per call")
     parser.add_argument("--repeats", type=int, default=10, help="profiled calls per row (the median is kept)")
     parser.add_argument(
@@ -142,15 +276,20 @@ def main(argv: list[str] | None = None) -> int:
     names = experiment_list(parser, args.experiments)
     if args.batch < 1 or args.repeats < 1:
         parser.error("--batch and --repeats must be at least 1")
+    kernels = tuple(k for k in args.kernels.split(",") if k)
+    if not kernels or set(kernels) - set(KERNELS):
+        parser.error(f"--kernels={args.kernels!r}: name some of {', '.join(KERNELS)}")
     if jax.default_backend() != "gpu":
         parser.error(
             f"cuDNN and the Pallas GPU kernels need an NVIDIA GPU; this machine's backend is {jax.default_backend()!r}"
         )
     results = []
     for name in names:
-        for row in case_rows(name, args.batch, args.repeats):
+        for row in case_rows(name, args.batch, args.repeats, kernels):
             results.append(row)
             rate = f"{row['model_tflops_per_s']:6.1f} TFLOP/s" if "time_s" in row else row["error"][:90]
+            if "speedup_vs_cudnn" in row:
+                rate += f" {row['speedup_vs_cudnn']:.2f}x cuDNN, max error {row['max_abs_error_vs_cudnn']:.3g}"
             print(
                 f"{name:11} {row['kernel']:13} {row['mask']:6} {row['passes']:16} {row.get('tiling', '')!s:60} {rate}",
                 flush=True,
