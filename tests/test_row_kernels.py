@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import on_gpu
-from mlra_jax.pallas_kernels import latent_pre_attention_gpu as pre
 from mlra_jax.pallas_kernels import latent_rows_gpu as latent_rows
 from mlra_jax.pallas_kernels import row_products_gpu as rows
 from mlra_jax.pallas_kernels.row_products_gpu import Tiling
@@ -171,65 +170,6 @@ def test_latent_row_kernels_in_interpret_mode(layout):
     check_latent_kernels(layout, interpret=True)
 
 
-def check_pre_attention(layout, d, dq, interpret, programs=None, calls=1):
-    """latent_pre_attention (x_proj, q_up, the cache entry and the latent queries in one kernel) against its
-    reference; the slot written and no other, the counters left at zero (called `calls` times over them)."""
-    n, branches, heads, r, dh, dr = layout
-    keys = jax.random.split(jax.random.key(d + dq), 6)
-    a = latent_inputs(*layout)
-    x_rows, q_rows = dq + n * r + dr, n // branches * heads * (dh + dr)
-    x = 3 * jax.random.normal(keys[0], (d,), jnp.float32)
-    x_proj = (0.05 * jax.random.normal(keys[1], (x_rows, d))).astype(BF16)
-    q_up = (0.05 * jax.random.normal(keys[2], (q_rows, dq))).astype(BF16)
-    norms = pre.PreAttentionNorms(
-        1 + 0.1 * jax.random.normal(keys[3], (d,)),
-        1e-6,
-        1 + 0.1 * jax.random.normal(keys[4], (dq,)),
-        1e-6,
-        1.7,
-        a["norm_scale"],
-        1e-6,
-        2.3,
-    )
-    caches, slot = (a["latent_cache"], a["k_rope_cache"]), jnp.array([17], jnp.int32)
-    args = (x, x_proj, q_up, a["kv_up"], a["cos"], a["sin"], norms, caches, slot)
-
-    @jax.jit
-    def call(*args):  # the arrays as arguments (closed over, the 2.9B weights would be the program's constants)
-        *arrays, scales, counters = args
-        norms = pre.PreAttentionNorms(scales[0], 1e-6, scales[1], 1e-6, 1.7, scales[2], 1e-6, 2.3)
-        return pre.latent_pre_attention(
-            *arrays[:6], norms, *arrays[6:], counters, branches=branches, programs=programs, interpret=interpret
-        )
-
-    counters = jnp.zeros((pre.COUNTERS,), jnp.int32)
-    scales = (norms.attn_scale, norms.q_scale, norms.kv_scale)
-    for _ in range(calls):
-        *got, counters = call(*args[:6], caches, slot, scales, counters)
-        np.testing.assert_array_equal(counters, 0)
-    for g, e in zip(got, pre.latent_pre_attention_reference(*args, branches=branches)):
-        assert_close(g, e, BF16)
-    for g, before in zip(got[2:], caches):
-        np.testing.assert_array_equal(np.delete(np.asarray(g), 17, axis=1), np.delete(np.asarray(before), 17, axis=1))
-
-
-@pytest.mark.parametrize("layout", LATENT_LAYOUTS, ids=["mlra4", "mla", "gla2", "mlra2"])
-def test_latent_pre_attention_in_interpret_mode(layout):
-    # 3 programs: each takes several tiles of every phase (and some none), and the 4 blocks' entries
-    check_pre_attention(layout, d=128, dq=48, interpret=True, programs=3)
-
-
-def test_latent_pre_attention_loads_ahead_within_its_register_budget():
-    # MLRA-4 2.9B on 132 programs: A's tile (96 KB) and one of B's first, the rest of B and all of C before the
-    # first barrier; MLA's wider q_up (48 KB tiles): two of its three B tiles before the barrier, one after
-    mlra4 = pre._Plan(132, 100, 288, 384, 16 * 3072 * 2, 16 * 1024 * 2, 32 * 128 * 2)
-    assert mlra4.schedule() == (1, 2, 3, 3)
-    mla = pre._Plan(132, 132, 288, 384, 16 * 3072 * 2, 16 * 1536 * 2, 32 * 128 * 2)
-    assert mla.schedule() == (0, 2, 3, 3)
-    with pytest.raises(ValueError, match="q_up's 40 outputs in multiples of 16"):
-        pre.check_pre_attention_shapes(160, 40)
-
-
 def test_latent_shapes_the_kernels_refuse():
     latent_rows.check_latent_shapes(1024, 128, 64, 128)
     with pytest.raises(ValueError, match="power-of-two latent rank per block"):
@@ -272,15 +212,3 @@ def test_row_products_on_gpu_at_the_2p9b_shapes(n, k, kind):
 )
 def test_latent_row_kernels_on_gpu_at_the_2p9b_shapes(layout):
     check_latent_kernels(layout, interpret=False)
-
-
-@on_gpu
-@pytest.mark.parametrize(
-    "layout, dq",
-    [((4, 4, 24, 128, 128, 64), 1024), ((1, 1, 24, 512, 128, 64), 1536), ((2, 1, 12, 256, 128, 64), 1536)],
-    ids=["mlra4", "mla", "gla2"],
-)
-def test_latent_pre_attention_on_gpu_at_the_2p9b_shapes(layout, dq):
-    """The persistent kernel with its grid barriers, one program per SM, called three times over one set of
-    counters (the last program out resets them)."""
-    check_pre_attention(layout, d=3072, dq=dq, interpret=False, calls=3)

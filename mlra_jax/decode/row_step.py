@@ -4,11 +4,10 @@ At batch 1 every product of a decode step reads one row, and XLA runs the norms,
 RoPE and cache writes between the products as kernels of their own: 24 kernels per 2.9B MLRA-4 layer on an
 H100, 15 of them elementwise at 1.1-1.6 us each. Here a block is
 
-* latent family: latent_pre_attention (attention norm, x's three projections | q_norm, q_up | the cache entry,
-  W_UK and RoPE: one persistent kernel in three phases, where these took three kernels) | the attention (the
-  Mosaic GPU kernel and its split-KV merge where they run) | latent_output (W_UV, the branch sum) | matvec_add
-  (o_proj, residual) | swiglu_norm_matvec (MLP norm, gate and up, SwiGLU) | matvec_add (down, residual):
-  7 kernels;
+* latent family: norm_matvec (attention norm, x's three projections) | norm_matvec (q_norm, q_up) |
+  latent_queries (W_UK, RoPE, and the cache entry) | the attention (the Mosaic GPU kernel and its split-KV
+  merge where they run) | latent_output (W_UV, the branch sum) | matvec_add (o_proj, residual) |
+  swiglu_norm_matvec (MLP norm, gate and up, SwiGLU) | matvec_add (down, residual): 9 kernels;
 * other variants: the attention as the module computes it, then the same output and MLP kernels;
 
 and the tied head is norm_matvec with the final norm. The weights are the serving layer's, held out-major
@@ -27,13 +26,7 @@ from mlra_jax.attention.rope import rope_angles
 from mlra_jax.config import ModelConfig
 from mlra_jax.layers import RMSNorm
 from mlra_jax.model import Block
-from mlra_jax.pallas_kernels.latent_pre_attention_gpu import (
-    COUNTERS,
-    PreAttentionNorms,
-    check_pre_attention_shapes,
-    latent_pre_attention,
-)
-from mlra_jax.pallas_kernels.latent_rows_gpu import check_latent_shapes, latent_output
+from mlra_jax.pallas_kernels.latent_rows_gpu import LatentEntry, check_latent_shapes, latent_output, latent_queries
 from mlra_jax.pallas_kernels.row_products_gpu import matvec_add, norm_matvec, swiglu_norm_matvec
 from mlra_jax.platform import target_platform
 
@@ -54,10 +47,6 @@ def row_kernels_problem(cfg: ModelConfig, mesh: jax.sharding.Mesh | None, interp
         blocks, _ = cfg.latent_layout
         try:
             check_latent_shapes(cfg.q_lora_rank, cfg.kv_lora_rank // blocks, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim)
-            check_pre_attention_shapes(
-                cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-                cfg.n_head * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
-            )
         except ValueError as err:
             return str(err)
     return None
@@ -71,12 +60,6 @@ def rope_of(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Arra
     return cos.reshape(-1), sin.reshape(-1)
 
 
-def barrier_counters(cfg: ModelConfig) -> jax.Array | None:
-    """The grid barriers' counters that a step's latent_pre_attention kernels share (zeros, which each call
-    leaves as it found them; latent family), or None."""
-    return jnp.zeros((COUNTERS,), jnp.int32) if cfg.spec.latent_layout else None
-
-
 def block_step(
     block: Block,
     weights: dict,
@@ -87,15 +70,13 @@ def block_step(
     index: jax.Array,
     plans: dict,
     rope: tuple[jax.Array, jax.Array] | None,
-    counters: jax.Array | None = None,
     interpret: bool = False,
-) -> tuple[jax.Array, dict[str, jax.Array], jax.Array | None]:
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One block (a serving shell, decode.layouts) and its layer's serving weights (held: weights["attn"],
-    weights["mlp"]) on the token's residual row x [d] (float32): the new x, the cache with the token's entry and
-    the barrier counters (barrier_counters; the latent family's, passed from block to block)."""
+    weights["mlp"]) on the token's residual row x [d] (float32): the new x and the cache with the token's entry."""
     attn, held = block.attn, weights["attn"]
     if isinstance(attn, LatentAttention):
-        heads, cache, counters = _latent_heads(block, held, x, cache, mask, index, rope, counters, interpret)
+        heads, cache = _latent_heads(block, held, x, cache, mask, index, rope, interpret)
     else:
         h = block.attn_norm(x[None, None])
         heads, cache = attn.write_and_attend(h, positions, cache, mask, index, plans, True)
@@ -103,7 +84,7 @@ def block_step(
     o_proj, mlp = held["o_proj"], weights["mlp"]
     x = matvec_add(heads.reshape(-1), o_proj.reshape(o_proj.shape[0], -1), x, interpret=interpret)
     h = swiglu_norm_matvec(x, mlp["gate_up"], block.mlp_norm.scale[...], eps=block.mlp_norm.eps, interpret=interpret)
-    return matvec_add(h, mlp["down_proj"], x, interpret=interpret), cache, counters
+    return matvec_add(h, mlp["down_proj"], x, interpret=interpret), cache
 
 
 def _latent_heads(
@@ -114,34 +95,34 @@ def _latent_heads(
     mask: jax.Array,
     index: jax.Array,
     rope: tuple[jax.Array, jax.Array],
-    counters: jax.Array,
     interpret: bool,
-) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
-    """The latent attention of the token: its heads' output [h, d_h] (gated when the model is), the cache with
-    its entry and the counters. x_proj's row holds c_q | the latent blocks | the RoPE key."""
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The latent attention of the token: its heads' output [h, d_h] (gated when the model is) and the cache with
+    its entry. x_proj's row holds c_q | the latent blocks | the RoPE key; the kernels read their parts in place."""
     attn: LatentAttention = block.attn
-    norms = PreAttentionNorms(
-        block.attn_norm.scale[...],
-        block.attn_norm.eps,
-        attn.q_norm.scale[...],
-        attn.q_norm.eps,
-        attn.q_scale,
-        attn.kv_norm.scale[...],
-        attn.kv_norm.eps,
-        attn.kv_scale,
-    )
+    cos, sin = rope
+    projected = norm_matvec(x, held["x_proj"], block.attn_norm.scale[...], eps=block.attn_norm.eps, interpret=interpret)
     q_up = held["q_up"]  # [h, d_h + d_h^R, d_c']
-    q_latent, q_rope, latent, k_rope, counters = latent_pre_attention(
-        x,
-        held["x_proj"],
+    q = norm_matvec(
+        projected,
         q_up.reshape(-1, q_up.shape[-1]),
+        attn.q_norm.scale[...],
+        eps=attn.q_norm.eps,
+        extra=attn.q_scale,
+        interpret=interpret,
+    )
+    entry = LatentEntry(
+        projected, attn.kv_norm.scale[...], offset=attn.q_rank, eps=attn.kv_norm.eps, latent_scale=attn.kv_scale
+    )
+    q_latent, q_rope, latent, k_rope = latent_queries(
+        q.reshape(q_up.shape[:2]),
         held["kv_up"],
-        *rope,
-        norms,
-        (cache["latent"], cache["k_rope"]),
-        index.reshape(1),
-        counters,
+        cos,
+        sin,
         branches=attn.branches,
+        entry=entry,
+        caches=(cache["latent"], cache["k_rope"]),
+        slot=index.reshape(1),
         interpret=interpret,
     )
     z = latent_attention(
@@ -158,7 +139,7 @@ def _latent_heads(
     )
     if attn.gate_proj is not None:
         heads = attn.gated(block.attn_norm(x[None, None]), heads[None, None])[0, 0]
-    return heads, {"latent": latent, "k_rope": k_rope}, counters
+    return heads, {"latent": latent, "k_rope": k_rope}
 
 
 def head_logits(final_norm: RMSNorm, head: jax.Array, x: jax.Array, interpret: bool = False) -> jax.Array:

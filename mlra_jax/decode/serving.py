@@ -164,23 +164,13 @@ class ServingModel:
         final_norm = nnx.merge(self.norm_def, weights["final_norm"])
         rows = absorbed and self.rows and tokens.shape == (1, 1)
         if rows:  # one token of one sequence: its residual row through the row kernels
-            x, rope, counters = x[0, 0], row_step.rope_of(self.cfg, positions), row_step.barrier_counters(self.cfg)
+            x, rope = x[0, 0], row_step.rope_of(self.cfg, positions)
         layers = []
         for layer_weights, cache in zip(weights["layers"], caches.layers):
             block = nnx.merge(self.block_def, layer_weights["block"])
             if rows:
-                x, cache, counters = row_step.block_step(
-                    block,
-                    layer_weights,
-                    x,
-                    cache,
-                    positions,
-                    mask,
-                    caches.index,
-                    plans,
-                    rope,
-                    counters,
-                    self.rows_interpret,
+                x, cache = row_step.block_step(
+                    block, layer_weights, x, cache, positions, mask, caches.index, plans, rope, self.rows_interpret
                 )
             elif self.held:
                 x, cache = serving_block.block_step(
