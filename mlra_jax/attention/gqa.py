@@ -90,8 +90,9 @@ def reads_cache_as_stored(plan: UnitPlan, new_tokens: int) -> bool:
 def aligned_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, plan: UnitPlan, scale: float
 ) -> jax.Array:
-    """GQA over a cache whose devices store the KV heads their query heads read, in one shard_map over `tensor`: q [B, T, h, D] split over heads,
-    k and v [B, S, stored, D] split over their slots, mask [B, T, S] -> [B, T, h, D] split over heads. Each device
+    """GQA over a cache whose devices store the KV heads their query heads read, in one shard_map over `tensor`:
+    q [B, T, h, D] split over heads, k and v [B, S, stored, D] split over their slots, mask [B, T, S] ->
+    [B, T, h, D] split over heads. Each device
     scores its query heads against each of its k stored KV heads and masks the pairs that GQA does not pair
     (UnitPlan.local_heads_slot), so one softmax over (slot, key) is each head's softmax over its own KV head: the
     cache is read as stored, with no gather and no transposed copy, for k times the scores' FLOPs."""
