@@ -16,42 +16,52 @@ Design (FlashAttention-3's forward, jax.experimental.pallas.ops.gpu.attention_mg
   * A CTA takes one (head, group of `branches` latent blocks, 128 queries, sequence): two compute warpgroups of
     64 query rows each (wgmma's M) and one memory warpgroup.
   * Each compute warpgroup loads its q_rope tile and its branches' q_latent tiles by TMA once. The memory
-    warpgroup streams tiles of `block_kv` keys (64 or 128) by TMA through `stages` SMEM slots: the k_rope tile
-    once and each branch's latent tile (which is its key and its value: read once, used twice), with a barrier
-    per slot for "loaded" and one for "consumed" (both compute warpgroups arrive).
-  * Per key tile a compute warpgroup runs the RoPE scores q_r k_r^T once (wgmma, K = Dr) and then, per branch,
-    accumulates that branch's latent scores onto them (wgmma initialized with the RoPE scores, K = R), an online
-    softmax in the log2 domain with the branch's own running max and sum, and P latent_j (wgmma, P from
-    registers). The RoPE product is 1/`branches` of what n separate attentions would spend on it.
+    warpgroup streams tiles of `block_kv` keys (128 by default, or 64) by TMA through `stages` SMEM slots: the
+    k_rope tile once and each branch's latent tile (which is its key and its value: read once, used twice), with
+    a barrier per slot for "loaded" and one for "consumed" (both compute warpgroups arrive).
+  * One branch per CTA (the default): per key tile one accumulator takes [q_latent || q_rope] [latent ||
+    k_rope]^T (wgmma, K = R + Dr), then an online softmax in the log2 domain (the scale folded into exp2's
+    argument, one FMA an element) and P latent (wgmma, P from registers). `overlap` (the default with one
+    branch; FA3's intra-warpgroup overlap): a warpgroup issues tile i's scores together with tile i - 1's
+    P latent, waits for the scores only, and runs tile i's softmax while that P latent runs; the running output
+    is rescaled once P latent is done.
+  * Several branches per CTA (`branches`, `plan`): per key tile the RoPE scores q_r k_r^T once (wgmma, K = Dr)
+    and, per branch, its latent scores accumulated onto them (K = R), its own softmax and P latent_j: the RoPE
+    product is 1/`branches` of what separate attentions spend on it. `plan` takes the most branches whose
+    accumulators fit 256 float32 columns per warpgroup: 2 at R = 128 (MLRA-4 2.9B, 64-key tiles), 4 at R = 64.
+  * `pingpong` (FA3's schedule between the two warpgroups, as attention_mgpu): a barrier of two arrivals, met
+    twice per branch and key tile by each warpgroup (after issuing the scores, after the softmax), so that one
+    warpgroup's softmax runs while the other's wgmma do.
   * Causal tile skipping: a warpgroup's rows [q0, q0 + 64) read the key tiles up to the one holding key q0 + 63;
     the tiles below the diagonal run unmasked, the last one masked. The memory warpgroup loads the tiles of the
-    CTA's last rows; the first warpgroup waits on (and releases) the tiles it skips after storing its output, so
-    that every barrier phase is observed in order.
-  * `branches` (plan): the most branches whose accumulators fit 256 float32 columns per warpgroup (128
-    registers a thread, FA3's head-dim-256 budget): 2 at R = 128 (MLRA-4 2.9B: the RoPE product shared by 2
-    branches, half its FLOPs saved), 4 at R = 64. SMEM: at R = 128, Dr = 64, 2 branches: 80 KiB of queries and
-    3 stages of 40 KiB.
+    CTA's last rows; the first warpgroup waits on (and releases) the tiles it skips, taking its ping-pong turns
+    through them, so that every barrier phase is observed in order.
   * Output: each warpgroup normalizes, writes its rows into its query SMEM (no longer read) and copies them out
     by TMA; the logsumexp likewise.
 
 On an H100 (jax 0.11; `mlra bench attention_kernels --kernels=mlra`, experiments/results/
-attention_kernels_mlra_h100.json) it matches its reference and cuDNN at the 2.9B MLRA-4 and MLRA-2 layers. There the
-2-branch plan spills registers (316-364 bytes a thread at R = 128, 64-key tiles) and runs slower than one branch
-per CTA; the fastest tiling measured is `branches=1, block_kv=128` (no spill), about as fast as cuDNN's forward.
+attention_kernels_mlra_h100_v2.json) it matches its reference and cuDNN at the 2.9B MLRA-4 and MLRA-2 layers; the
+defaults (1 branch, 128-key tiles, overlap, no ping-pong) ran fastest of the tilings measured, 1.09x and 1.10x
+cuDNN's forward on the same inputs. ptxas reports 168 registers at entry; the default spills 8 bytes a thread
+(spill stores), the 2-branch plan at R = 128 204 and 4 branches at R = 64 596 (both measured with the row sum
+after the ping-pong's turn); 2 branches run slower than one. Ping-pong together with the overlap ran slower
+than either alone.
 The accumulators' scopes index their SMEM tiles inside the scope (`_scores`, `_values`): under jax 0.11 a view
 made outside and closed over by `pl.run_state` fails to lower.
 
 Interpret mode (Pallas's Mosaic GPU interpreter on CPU, `interpret=True`; jax 0.10): it runs this kernel's
 threads, barriers, TMA copies between GMEM and SMEM, SMEM reads and writes, the pipeline's slots and phases,
 causal tile skipping and masking, the softmax and the stores, and it checks that every barrier phase is
-observed (it raises on a skipped phase). It cannot run four Hopper-only pieces, which `interpret=True` replaces
-by the same arithmetic on the same SMEM data:
+observed (it raises on a skipped phase). It cannot run five Hopper-only pieces, which `interpret=True` replaces
+by the same arithmetic on the same SMEM data, in the same order:
   1. wgmma with a transposed B operand (`plgpu.transpose_ref`: the interpreter's wgmma reads B untransposed);
   2. wgmma with the A operand in registers (P in P latent_j);
   3. `pl.run_state` over a wgmma accumulator (accumulating onto the RoPE scores and the running output);
-  4. register layouts (`plgpu.layout_cast`, `plgpu.broadcasted_iota(layout=...)`: no CPU lowering).
+  4. register layouts (`plgpu.layout_cast`, `plgpu.broadcasted_iota(layout=...)`: no CPU lowering);
+  5. the overlap's accumulators kept in flight across the key loop (`pl.run_scoped` over the output's, waits on
+     some wgmma groups only: `plgpu.wgmma_accumulator_load(..., wait_n=...)`; there the output is carried).
 In interpret mode the products are float32 jnp.dot of the operands read from SMEM (`_scores`, `_values`), the
-layouts plain arrays; those four, the register budget, the 128-byte swizzle of bf16 tiles (the interpreter
+layouts plain arrays; those five, the register budget, the 128-byte swizzle of bf16 tiles (the interpreter
 ignores transforms) and the speed are checked on the GPU only (the benchmark's rows carry their errors). Float32
 inputs run only in interpret mode (the tests' exact comparison); the GPU takes bf16 or f16.
 """
@@ -70,13 +80,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 CHUNK = 64  # columns per SMEM tile (the 128-byte swizzle of bf16) and per value accumulator
 BLOCK_Q = 64  # query rows per compute warpgroup (wgmma's M)
-BLOCK_KV = 64  # keys per pipeline stage (the default; 128 also fits the CTA's 128 query rows)
+BLOCK_KV = 128  # keys per pipeline stage (the default, the fastest measured; 64 also runs)
 COMPUTE_WGS = 2
 SMEM_BYTES = 220 * 1024
 MAX_ACC_COLUMNS = 256  # float32 accumulator columns per warpgroup: 128 registers a thread
 MAX_STAGES = 4
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+# the softmax's row sum before the ping-pong's hand-over (attention_mgpu's order for head widths <= 128) or after
+SUM_BEFORE_TURN = True
 
 
 def mlra_attention_reference(
@@ -140,11 +152,18 @@ def _rows(shape: tuple[int, int], interpret: bool) -> jax.Array:
     return plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
 
 
-def _scores(pairs: Callable[[], list], init: jax.Array | None, interpret: bool, block_kv: int) -> jax.Array:
+def _scores(
+    pairs: Callable[[], list],
+    init: jax.Array | None,
+    interpret: bool,
+    block_kv: int,
+    issued: Callable[[], None] | None = None,
+) -> jax.Array:
     """init (or zeros) + sum of a b^T over the pairs() of SMEM tiles a [64, CHUNK] (queries), b [block_kv, CHUNK]
     (keys): wgmma with b transposed on the GPU; float32 products of the SMEM contents in interpret mode. The tiles
     are indexed inside the accumulator's scope (`pairs` is called there): a view made outside and closed over
-    brings its static indices into `pl.run_state` as operands, which Mosaic GPU (jax 0.11) cannot pass through."""
+    brings its static indices into `pl.run_state` as operands, which Mosaic GPU (jax 0.11) cannot pass through.
+    issued() runs once the products are issued, before they are awaited (the ping-pong hand-over)."""
     if interpret:
         total = init
         for a, b in pairs():
@@ -152,11 +171,15 @@ def _scores(pairs: Callable[[], list], init: jax.Array | None, interpret: bool, 
                 a[...], b[...], (((1,), (1,)), ((), ())), precision="highest", preferred_element_type=jnp.float32
             )
             total = product if total is None else total + product
+        if issued is not None:
+            issued()
         return total
 
     def body(acc_ref):
         for a, b in pairs():
             plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b, (1, 0)))
+        if issued is not None:
+            issued()
 
     if init is None:
 
@@ -169,25 +192,34 @@ def _scores(pairs: Callable[[], list], init: jax.Array | None, interpret: bool, 
 
 
 def _values(
-    accs: tuple[jax.Array, ...], p: jax.Array, values: Callable[[], list], interpret: bool
+    accs: tuple[jax.Array, ...],
+    p: jax.Array,
+    values: Callable[[], list],
+    interpret: bool,
+    issued: Callable[[], None] | None = None,
 ) -> tuple[jax.Array, ...]:
     """accs[c] + p values()[c] for the value chunks values()[c] [block_kv, CHUNK] in SMEM (indexed inside the
     accumulators' scope, as in `_scores`), p [64, block_kv] in registers: wgmma with A from registers on the
-    GPU."""
+    GPU. issued() runs while the products are in flight (the wait for the next key tile)."""
     if interpret:
-        return tuple(
+        out = tuple(
             acc + jnp.dot(p, v[...], precision="highest", preferred_element_type=jnp.float32)
             for acc, v in zip(accs, values())
         )
+        if issued is not None:
+            issued()
+        return out
 
     def body(acc_refs):
         for acc_ref, v in zip(acc_refs, values()):
             plgpu.wgmma(acc_ref, p, v)
+        if issued is not None:
+            issued()
 
     return pl.run_state(body)(tuple(plgpu.ACC.init(a) for a in accs))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "branches", "block_kv", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "branches", "block_kv", "pingpong", "overlap", "interpret"))
 def mlra_attention_gpu(
     q_latent: jax.Array,
     q_rope: jax.Array,
@@ -195,14 +227,19 @@ def mlra_attention_gpu(
     k_rope: jax.Array,
     *,
     scale: float,
-    branches: int | None = None,
+    branches: int | None = 1,
     block_kv: int = BLOCK_KV,
+    pingpong: bool = False,
+    overlap: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Causal MLRA attention forward: q_latent [B, T, n, H, R], q_rope [B, T, H, Dr] (every block's), latent
     [B, S, n, R], k_rope [B, S, Dr] -> (out [B, T, n, H, R], logsumexp [B, n, H, T] float32), as
-    mlra_attention_reference. branches: latent blocks per CTA sharing the RoPE scores (default: `plan`); block_kv:
-    keys per pipeline stage, 64 or 128.
+    mlra_attention_reference. branches: latent blocks per CTA sharing the RoPE scores (1: none shared, the
+    default; None: `plan`'s most); block_kv: keys per pipeline stage, 64 or 128; pingpong: the two compute
+    warpgroups take turns on the tensor cores (FA3's schedule); overlap (one branch only): each warpgroup issues a
+    key tile's scores with the previous tile's P V and runs its softmax while that P V does (FA3's intra-warpgroup
+    overlap).
     interpret=True runs it in Pallas's GPU interpret mode (on CPU; see the module docstring)."""
     b, t, n, h, r = q_latent.shape
     s, dr = k_rope.shape[1], k_rope.shape[2]
@@ -225,6 +262,10 @@ def mlra_attention_gpu(
     if block_kv not in (64, 128) or t % block_kv:
         raise ValueError(f"block_kv={block_kv}: the kernel takes 64 or 128 keys per stage, dividing T={t}")
     per_cta, stages = plan(n, r, dr, branches, block_kv)
+    if overlap is None:
+        overlap = per_cta == 1
+    if overlap and per_cta != 1:
+        raise ValueError(f"overlap=True takes one branch per CTA; got branches={per_cta}")
     groups = n // per_cta
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
     q_tiles = t // (COMPUTE_WGS * BLOCK_Q)
@@ -235,12 +276,20 @@ def mlra_attention_gpu(
     )
 
     def kernel(ql_ref, qr_ref, lat_ref, kr_ref, out_ref, lse_ref, scoped):
-        (qr_smem, ql_smem, kr_smem, lat_smem, lse_smem), (q_barriers, kv_barriers, consumed) = scoped
+        (qr_smem, ql_smem, kr_smem, lat_smem, lse_smem), (q_barriers, kv_barriers, consumed, turn) = scoped
         head_group, bi = lax.axis_index("head_group"), lax.axis_index("batch")
         hi, first_block = head_group // groups, lax.rem(head_group, groups) * per_cta
         q_tile = q_tiles - 1 - lax.axis_index("q_tile")  # the longest rows first
         wg = lax.axis_index("wg")
         max_steps = (q_tile + 1) * (COMPUTE_WGS * BLOCK_Q) // block_kv  # key tiles of the CTA's last rows
+
+        def hand_over():
+            """The ping-pong's turn (FA3, attention_mgpu's schedule barrier): both compute warpgroups arrive, then
+            go on; called twice per branch and key tile by each, it lets one warpgroup's wgmma run while the
+            other's softmax does."""
+            if pingpong:
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(turn)
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
@@ -259,7 +308,7 @@ def mlra_attention_gpu(
                         q_barriers.at[wg],
                     )
             plgpu.barrier_wait(q_barriers.at[wg])
-            steps = (q0 + BLOCK_Q + block_kv - 1) // block_kv  # key tiles these rows read
+            steps = (q0 + BLOCK_Q + block_kv - 1) // block_kv  # key tiles these rows read (at least one)
             unmasked = q0 // block_kv  # those wholly at or below every row's diagonal
             reduced = plgpu.Layout.WGMMA.reduce(1)
             m_i = tuple(
@@ -273,39 +322,146 @@ def mlra_attention_gpu(
                 )
                 for _ in range(per_cta)
             )
+            plgpu.barrier_wait(kv_barriers.at[0])  # each later tile is awaited behind the previous one's P V
+            pl.when(wg == 1)(hand_over)  # the first warpgroup goes first
 
             def kv_step(step, carry, masked):
                 accs, m_i, l_i = carry
                 slot = lax.rem(step, jnp.int32(stages))
-                plgpu.barrier_wait(kv_barriers.at[slot])
-                # the RoPE scores, once for all of this CTA's branches
                 rope_tiles = lambda: [(qr_smem.at[wg, c], kr_smem.at[slot, c]) for c in range(rope_chunks)]  # noqa: E731
-                rope = _scores(rope_tiles, None, interpret, block_kv)
+                # one branch: its scores [q_latent || q_rope] [latent || k_rope]^T in one accumulator (K = R + Dr);
+                # several: the RoPE scores once, each branch's latent scores accumulated onto them
+                rope = _scores(rope_tiles, None, interpret, block_kv) if per_cta > 1 else None
                 if masked:
                     shape = (BLOCK_Q, block_kv)
                     keep = _rows(shape, interpret) + q0 >= _columns(shape, interpret) + step * block_kv
                 new_accs, new_m, new_l = [], [], []
                 for j in range(per_cta):
-                    tiles = lambda j=j: [(ql_smem.at[wg, j, c], lat_smem.at[slot, j, c]) for c in range(lat_chunks)]  # noqa: E731
-                    qk = _scores(tiles, rope, interpret, block_kv)
-                    qk = qk * scale_log2
+
+                    def tiles(j=j):
+                        latent_tiles = [(ql_smem.at[wg, j, c], lat_smem.at[slot, j, c]) for c in range(lat_chunks)]
+                        return latent_tiles if per_cta > 1 else rope_tiles() + latent_tiles
+
+                    qk = _scores(tiles, rope, interpret, block_kv, issued=hand_over)
                     if masked:
                         qk = jnp.where(keep, qk, -jnp.inf)
-                    m_new = jnp.maximum(m_i[j], qk.max(axis=1))
+                    # the running max in the scaled log2 domain: p = exp2(s * scale_log2 - m) is one FMA
+                    m_new = jnp.maximum(m_i[j], qk.max(axis=1) * scale_log2)
                     alpha = jnp.exp2(m_i[j] - m_new)
-                    p = jnp.exp2(qk - lax.broadcast_in_dim(m_new, qk.shape, [0]))
-                    new_l.append(l_i[j] * alpha + p.sum(axis=1))
+                    p = jnp.exp2(qk * scale_log2 - lax.broadcast_in_dim(m_new, qk.shape, [0]))
                     scaled = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs[j])
+                    l_new = l_i[j] * alpha
+                    p16 = p.astype(dtype)
+                    if SUM_BEFORE_TURN:  # attention_mgpu's order for head widths up to 128
+                        l_new = l_new + p.sum(axis=1)
+                        scaled, l_new, m_new, p16 = lax.optimization_barrier((scaled, l_new, m_new, p16))
+                        hand_over()
+                    else:
+                        hand_over()
+                        l_new = l_new + p.sum(axis=1)
+
+                    def next_tile(j=j):  # behind the last branch's P V: the next key tile's wait
+                        if j == per_cta - 1:
+                            following = step + 1
+                            slot_after = lax.rem(following, jnp.int32(stages))
+                            pl.when(following < steps)(lambda: plgpu.barrier_wait(kv_barriers.at[slot_after]))
+
                     values = lambda j=j: [lat_smem.at[slot, j, c] for c in range(lat_chunks)]  # noqa: E731
-                    new_accs.append(_values(scaled, p.astype(dtype), values, interpret))
+                    new_accs.append(_values(scaled, p16, values, interpret, issued=next_tile))
                     new_m.append(m_new)
+                    new_l.append(l_new)
                 # the slot is refilled only while tiles remain to load: every "consumed" phase is awaited
                 pl.when(step + stages < max_steps)(lambda: plgpu.barrier_arrive(consumed.at[slot]))
                 return tuple(new_accs), tuple(new_m), tuple(new_l)
 
-            carry = (accs, m_i, l_i)
-            carry = lax.fori_loop(0, unmasked, functools.partial(kv_step, masked=False), carry)
-            accs, m_i, l_i = lax.fori_loop(unmasked, steps, functools.partial(kv_step, masked=True), carry)
+            def keep_mask(step):
+                shape = (BLOCK_Q, block_kv)
+                return _rows(shape, interpret) + q0 >= _columns(shape, interpret) + step * block_kv
+
+            def softmax(qk, m_prev, keep):
+                if keep is not None:
+                    qk = jnp.where(keep, qk, -jnp.inf)
+                m_new = jnp.maximum(m_prev, qk.max(axis=1) * scale_log2)
+                p = jnp.exp2(qk * scale_log2 - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+                return p, m_new, jnp.exp2(m_prev - m_new)
+
+            def key_tiles(slot):  # one branch: [q_latent || q_rope] against [latent || k_rope]
+                rope_tiles = [(qr_smem.at[wg, c], kr_smem.at[slot, c]) for c in range(rope_chunks)]
+                return rope_tiles + [(ql_smem.at[wg, 0, c], lat_smem.at[slot, 0, c]) for c in range(lat_chunks)]
+
+            def overlapped(*o_refs):
+                """One branch, FA3's intra-warpgroup overlap: key tile i's scores are issued together with tile
+                i - 1's P V, whose wgmma runs on while tile i's softmax does. o_refs: the output accumulators
+                (GPU); in interpret mode the output is carried as values, the same arithmetic in the same order."""
+                qk = _scores(lambda: key_tiles(0), None, interpret, block_kv, issued=hand_over)
+                p, m, _ = softmax(qk, m_i[0], keep_mask(0))  # every row's first tile: masked (all kept if below)
+                hand_over()
+                first = (p.astype(dtype), m, p.sum(axis=1), accs[0] if interpret else ())
+
+                def step_fn(step, carry, masked):
+                    p_prev, m, total, o = carry
+                    slot, prev = lax.rem(step, jnp.int32(stages)), lax.rem(step - 1, jnp.int32(stages))
+                    plgpu.barrier_wait(kv_barriers.at[slot])
+                    values = lambda: [lat_smem.at[prev, 0, c] for c in range(lat_chunks)]  # noqa: E731
+                    if interpret:
+                        qk = _scores(lambda: key_tiles(slot), None, interpret, block_kv)
+                        o = _values(o, p_prev, values, interpret)
+                        hand_over()
+                    else:
+
+                        def scoped(s_ref):
+                            for a, b in key_tiles(slot):
+                                plgpu.wgmma(s_ref, a, plgpu.transpose_ref(b, (1, 0)))
+                            for acc_ref, v in zip(o_refs, values()):
+                                plgpu.wgmma(acc_ref, p_prev, v)
+                            hand_over()
+                            # the scores' groups are done; P V's (one per value chunk) may run on
+                            return plgpu.wgmma_accumulator_load(s_ref, wait_n=lat_chunks)
+
+                        qk = pl.run_scoped(scoped, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
+                    p, m_new, alpha = softmax(qk, m, keep_mask(step) if masked else None)
+                    hand_over()
+                    total = total * alpha + p.sum(axis=1)
+                    if interpret:
+                        o = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in o)
+                    else:
+                        for acc_ref in o_refs:  # (reading waits for P V)
+                            acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [0])
+                    pl.when(step - 1 + stages < max_steps)(lambda: plgpu.barrier_arrive(consumed.at[prev]))
+                    return p.astype(dtype), m_new, total, o
+
+                split = jnp.maximum(unmasked, 1)
+                carry = lax.fori_loop(1, split, functools.partial(step_fn, masked=False), first)
+                p, m, total, o = lax.fori_loop(split, steps, functools.partial(step_fn, masked=True), carry)
+                last = lax.rem(steps - 1, jnp.int32(stages))
+                values = [lat_smem.at[last, 0, c] for c in range(lat_chunks)]
+                if interpret:
+                    o = _values(o, p, lambda: values, interpret)
+                else:
+                    for acc_ref, v in zip(o_refs, values):
+                        plgpu.wgmma(acc_ref, p, v)
+                    o = tuple(acc_ref[...] for acc_ref in o_refs)
+                pl.when(steps - 1 + stages < max_steps)(lambda: plgpu.barrier_arrive(consumed.at[last]))
+                return (o,), (m,), (total,)
+
+            if overlap and interpret:
+                accs, m_i, l_i = overlapped()
+            elif overlap:
+                accs, m_i, l_i = pl.run_scoped(overlapped, *[plgpu.ACC((BLOCK_Q, CHUNK), jnp.float32)] * lat_chunks)
+            else:
+                carry = (accs, m_i, l_i)
+                carry = lax.fori_loop(0, unmasked, functools.partial(kv_step, masked=False), carry)
+                accs, m_i, l_i = lax.fori_loop(unmasked, steps, functools.partial(kv_step, masked=True), carry)
+
+            @pl.loop(steps, max_steps)
+            def _skipped(step):  # the first warpgroup's tiles past its diagonal: observed, released, turns taken
+                slot = lax.rem(step, jnp.int32(stages))
+                plgpu.barrier_wait(kv_barriers.at[slot])
+                pl.when(step + stages < max_steps)(lambda: plgpu.barrier_arrive(consumed.at[slot]))
+                for _ in range(2 * per_cta):
+                    hand_over()
+
+            pl.when(wg == 0)(hand_over)  # the second warpgroup's last turn
 
             for j in range(per_cta):  # every row has its diagonal key: l > 0
                 inverse = 1.0 / l_i[j]
@@ -320,13 +476,6 @@ def mlra_attention_gpu(
                         ql_smem.at[wg, j, c], out_ref.at[bi, rows, first_block + j, hi, pl.ds(c * CHUNK, CHUNK)]
                     )
                 plgpu.copy_smem_to_gmem(lse_smem.at[wg, j], lse_ref.at[bi, first_block + j, hi, rows])
-
-            @pl.loop(steps, max_steps)
-            def _skipped(step):  # the first warpgroup's tiles past its diagonal: observed and released
-                slot = lax.rem(step, jnp.int32(stages))
-                plgpu.barrier_wait(kv_barriers.at[slot])
-                pl.when(step + stages < max_steps)(lambda: plgpu.barrier_arrive(consumed.at[slot]))
-
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WGS)
@@ -369,6 +518,7 @@ def mlra_attention_gpu(
             plgpu.Barrier(num_arrivals=copies, num_barriers=COMPUTE_WGS),
             plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
         )
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
 

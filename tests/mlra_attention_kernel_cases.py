@@ -23,10 +23,10 @@ def inputs(b, t, n, h, r, dr, dtype, seed=0):
     )
 
 
-def check(shape, dtype, tolerance, branches=None, block_kv=64):
+def check(shape, dtype, tolerance, branches=None, block_kv=64, **schedule):
     args = inputs(*shape, dtype)
     scale = (shape[4] + shape[5]) ** -0.5
-    out, lse = mlra_attention_gpu(*args, scale=scale, branches=branches, block_kv=block_kv, interpret=True)
+    out, lse = mlra_attention_gpu(*args, scale=scale, branches=branches, block_kv=block_kv, interpret=True, **schedule)
     want_out, want_lse = mlra_attention_reference(*args, scale=scale)
     b, t, n, h, r, _ = shape
     assert out.shape == (b, t, n, h, r) and out.dtype == dtype and lse.shape == (b, n, h, t)
@@ -35,9 +35,40 @@ def check(shape, dtype, tolerance, branches=None, block_kv=64):
 
 
 def test_plan_shares_the_rope_scores_within_the_register_budget():
-    assert plan(4, 128, 64) == (2, 3)  # MLRA-4 2.9B: two branches per CTA, three 40 KiB key stages
-    assert plan(4, 64, 64)[0] == 4 and plan(2, 128, 64)[0] == 2 and plan(3, 128, 64)[0] == 1
-    assert plan(4, 128, 64, block_kv=128) == (1, 3)  # two branches' 128-key stages leave room for one only
+    assert plan(4, 128, 64, block_kv=64) == (2, 3)  # MLRA-4 2.9B: two branches per CTA, three 40 KiB key stages
+    assert plan(4, 64, 64, block_kv=64)[0] == 4 and plan(2, 128, 64, block_kv=64)[0] == 2
+    assert plan(3, 128, 64)[0] == 1
+    assert plan(4, 128, 64) == (1, 3)  # 128-key stages (the default): two branches' leave room for one only
+
+
+def test_float32_default_schedule():
+    """The defaults: one branch, 128-key tiles, each warpgroup's P V overlapping its next softmax, no ping-pong."""
+    args = inputs(1, 256, 2, 1, 64, 64, jnp.float32)
+    out, lse = mlra_attention_gpu(*args, scale=0.125, interpret=True)
+    want_out, want_lse = mlra_attention_reference(*args, scale=0.125)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_float32_ping_pong(overlap):
+    """The two warpgroups' turns, with and without the overlap: 64-key tiles, so that the first warpgroup takes
+    its turns through the tiles past its diagonal."""
+    check((1, 256, 1, 1, 64, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5), 1, pingpong=True, overlap=overlap)
+
+
+def test_float32_ping_pong_row_sum_after_the_turn(monkeypatch):
+    import mlra_jax.pallas_kernels.mlra_attention_gpu as kernel
+
+    monkeypatch.setattr(kernel, "SUM_BEFORE_TURN", False)
+    jax.clear_caches()
+    check((1, 256, 2, 1, 64, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5), None, pingpong=True)
+    jax.clear_caches()
+
+
+def test_the_overlap_takes_one_branch():
+    with pytest.raises(ValueError, match="overlap=True takes one branch"):
+        check((1, 128, 2, 1, 64, 64), jnp.float32, {}, 2, overlap=True)
 
 
 def test_float32_four_branches_over_one_rope_score():
@@ -115,7 +146,8 @@ def test_the_benchmark_times_the_kernel_beside_cudnn_on_the_same_inputs(monkeypa
         return {"time_s": next(times)}
 
     monkeypatch.setattr(bench, "profiled_time", timed)
-    monkeypatch.setattr(bench, "MLRA_TILINGS", ((None, 64), (2, 64), (1, 128)))  # the plan's 2 taken once
+    tilings = ((None, 64, True, False), (2, 64, True, False), (1, 128, False, True))  # the plan's 2 taken once
+    monkeypatch.setattr(bench, "MLRA_TILINGS", tilings)
     monkeypatch.setattr(bench, "cudnn_attention", lambda q, k, v, scale: attention(q, k, v, scale=scale, impl="xla"))
     model = tiny_model("mlra2", n_head=2, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64)
     experiment = dataclasses.replace(get_experiment("mlra2_tiny"), model=model)
@@ -123,8 +155,8 @@ def test_the_benchmark_times_the_kernel_beside_cudnn_on_the_same_inputs(monkeypa
     rows = bench.mlra_rows(experiment, batch=1, repeats=1, interpret=True)
     assert [(r["kernel"], r.get("tiling")) for r in rows] == [
         ("cudnn", None),
-        ("mlra_mosaic_gpu", {"branches": 2, "block_kv": 64, "stages": 4}),
-        ("mlra_mosaic_gpu", {"branches": 1, "block_kv": 128, "stages": 4}),
+        ("mlra_mosaic_gpu", {"branches": 2, "block_kv": 64, "stages": 4, "pingpong": True, "overlap": False}),
+        ("mlra_mosaic_gpu", {"branches": 1, "block_kv": 128, "stages": 4, "pingpong": False, "overlap": True}),
     ]
     flops = bench.model_flops(1, 4, 128, 128, 64, causal=True, backward=False)  # 2 branches x 2 heads, 64 + 64 / 64
     for row, seconds in zip(rows, (4e-3, 2e-3, 1e-3)):

@@ -40,8 +40,9 @@ from mlra_jax.pallas_kernels.mlra_attention_gpu import mlra_attention_gpu, mlra_
 
 TRITON_TILINGS = ((128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3))  # block_q, block_k, warps, stages
 MOSAIC_TILINGS = ((64, 128, 2), (64, 64, 2))  # block_q, block_kv, concurrent steps
-# our kernel's tilings: branches per CTA (None: its plan's, sharing the RoPE scores; 1: none shared), keys per stage
-MLRA_TILINGS = ((None, 64), (1, 64), (None, 128), (1, 128))
+# our kernel's tilings: branches per CTA (None: its plan's, sharing the RoPE scores; 1: none shared), keys per stage,
+# the two compute warpgroups' ping-pong, each warpgroup's overlap of P V with the next softmax; the default first
+MLRA_TILINGS = ((1, 128, False, True), (1, 128, True, False), (1, 128, False, False), (None, 64, True, False))
 KERNELS = ("cudnn", "pallas_triton", "mosaic_gpu", "mlra")
 
 
@@ -204,21 +205,27 @@ def mlra_rows(experiment: Experiment, batch: int, repeats: int, interpret: bool 
         theirs = cudnn(q, k, v).reshape(args[0].shape)
         base.update(errors(theirs[:1], want, "vs_reference"))
     rows, tried = [base], set()
-    for branches, block_kv in MLRA_TILINGS:
+    for branches, block_kv, pingpong, overlap in MLRA_TILINGS:
         try:
             per_cta, stages = plan(layout["blocks"], layout["rank"], layout["rope"], branches, block_kv)
         except ValueError as error:
-            tiling = {"branches": branches, "block_kv": block_kv}
+            tiling = {"branches": branches, "block_kv": block_kv, "pingpong": pingpong, "overlap": overlap}
             rows.append({"kernel": "mlra_mosaic_gpu", **labels, "tiling": tiling, "error": str(error)})
             continue
-        if (per_cta, block_kv) in tried:
+        if (per_cta, block_kv, pingpong, overlap) in tried:
             continue
-        tried.add((per_cta, block_kv))
+        tried.add((per_cta, block_kv, pingpong, overlap))
         attend = functools.partial(
-            mlra_attention_gpu, scale=scale, branches=per_cta, block_kv=block_kv, interpret=interpret
+            mlra_attention_gpu,
+            scale=scale,
+            branches=per_cta,
+            block_kv=block_kv,
+            pingpong=pingpong,
+            overlap=overlap,
+            interpret=interpret,
         )
         fn = jax.jit(attend)
-        tiling = {"branches": per_cta, "block_kv": block_kv, "stages": stages}
+        tiling = {"branches": per_cta, "block_kv": block_kv, "stages": stages, "pingpong": pingpong, "overlap": overlap}
         row = measure(fn, args, flops, repeats, kernel="mlra_mosaic_gpu", tiling=tiling, **labels)
         if "time_s" in row:
             out, lse = fn(*args)
