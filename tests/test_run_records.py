@@ -3,14 +3,11 @@ not at all, a resume that fails leaves experiment.json as it was, and a run dire
 refused (exit 2, one message) before anything is written."""
 
 import json
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import jax
-import numpy as np
 import pytest
 from helpers import MICRO, ROOT, micro_experiment, run_training, subprocess_env
 from test_run_safety import listing
@@ -21,14 +18,28 @@ from mlra_jax.training.loop import train
 
 pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
 
-WRITER = """
-import sys
+# One process imports the writer once, then forks a child per kill that rewrites the file over and over; the parent
+# SIGKILLs it at a random moment and prints what the file held.
+KILLER = """
+import os, random, signal, sys, time
 from mlra_jax.guards import atomic_write_text
 
-path, size = sys.argv[1], int(sys.argv[2])
-print("ready", flush=True)
-for i in range(10**6):
-    atomic_write_text(path, str(i % 10) * size)
+path, size, kills = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rng = random.Random(0)
+for _ in range(kills):
+    child = os.fork()
+    if child == 0:
+        for i in range(10**6):
+            atomic_write_text(path, str(i % 10) * size)
+        os._exit(0)
+    time.sleep(rng.uniform(0.0, 0.3))
+    os.kill(child, signal.SIGKILL)
+    os.waitpid(child, 0)
+    content = open(path).read()
+    print(len(content), len(set(content)), flush=True)
+    for name in os.listdir(os.path.dirname(path)):
+        if name.startswith(".metrics.jsonl.") and name.endswith(".tmp"):
+            os.unlink(os.path.join(os.path.dirname(path), name))
 """
 
 
@@ -37,23 +48,17 @@ def test_a_kill_at_any_moment_of_a_rewrite_leaves_a_whole_file(tmp_path):
     one whole version, and no temporary file is left behind but the one being written at the kill."""
     target, size = tmp_path / "metrics.jsonl", 4 << 20
     target.write_text("x" * size)
-    rng = np.random.default_rng(0)
-    for _ in range(10):
-        process = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(target), str(size)],
-            stdout=subprocess.PIPE,
-            env=subprocess_env(),
-            cwd=ROOT,
-            text=True,
-        )
-        assert process.stdout.readline().strip() == "ready"
-        time.sleep(rng.uniform(0.0, 0.3))
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-        content = target.read_text()
-        assert len(content) == size and len(set(content)) == 1, "a torn file"
-        for leftover in tmp_path.glob(".metrics.jsonl.*.tmp"):
-            leftover.unlink()
+    done = subprocess.run(
+        [sys.executable, "-c", KILLER, str(target), str(size), "10"],
+        env=subprocess_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = [tuple(map(int, line.split())) for line in done.stdout.splitlines()]
+    assert seen == [(size, 1)] * 10, "a torn file"
 
 
 def test_an_interrupted_rewrite_keeps_the_old_content_and_no_temporary(tmp_path, monkeypatch):
