@@ -6,6 +6,8 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from mlra_jax.experiments import benchmarks, get_experiment
 from mlra_jax.experiments.tiny import tiny_model
@@ -54,6 +56,8 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
     # the roofline of every row: bytes and FLOPs per device, the floor at the measured ceilings, the collectives
     for r in record["results"]:
         assert r["weight_bytes"] > 0 and r["cache_bytes"] > 0 and r["flops"] > 0, r
+        # the compiled step's bytes per device: the cache it was handed is donated and written in place
+        assert r["argument_bytes"] >= r["alias_bytes"] >= r["cache_bytes"] > 0 and r["temp_bytes"] >= 0, r
         assert r["floor_time_s"] == max(r["memory_floor_s"], r["compute_floor_s"]) > 0
         assert r["time_over_floor"] == pytest.approx(r["step_time_s"] / r["floor_time_s"])
     rows = {(r["scope"], r["variant"]): r for r in record["results"]}
@@ -482,6 +486,26 @@ def test_gemm_calls_are_counted_by_kind():
         '%d = custom-call(), custom_call_target="__cudnn$fmha"\n'
     )
     assert gemm_calls(text) == {"fp8": 1, "other": 2}
+
+
+def test_refilled_writes_into_the_donated_buffers_in_their_shardings():
+    """A cache filled for timing takes the place of the one it was handed: same shapes, dtypes and shardings, the
+    given arrays donated (deleted) and their buffers written in place, the values one random row repeated."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from mlra_jax.benchmarks.common import refilled
+
+    mesh = jax.make_mesh((4,), ("tensor",), devices=jax.devices()[:4])
+    given = {"k": jax.device_put(jnp.zeros((2, 8, 4, 16), jnp.bfloat16), NamedSharding(mesh, P(None, None, "tensor")))}
+    buffers = [shard.data.unsafe_buffer_pointer() for shard in given["k"].addressable_shards]
+    filled = refilled(given)
+    assert given["k"].is_deleted()
+    assert [shard.data.unsafe_buffer_pointer() for shard in filled["k"].addressable_shards] == buffers
+    assert filled["k"].shape == (2, 8, 4, 16) and filled["k"].dtype == jnp.bfloat16
+    assert filled["k"].sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "tensor")), 4)
+    values = np.asarray(filled["k"], np.float32)
+    assert np.all(values == values[:1, :1, :1]) and np.any(values != 0)
 
 
 def test_interleaved_benchmark_alternates_two_settings_on_one_state(tmp_path):

@@ -73,6 +73,17 @@ def earlier_results(
     return kept, record.get("runs", [{k: record.get(k) for k in run_keys}]), record
 
 
+def _filled(paths: list, scale: float, ones: Callable[[tuple], bool]) -> list[jax.Array]:
+    """filled_like's leaves, inside a jitted function."""
+    keys = jax.random.split(jax.random.key(0), len(paths))
+    return [
+        jnp.ones(a.shape, a.dtype)
+        if ones(path)
+        else jnp.broadcast_to((scale * jax.random.normal(key, a.shape[-1:], jnp.float32)).astype(a.dtype), a.shape)
+        for key, (path, a) in zip(keys, paths)
+    ]
+
+
 def filled_like(
     tree: Any, shardings: Any = None, scale: float = 1.0, ones: Callable[[tuple], bool] = lambda path: False
 ) -> Any:
@@ -81,21 +92,31 @@ def filled_like(
     Drawing every element at random compiles for minutes at the 2.9B models' sizes under a mesh (seen on
     2 x H200: 3 minutes); timings do not depend on the values."""
     paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return jax.jit(lambda: treedef.unflatten(_filled(paths, scale, ones)), out_shardings=shardings)()
 
-    def make():
-        keys = jax.random.split(jax.random.key(0), len(paths))
-        return treedef.unflatten(
-            [
-                jnp.ones(a.shape, a.dtype)
-                if ones(path)
-                else jnp.broadcast_to(
-                    (scale * jax.random.normal(key, a.shape[-1:], jnp.float32)).astype(a.dtype), a.shape
-                )
-                for key, (path, a) in zip(keys, paths)
-            ]
-        )
 
-    return jax.jit(make, out_shardings=shardings)()
+def refilled(tree: Any, scale: float = 1.0) -> Any:
+    """filled_like written into the buffers of `tree` (donated; its arrays are gone after the call), in their
+    shardings: a cache that fills most of a device is filled without a second copy of it."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    shardings = jax.tree.map(lambda a: a.sharding, tree)
+    fill = jax.jit(
+        lambda tree: treedef.unflatten(_filled(paths, scale, lambda path: False)),
+        donate_argnums=0,
+        keep_unused=True,  # an unused argument would be dropped, and its buffers with the donation
+        out_shardings=shardings,
+    )
+    return fill(tree)
+
+
+def compiled_memory(compiled: Any) -> dict[str, int]:
+    """Bytes per device of a compiled call (XLA's memory analysis): its arguments, outputs, the outputs that
+    reuse donated arguments, and its temporaries; empty where the backend gives none."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return {}
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")
+    return {name.removesuffix("_size_in_bytes") + "_bytes": int(getattr(analysis, name)) for name in fields}
 
 
 def benchmark_params(cfg: Any, shardings: Any = None) -> dict[str, Any]:

@@ -47,18 +47,19 @@ from mlra_jax.attention import attention_class
 from mlra_jax.benchmarks import roofline
 from mlra_jax.benchmarks.common import (
     benchmark_params,
+    compiled_memory,
     earlier_results,
     environment,
-    filled_like,
     median_time,
     profiled_time,
+    refilled,
     save,
 )
 from mlra_jax.config import MeshConfig, ModelConfig
 from mlra_jax.decode import layouts
 from mlra_jax.decode.serving import ServingModel, serving_compiler_options
 from mlra_jax.experiments.benchmarks import PAPER_BATCH, THROUGHPUT_CONTEXTS, THROUGHPUT_MODELS, deployment
-from mlra_jax.kv_cache import cache_shardings, init_cache, init_layer_caches, layer_cache_shardings, slot_mask
+from mlra_jax.kv_cache import init_cache, init_layer_caches, slot_mask
 from mlra_jax.params import logical_axes
 from mlra_jax.sharding import batch_sharding, make_mesh, tree_shardings
 
@@ -146,11 +147,12 @@ def measure_attention(
         )
         for context in contexts:
             state = init_cache(cfg, batch, context, mesh=mesh)
-            kv = filled_like(state.kv, cache_shardings(cfg, mesh))
+            kv = refilled(state.kv)
             holder = {"state": dataclasses.replace(state, kv=kv, index=jnp.int32(context - 4 * repeats - 16))}
             del state, kv
 
             compiled = jitted.lower(params, x, holder["state"]).compile()
+            memory = announced_memory(compiled, "attention", variant, context)
 
             def run():
                 heads, holder["state"] = compiled(params, x, holder["state"])
@@ -162,9 +164,22 @@ def measure_attention(
             flops += rows * context * roofline.attention_flops_per_token(cfg, tp)
             cache = roofline.cache_bytes_in_use(holder["state"].kv, context, slot_axis=2)
             timing |= roofline.floor(roofline.shard_bytes(read), cache, flops, ceilings, timing["step_time_s"])
-            timing |= roofline.collective_census(compiled.as_text())
+            timing |= roofline.collective_census(compiled.as_text()) | memory
             results.append(_record(variant, "attention", cfg, tp, dp, len(devices), batch, context, timing))
             holder.clear()  # the cache's buffers go before the next context's are made
+
+
+def announced_memory(compiled: Any, scope: str, variant: str, context: int) -> dict[str, int]:
+    """The compiled step's bytes per device (compiled_memory), printed before it runs: a step that runs out of
+    memory leaves what it asked for in the output."""
+    memory = compiled_memory(compiled)
+    if memory:
+        print(
+            f"{scope} {variant} at {context} tokens, per device: "
+            + ", ".join(f"{k.removesuffix('_bytes')} {v / 1e9:.2f} GB" for k, v in memory.items()),
+            flush=True,
+        )
+    return memory
 
 
 def measure_model(
@@ -197,11 +212,12 @@ def measure_model(
         tokens = jax.device_put(jnp.zeros((batch, 1), jnp.int32), batch_sharding(mesh, 2))
         for context in contexts:
             caches = init_layer_caches(cfg, batch, context, mesh=mesh)
-            layers = filled_like(caches.layers, (layer_cache_shardings(cfg, mesh),) * cfg.n_layer)
+            layers = refilled(caches.layers)
             holder = {"caches": dataclasses.replace(caches, layers=layers, index=jnp.int32(context - 4 * repeats - 16))}
             del caches, layers
 
             step = serving.compiled(True, tokens.shape).lower(serving.weights, tokens, holder["caches"]).compile()
+            memory = announced_memory(step, "model", variant, context)
 
             def run():
                 logits, holder["caches"] = step(serving.weights, tokens, holder["caches"])
@@ -212,7 +228,7 @@ def measure_model(
                 cfg, serving.weights, holder["caches"].layers, tp, batch // dp, context
             )
             timing |= roofline.floor(weight_bytes, cache_bytes, flops, ceilings, timing["step_time_s"])
-            timing |= roofline.collective_census(step.as_text())
+            timing |= roofline.collective_census(step.as_text()) | memory
             results.append(_record(variant, "model", cfg, tp, dp, len(devices), batch, context, timing))
             holder.clear()  # the cache's buffers go before the next context's are made
 
