@@ -103,3 +103,20 @@ def test_a_serving_block_step_gives_the_module_blocks_output_and_cache(variant, 
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     for name in want_cache:
         np.testing.assert_allclose(got_cache[name], want_cache[name], rtol=2e-5, atol=2e-5)
+
+
+def test_serving_compiler_options_on_gpus_take_the_one_shot_all_reduce_only_when_asked(monkeypatch):
+    """On GPUs: Triton GEMMs off above TRITON_GEMM_ROWS rows; XLA's one-shot all-reduce kernel only for calls under
+    tensor parallelism with TP_ALL_REDUCE "one_shot"; the option is one this XLA knows (a CPU compile takes it)."""
+    from mlra_jax.decode import serving
+
+    monkeypatch.setattr(serving, "target_platform", lambda: "gpu")
+    one_shot = serving.ONE_SHOT_ALL_REDUCE_OPTION
+    assert serving.serving_compiler_options(1) == serving.SERVING_COMPILER_OPTIONS
+    assert serving.serving_compiler_options(64)["xla_gpu_enable_triton_gemm"] is False
+    assert one_shot not in serving.serving_compiler_options(64, tensor_parallel=True)  # NCCL by default
+    monkeypatch.setattr(serving, "TP_ALL_REDUCE", "one_shot")
+    assert serving.serving_compiler_options(64, tensor_parallel=True)[one_shot] is True
+    assert one_shot not in serving.serving_compiler_options(64, tensor_parallel=False)
+    doubled = jax.jit(lambda x: 2 * x, compiler_options={one_shot: True})(jnp.ones(3))
+    np.testing.assert_array_equal(doubled, 2 * np.ones(3))

@@ -56,7 +56,7 @@ from mlra_jax.benchmarks.common import (
     save,
 )
 from mlra_jax.config import MeshConfig, ModelConfig
-from mlra_jax.decode import layouts
+from mlra_jax.decode import layouts, serving
 from mlra_jax.decode.serving import ServingModel, serving_compiler_options
 from mlra_jax.experiments.benchmarks import PAPER_BATCH, THROUGHPUT_CONTEXTS, THROUGHPUT_MODELS, deployment
 from mlra_jax.kv_cache import init_cache, init_layer_caches, slot_mask
@@ -141,7 +141,7 @@ def measure_attention(
             )
             return heads, dataclasses.replace(state, kv={k: v[None] for k, v in layer.items()}, index=state.index + 1)
 
-        jitted = jax.jit(step, donate_argnums=(2,), compiler_options=serving_compiler_options(batch))
+        jitted = jax.jit(step, donate_argnums=(2,), compiler_options=serving_compiler_options(batch, tp > 1))
         x = jax.device_put(
             jax.random.normal(jax.random.key(0), (batch, 1, cfg.n_embd), jnp.bfloat16), batch_sharding(mesh, 3)
         )
@@ -319,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="MLRA's output projection in decode steps under TP: in the blocks' region (one all-reduce) or "
         "row-parallel after a reduce-scatter of the heads (decode.layouts.PROJECT_IN_REGION)",
     )
+    parser.add_argument(
+        "--tp_all_reduce",
+        default=serving.TP_ALL_REDUCE,
+        choices=("nccl", "one_shot"),
+        help="how decode steps under TP all-reduce on GPUs: NCCL or XLA's one-shot kernel (decode.serving)",
+    )
     parser.add_argument("--copy_gb", type=float, default=2.0, help="size of the bandwidth-reference copy")
     parser.add_argument(
         "--no_isolate",
@@ -358,6 +364,7 @@ def child_argv(args: argparse.Namespace, scope: str, variant: str, out: Path) ->
         f"--attention_impl={args.attention_impl}",
         f"--tp_reduce={args.tp_reduce}",
         f"--tp_output={args.tp_output}",
+        f"--tp_all_reduce={args.tp_all_reduce}",
         f"--copy_gb={args.copy_gb}",
         "--no_isolate",
         f"--out={out}",
@@ -424,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--devices={args.devices}: only {len(jax.devices())} devices are present")
     tensor_parallel.DECODE_REDUCE_DTYPE = args.tp_reduce
     layouts.PROJECT_IN_REGION = args.tp_output == "in_region"
+    serving.TP_ALL_REDUCE = args.tp_all_reduce
     results, runs = (
         earlier_throughput(args.out, scopes, variants, contexts, args.attention_impl) if args.merge else ([], [])
     )
@@ -437,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         "devices_used": len(devices),
         "tp_reduce": args.tp_reduce,
         "tp_output": args.tp_output,
+        "tp_all_reduce": args.tp_all_reduce,
         "ceilings": ceilings,
         "runs": [*runs, {**environment(), "devices_used": len(devices)}],
     }
