@@ -1,6 +1,7 @@
-"""The MLRA training attention kernel (Mosaic GPU, forward) in Pallas's GPU interpret mode on CPU: against its jnp
-reference (float32 and bfloat16, output and logsumexp) and against the library's training path
-(latent_heads_attention, impl="xla") on a tiny MLRA-4 layer's own tensors."""
+"""The MLRA training attention kernels (Mosaic GPU, forward and backward) in Pallas's GPU interpret mode on CPU:
+against their jnp reference (float32 and bfloat16; output and logsumexp, the four inputs' gradients against
+jax.vjp of the reference) and against the library's training path (latent_heads_attention, impl="xla") on a tiny
+MLRA-4 layer's own tensors; the backward also lowers for the GPU on the CPU."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.pallas_kernels.mlra_attention_gpu import mlra_attention_gpu, mlra_attention_reference, plan
+from mlra_jax.pallas_kernels.mlra_attention_gpu_backward import mlra_attention, mlra_attention_backward
 
 from mlra_jax.attention.latent import LatentAttention
 from mlra_jax.model import init_model
@@ -92,6 +94,87 @@ def test_float32_at_mlra4_block_width(branches):
     check((1, 256, 4, 2, 128, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5), branches)
 
 
+def reference_gradients(args, d_out, scale):
+    _, vjp = jax.vjp(lambda *x: mlra_attention_reference(*x, scale=scale)[0], *args)
+    return vjp(d_out)
+
+
+def check_backward(shape, dtype, tolerance, seed=0):
+    """mlra_attention_backward on the forward kernel's output and logsumexp against jax.vjp of the reference."""
+    args = inputs(*shape, dtype, seed=seed)
+    d_out = jax.random.normal(jax.random.key(seed + 7), shape[:5], dtype)
+    scale = (shape[4] + shape[5]) ** -0.5
+    out, lse = mlra_attention_gpu(*args, scale=scale, interpret=True)
+    got = mlra_attention_backward(*args, out, lse, d_out, scale=scale, interpret=True)
+    for g, w, x in zip(got, reference_gradients(args, d_out, scale), args):
+        assert g.shape == x.shape and g.dtype == dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), **tolerance)
+
+
+def test_backward_float32_one_branch():
+    """Two CTAs of 128 keys (dK/dV: the second starts at its diagonal, skipping the first query tiles) and of 128
+    queries (dQ: four key tiles through three stages, one slot refilled; the first warpgroup's skipped tile)."""
+    check_backward((1, 256, 1, 1, 64, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5))
+
+
+def test_grad_through_the_public_entry_point():
+    """jax.grad of a loss through mlra_attention (the forward kernel, then the backward's): two branches whose
+    d k_rope and d q_rope sum over them, two query heads whose d latent and d k_rope sum over them (dK/dV: four
+    query tiles through three stages)."""
+    shape = (1, 128, 2, 2, 64, 64)
+    args = inputs(*shape, jnp.float32, seed=3)
+    weights = jax.random.normal(jax.random.key(4), shape[:5])
+    scale = 0.1
+
+    def loss(attend):
+        return lambda *x: jnp.sum(jnp.sin(attend(*x)) * weights)
+
+    got = jax.grad(loss(lambda *x: mlra_attention(*x, scale=scale, interpret=True)), argnums=(0, 1, 2, 3))(*args)
+    want = jax.grad(loss(lambda *x: mlra_attention_reference(*x, scale=scale)[0]), argnums=(0, 1, 2, 3))(*args)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_the_backward_lowers_for_the_gpu():
+    """The backward kernels (bf16, MLRA-4 2.9B's widths) lower to Mosaic GPU on the CPU: what interpret mode does
+    not run (wgmma, register layouts, the accumulators' scopes) is at least well formed."""
+    b, t, n, h, r, dr = 1, 512, 4, 2, 128, 64
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    spec = jax.ShapeDtypeStruct
+    q = (spec((b, t, n, h, r), bf16), spec((b, t, h, dr), bf16), spec((b, t, n, r), bf16), spec((b, t, dr), bf16))
+    rest = (spec((b, t, n, h, r), bf16), spec((b, n, h, t), f32), spec((b, t, n, h, r), bf16))
+    lowered = mlra_attention_backward.trace(*q, *rest, scale=0.07).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("mosaic_gpu") >= 2
+
+
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        ((1, 192, 1, 1, 64, 64), "multiple of 128 tokens"),
+        ((1, 128, 1, 1, 96, 64), "multiples of 64"),
+        ((1, 128, 1, 1, 192, 64), "R \\+ Dr <= 192"),
+    ],
+)
+def test_the_backward_names_its_constraints(shape, message):
+    args = inputs(*shape, jnp.float32)
+    with pytest.raises(ValueError, match=message):
+        mlra_attention_backward(
+            *args, args[0], jnp.zeros(shape[:1] + shape[2:4] + shape[1:2]), args[0], scale=1.0, interpret=True
+        )
+
+
+@pytest.mark.slow
+def test_backward_float32_four_branches():
+    """4 blocks, 256 tokens: each block's own CTAs, d k_rope and d q_rope summed over the four."""
+    check_backward((1, 256, 4, 1, 64, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5), seed=5)
+
+
+@pytest.mark.slow
+def test_backward_bfloat16_at_mlra4_block_width():
+    """bf16 at R = 128: P and dS rounded to bf16 before their products, as on the GPU."""
+    check_backward((1, 128, 2, 1, 128, 64), jnp.bfloat16, dict(rtol=5e-2, atol=5e-2))
+
+
 def test_equals_the_library_training_path():
     """A tiny MLRA-4 layer (absorbed training, XLA attention): the kernel on the very tensors that
     latent_heads_attention receives in the model's forward gives its z."""
@@ -152,7 +235,7 @@ def test_the_benchmark_times_the_kernel_beside_cudnn_on_the_same_inputs(monkeypa
     model = tiny_model("mlra2", n_head=2, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64)
     experiment = dataclasses.replace(get_experiment("mlra2_tiny"), model=model)
     assert bench.mlra_layout(model) == {"groups": 2, "blocks": 2, "heads": 1, "rank": 64, "rope": 64}
-    rows = bench.mlra_rows(experiment, batch=1, repeats=1, interpret=True)
+    rows = bench.mlra_rows(experiment, batch=1, repeats=1, interpret=True, backward=False)
     assert [(r["kernel"], r.get("tiling")) for r in rows] == [
         ("cudnn", None),
         ("mlra_mosaic_gpu", {"branches": 2, "block_kv": 64, "stages": 4, "pingpong": True, "overlap": False}),
@@ -166,3 +249,32 @@ def test_the_benchmark_times_the_kernel_beside_cudnn_on_the_same_inputs(monkeypa
     for row, speedup in zip(rows[1:], (2.0, 4.0)):
         assert row["finite"] and row["speedup_vs_cudnn"] == pytest.approx(speedup) and row["cudnn_time_s"] == 4e-3
         assert row["max_abs_error_vs_cudnn"] < 2e-2 and row["lse_max_abs_error_vs_reference"] < 1e-4
+
+
+@pytest.mark.slow
+def test_the_benchmark_times_forward_and_backward_beside_cudnn(monkeypatch):
+    """The benchmark's forward + backward rows (mlra_backward_rows) on CPU: cuDNN's gradients on the absorbed
+    layout (XLA's attention standing in), ours through mlra_attention in interpret mode, a fixed timer; our row
+    carries the four gradients' errors against the reference and against the cuDNN stand-in's."""
+    from mlra_jax.attention.core import attention
+    from mlra_jax.benchmarks import attention_kernels as bench
+
+    times = iter([12e-3, 8e-3])
+
+    def timed(fn, repeats):
+        jax.block_until_ready(fn())
+        return {"time_s": next(times)}
+
+    monkeypatch.setattr(bench, "profiled_time", timed)
+    monkeypatch.setattr(bench, "cudnn_attention", lambda q, k, v, scale: attention(q, k, v, scale=scale, impl="xla"))
+    args = inputs(1, 128, 2, 1, 64, 64, jnp.bfloat16)
+    rows = bench.mlra_backward_rows(args, 0.1, 3e9, 1, {"passes": "forward"}, interpret=True)
+    assert [(r["kernel"], r["passes"], r.get("tiling")) for r in rows] == [
+        ("cudnn", "forward+backward", None),
+        ("mlra_mosaic_gpu", "forward+backward", {"backward_tile": 64}),
+    ]
+    base, ours = rows
+    assert base["model_tflops_per_s"] == pytest.approx(3e9 / 12e-3 / 1e12) and base["time_s"] == 12e-3
+    assert ours["finite"] and ours["speedup_vs_cudnn"] == pytest.approx(1.5) and ours["cudnn_time_s"] == 12e-3
+    for name in ("d_q_latent", "d_q_rope", "d_latent", "d_k_rope"):  # bf16 gradients
+        assert ours[f"relative_error_{name}_vs_reference"] < 2e-2 and ours[f"relative_error_{name}_vs_cudnn"] < 2e-2

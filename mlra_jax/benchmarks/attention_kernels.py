@@ -11,8 +11,10 @@ For each experiment's attention layer (its heads and key / value widths, sequenc
   forward, and forward + backward without a mask (it has no causal backward), beside cuDNN's on the same call;
 * for MLRA-2 and MLRA-4 (`mlra`): our kernel (`mlra_jax.pallas_kernels.mlra_attention_gpu`), causal forward, bf16,
   on the absorbed layout, beside cuDNN's forward on the same inputs laid out as `latent_heads_attention` calls it
-  (query heads [q_latent || q_rope] over one KV head [latent || k_rope] / latent per block); each of our rows holds
-  its error against cuDNN's output (every sequence) and against the float32 `jnp` reference (the first), and its
+  (query heads [q_latent || q_rope] over one KV head [latent || k_rope] / latent per block); then forward +
+  backward, ours (`mlra_attention_gpu_backward.mlra_attention`: the default forward and the backward kernels)
+  beside cuDNN's on the same inputs and cotangent; each of our rows holds its errors (output, or the four inputs'
+  gradients) against cuDNN's (every sequence) and against the float32 `jnp` reference (the first), and its
   speed-up over that cuDNN call.
 
 Keys and values have as many heads as the queries, except in the `mlra` rows (`layout`). Each time is the
@@ -37,6 +39,7 @@ from mlra_jax.benchmarks.common import experiment_list, profiled_time, save
 from mlra_jax.config import Experiment, ModelConfig
 from mlra_jax.experiments import get_experiment
 from mlra_jax.pallas_kernels.mlra_attention_gpu import mlra_attention_gpu, mlra_attention_reference, plan
+from mlra_jax.pallas_kernels.mlra_attention_gpu_backward import mlra_attention
 
 TRITON_TILINGS = ((128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3))  # block_q, block_k, warps, stages
 MOSAIC_TILINGS = ((64, 128, 2), (64, 64, 2))  # block_q, block_kv, concurrent steps
@@ -170,10 +173,13 @@ def errors(out: jax.Array, want: jax.Array, suffix: str) -> dict[str, float]:
     }
 
 
-def mlra_rows(experiment: Experiment, batch: int, repeats: int, interpret: bool = False) -> list[dict[str, Any]]:
+def mlra_rows(
+    experiment: Experiment, batch: int, repeats: int, interpret: bool = False, backward: bool = True
+) -> list[dict[str, Any]]:
     """Our MLRA kernel's causal forward (bf16, each tiling of MLRA_TILINGS) beside cuDNN's forward on the
-    same inputs and layout; no rows for a layer that mlra_layout does not take. interpret=True runs our kernel in
-    Pallas's GPU interpreter (the tests, on CPU)."""
+    same inputs and layout, then (`backward`) both forward + backward (mlra_backward_rows); no rows for a layer
+    that mlra_layout does not take. interpret=True runs our kernels in Pallas's GPU interpreter (the tests, on
+    CPU)."""
     model = experiment.model
     layout = mlra_layout(model)
     if layout is None:
@@ -237,7 +243,56 @@ def mlra_rows(experiment: Experiment, batch: int, repeats: int, interpret: bool 
                 row["cudnn_time_s"] = base["time_s"]
                 row["speedup_vs_cudnn"] = base["time_s"] / row["time_s"]
         rows.append(row)
-    return rows
+    if not backward:
+        return rows
+    return rows + mlra_backward_rows(args, scale, flops * 3, repeats, labels, interpret)
+
+
+def mlra_backward_rows(
+    args: tuple[jax.Array, ...], scale: float, flops: float, repeats: int, labels: dict[str, Any], interpret: bool
+) -> list[dict[str, Any]]:
+    """Forward + backward (the gradients of sum(out * do) for every input) of cuDNN on the absorbed layout and of
+    ours (`mlra_attention`: the default forward and the backward kernels) on the same inputs and cotangent; our
+    row holds its gradients' errors against cuDNN's (mapped back to the kernel's four inputs through
+    absorbed_qkv) and against the float32 `jnp` reference's (the first sequence)."""
+    do = jax.random.normal(jax.random.key(2), args[0].shape, args[0].dtype)
+    labels = {**labels, "passes": "forward+backward"}
+    q, k, v = absorbed_qkv(*args)
+    cudnn = lambda q, k, v: cudnn_attention(q, k, v, scale=scale)  # noqa: E731
+    base = measure(
+        with_backward(cudnn),
+        (q, k, v, do.reshape(q.shape[:3] + do.shape[-1:])),
+        flops,
+        repeats,
+        kernel="cudnn",
+        **labels,
+    )
+
+    def gradients(attend):
+        def loss(*inputs):
+            return jnp.sum(attend(*inputs[:4]).astype(jnp.float32) * inputs[4].astype(jnp.float32))
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+    ours = gradients(functools.partial(mlra_attention, scale=scale, interpret=interpret))
+    row = measure(ours, (*args, do), flops, repeats, kernel="mlra_mosaic_gpu", tiling={"backward_tile": 64}, **labels)
+    if "time_s" not in row:
+        return [base, row]
+    got = ours(*args, do)
+    names = ("d_q_latent", "d_q_rope", "d_latent", "d_k_rope")
+    with jax.default_matmul_precision("highest"):
+        reference = lambda *x: mlra_attention_reference(*x, scale=scale)[0]  # noqa: E731
+        want = gradients(reference)(*(x[:1].astype(jnp.float32) for x in (*args, do)))
+    row["finite"] = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in got)
+    for name, g, w in zip(names, got, want):
+        row.update(errors(g[:1], w, f"{name}_vs_reference"))
+    if "time_s" in base:
+        cudnn_absorbed = gradients(lambda *x: cudnn(*absorbed_qkv(*x)).reshape(x[0].shape))
+        for name, g, w in zip(names, got, cudnn_absorbed(*args, do)):
+            row.update(errors(g, w, f"{name}_vs_cudnn"))
+        row["cudnn_time_s"] = base["time_s"]
+        row["speedup_vs_cudnn"] = base["time_s"] / row["time_s"]
+    return [base, row]
 
 
 def mosaic_rows(row: Callable[..., dict[str, Any]], inputs: list[jax.Array], padded_from: int | None) -> list[dict]:
@@ -296,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
             rate = f"{row['model_tflops_per_s']:6.1f} TFLOP/s" if "time_s" in row else row["error"][:90]
             if "speedup_vs_cudnn" in row:
-                rate += f" {row['speedup_vs_cudnn']:.2f}x cuDNN, max error {row['max_abs_error_vs_cudnn']:.3g}"
+                error = max(v for key, v in row.items() if key.startswith("max_abs_error") and key.endswith("cudnn"))
+                rate += f" {row['speedup_vs_cudnn']:.2f}x cuDNN, max error {error:.3g}"
             print(
                 f"{name:11} {row['kernel']:13} {row['mask']:6} {row['passes']:16} {row.get('tiling', '')!s:60} {rate}",
                 flush=True,

@@ -1,0 +1,495 @@
+"""MLRA's causal training attention, backward, as Pallas Mosaic GPU kernels for Hopper, and `mlra_attention`: the
+forward (mlra_attention_gpu) and this backward under jax.custom_vjp, so that jax.grad runs through both kernels.
+
+Per latent block j and query head h (mlra_attention_gpu's notation; s_j the scaled logits, P_j its causal softmax,
+O_j = P_j latent_j, dO_j the output's cotangent):
+
+    D_j = rowsum(dO_j * O_j),   dP_j = dO_j latent_j^T,   dS_j = scale * P_j * (dP_j - D_j),
+    d q_latent_j = dS_j latent_j,   d q_rope = sum_j dS_j k_rope,
+    d latent_j = sum_h (dS_j^T q_latent_j + P_j^T dO_j),   d k_rope = sum_j sum_h dS_j^T q_rope.
+
+The latent block is its branch's key and its value, so its two gradients share one accumulator.
+
+Design (FlashAttention-2's backward, as jax.experimental.pallas.ops.gpu.attention_mgpu's, made causal):
+  * D (and the logsumexp in the log2 domain) in jnp before the kernels: one fused XLA reduction.
+  * dK/dV kernel: a CTA takes one (latent block, 128 keys, sequence): two compute warpgroups of 64 keys each hold
+    their key tile [latent || k_rope] in SMEM and the accumulators d latent (R columns) and d k_rope (Dr); the
+    memory warpgroup streams, for every query head of the block, the query tiles of 64 rows from the CTA's
+    diagonal on (causal tile skipping: the tiles above it are never loaded) through `stages` SMEM slots: q_latent,
+    q_rope, dO, the logsumexp and D. Per tile: S^T and dP^T (wgmma, B transposed, one wait), P^T, dS^T, then
+    P^T dO, dS^T q_latent (both onto d latent) and dS^T q_rope (A from registers). The first two query tiles of
+    each head are masked (the diagonal of one warpgroup or the other; the second warpgroup's first tile is all
+    masked and adds zeros). d k_rope leaves per block and is summed over the blocks in XLA.
+  * dQ kernel: a CTA takes one (latent block, query head, 128 queries, sequence): the compute warpgroups hold
+    their rows' q_latent, q_rope, dO, logsumexp and D, the memory warpgroup streams key tiles of 64 up to the
+    diagonal (the forward's walk: the first warpgroup observes and releases the tile past its diagonal). Per tile:
+    S and dP (one wait), P, dS, then dS latent and dS k_rope. d q_rope leaves per block and is summed in XLA.
+  Every warpgroup's accumulators: 64 + 64 + R + Dr float32 columns (BACKWARD_COLUMNS bounds R + Dr). The per-block
+  RoPE gradients are written in the inputs' dtype and summed in float32.
+
+On an H100 (jax 0.11; experiments/results/attention_kernels_mlra_h100_backward.json) MLRA-4 2.9B's layer ran
+forward (the default tiling) + backward 1.28x cuDNN's forward + backward on the same inputs; ptxas spills 12 and
+16 bytes a thread in the two kernels at R = 128.
+
+Interpret mode (`interpret=True`, on CPU) runs it as the forward's docstring describes, the products as float32
+dots of the same SMEM operands (`_mma`). Float32 inputs run only in interpret mode; the GPU takes bf16 or f16.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from mlra_jax.pallas_kernels.mlra_attention_gpu import (
+    BLOCK_KV,
+    CHUNK,
+    COMPUTE_WGS,
+    LOG2E,
+    SMEM_BYTES,
+    _gpu_interpret_params,
+    _layout,
+    mlra_attention_gpu,
+)
+
+TILE = 64  # rows of every tile: a warpgroup's keys (dK/dV) or queries (dQ), and the streamed tiles
+BACKWARD_COLUMNS = 192  # R + Dr at most: with S and dP, 320 float32 accumulator columns per warpgroup
+MAX_STAGES = 4
+
+
+class _Reg(NamedTuple):
+    """A wgmma A operand held in registers (the others are SMEM refs)."""
+
+    value: jax.Array
+
+
+def _mma(inits: tuple[jax.Array, ...], terms: Callable[[], list], interpret: bool) -> tuple[jax.Array, ...]:
+    """inits[i] + the sum of a b (b^T where transposed) over terms() = [(i, a, b, transposed)], a an SMEM ref or a
+    _Reg, b an SMEM ref: wgmma into accumulators initialized from inits, all awaited once, on the GPU; float32 dots
+    of the same operands in interpret mode. terms() is called inside the accumulators' scope (see `_scores` in
+    mlra_attention_gpu: views made outside fail to lower)."""
+    if interpret:
+        accs = list(inits)
+        for i, a, b, transposed in terms():
+            lhs = a.value if isinstance(a, _Reg) else a[...]
+            dims = (((1,), (1 if transposed else 0,)), ((), ()))
+            accs[i] = accs[i] + lax.dot_general(
+                lhs, b[...], dims, precision="highest", preferred_element_type=jnp.float32
+            )
+        return tuple(accs)
+
+    def body(refs):
+        for i, a, b, transposed in terms():
+            plgpu.wgmma(
+                refs[i], a.value if isinstance(a, _Reg) else a, plgpu.transpose_ref(b, (1, 0)) if transposed else b
+            )
+
+    return tuple(pl.run_state(body)(tuple(plgpu.ACC.init(x) for x in inits)))
+
+
+def _zeros(shape: tuple[int, int], interpret: bool) -> jax.Array:
+    return _layout(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA, interpret)
+
+
+def _vector(ref, axis: int, interpret: bool) -> jax.Array:
+    """A [TILE] float32 vector from SMEM in the layout of a WGMMA tile reduced over `axis`."""
+    if interpret:
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(axis))
+
+
+def _iota(shape: tuple[int, int], dim: int, interpret: bool) -> jax.Array:
+    if interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _stages(resident: int, streamed: int) -> int:
+    """Pipeline slots of `streamed` bytes beside `resident` bytes of SMEM (at least two)."""
+    stages = min((SMEM_BYTES - resident) // streamed, MAX_STAGES)
+    if stages < 2:
+        raise ValueError("the backward's tiles do not fit shared memory twice")
+    return stages
+
+
+def _transforms(dtype) -> tuple:
+    if jnp.dtype(dtype).itemsize == 2:
+        return (plgpu.TilingTransform((8, CHUNK)), plgpu.SwizzleTransform(128))
+    return ()
+
+
+def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, interpret: bool):
+    """d latent [B, S, n, R] and the per-block d k_rope [B, n, S, Dr] (to be summed over n)."""
+    b, t, n, h, r = ql.shape
+    dr, dtype = kr.shape[-1], lat.dtype
+    rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
+    kv_tiles = t // (COMPUTE_WGS * TILE)
+    size = jnp.dtype(dtype).itemsize
+    stages = _stages(COMPUTE_WGS * TILE * (r + dr) * size, TILE * ((2 * r + dr) * size + 8))
+    scale_log2, transforms = scale * LOG2E, _transforms(dtype)
+    shape = (TILE, TILE)
+
+    def kernel(ql_ref, qr_ref, lat_ref, kr_ref, do_ref, lse_ref, delta_ref, dlat_ref, dkr_ref, scoped):
+        (klat_smem, kkr_smem, ql_smem, qr_smem, do_smem, lse_smem, delta_smem), barriers = scoped
+        k_barriers, q_barriers, consumed = barriers
+        j, bi, wg = lax.axis_index("block"), lax.axis_index("batch"), lax.axis_index("wg")
+        kv_tile = lax.axis_index("kv_tile")
+        first = kv_tile * COMPUTE_WGS  # the first query tile at or after the CTA's first key
+        per_head = t // TILE - first
+        total = h * per_head
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            k0 = kv_tile * (COMPUTE_WGS * TILE) + wg * TILE
+            keys = pl.ds(k0, TILE)
+            for c in range(lat_chunks):
+                plgpu.copy_gmem_to_smem(
+                    lat_ref.at[bi, keys, j, pl.ds(c * CHUNK, CHUNK)], klat_smem.at[wg, c], k_barriers.at[wg]
+                )
+            for c in range(rope_chunks):
+                plgpu.copy_gmem_to_smem(
+                    kr_ref.at[bi, keys, pl.ds(c * CHUNK, CHUNK)], kkr_smem.at[wg, c], k_barriers.at[wg]
+                )
+            plgpu.barrier_wait(k_barriers.at[wg])
+
+            def step(i, local, carry, masked):
+                slot = lax.rem(i, jnp.int32(stages))
+                plgpu.barrier_wait(q_barriers.at[slot])
+
+                def scores():  # S^T = [latent || k_rope] [q_latent || q_rope]^T, dP^T = latent dO^T
+                    return (
+                        [(0, klat_smem.at[wg, c], ql_smem.at[slot, c], True) for c in range(lat_chunks)]
+                        + [(0, kkr_smem.at[wg, c], qr_smem.at[slot, c], True) for c in range(rope_chunks)]
+                        + [(1, klat_smem.at[wg, c], do_smem.at[slot, c], True) for c in range(lat_chunks)]
+                    )
+
+                s_t, dp_t = _mma((_zeros(shape, interpret),) * 2, scores, interpret)
+                if masked:  # query q0 + column sees key k0 + row when q >= k
+                    q0 = (first + local) * TILE
+                    keep = _iota(shape, 1, interpret) + q0 >= _iota(shape, 0, interpret) + k0
+                    s_t = jnp.where(keep, s_t, -jnp.inf)
+                lse = _vector(lse_smem.at[slot], 0, interpret)
+                p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse, shape, [1]))
+                d = _vector(delta_smem.at[slot], 0, interpret)
+                ds_t = (p_t * scale) * (dp_t - lax.broadcast_in_dim(d, shape, [1]))
+                p16, ds16 = _Reg(p_t.astype(dtype)), _Reg(ds_t.astype(dtype))
+
+                def grads():
+                    return (
+                        [(c, p16, do_smem.at[slot, c], False) for c in range(lat_chunks)]
+                        + [(c, ds16, ql_smem.at[slot, c], False) for c in range(lat_chunks)]
+                        + [(lat_chunks + c, ds16, qr_smem.at[slot, c], False) for c in range(rope_chunks)]
+                    )
+
+                carry = _mma(carry, grads, interpret)
+                pl.when(i + stages < total)(lambda: plgpu.barrier_arrive(consumed.at[slot]))
+                return carry
+
+            def head(hi, carry):
+                base = hi * per_head
+                masked = functools.partial(step, masked=True)
+                carry = lax.fori_loop(0, COMPUTE_WGS, lambda m, c: masked(base + m, m, c), carry)
+                unmasked = functools.partial(step, masked=False)
+                return lax.fori_loop(COMPUTE_WGS, per_head, lambda m, c: unmasked(base + m, m, c), carry)
+
+            accs = lax.fori_loop(0, h, head, (_zeros((TILE, CHUNK), interpret),) * (lat_chunks + rope_chunks))
+            for c in range(lat_chunks):
+                klat_smem.at[wg, c][...] = accs[c].astype(dtype)
+            for c in range(rope_chunks):
+                kkr_smem.at[wg, c][...] = accs[lat_chunks + c].astype(dtype)
+            plgpu.commit_smem()
+            for c in range(lat_chunks):
+                plgpu.copy_smem_to_gmem(klat_smem.at[wg, c], dlat_ref.at[bi, keys, j, pl.ds(c * CHUNK, CHUNK)])
+            for c in range(rope_chunks):
+                plgpu.copy_smem_to_gmem(kkr_smem.at[wg, c], dkr_ref.at[bi, j, keys, pl.ds(c * CHUNK, CHUNK)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def fetch(i, slot):
+                hi, rows = i // per_head, pl.ds((first + lax.rem(i, per_head)) * TILE, TILE)
+                for c in range(lat_chunks):
+                    columns = pl.ds(c * CHUNK, CHUNK)
+                    plgpu.copy_gmem_to_smem(
+                        ql_ref.at[bi, rows, j, hi, columns], ql_smem.at[slot, c], q_barriers.at[slot]
+                    )
+                    plgpu.copy_gmem_to_smem(
+                        do_ref.at[bi, rows, j, hi, columns], do_smem.at[slot, c], q_barriers.at[slot]
+                    )
+                for c in range(rope_chunks):
+                    plgpu.copy_gmem_to_smem(
+                        qr_ref.at[bi, rows, hi, pl.ds(c * CHUNK, CHUNK)], qr_smem.at[slot, c], q_barriers.at[slot]
+                    )
+                plgpu.copy_gmem_to_smem(lse_ref.at[bi, j, hi, rows], lse_smem.at[slot], q_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[bi, j, hi, rows], delta_smem.at[slot], q_barriers.at[slot])
+
+            for i in range(stages):
+                pl.when(i < total)(functools.partial(fetch, i, i))
+
+            @pl.loop(0, jnp.maximum(total - stages, 0))
+            def _refill(i):
+                slot = lax.rem(i, jnp.int32(stages))
+                plgpu.barrier_wait(consumed.at[slot])
+                fetch(i + stages, slot)
+
+    def entry(*refs):
+        smem = (
+            plgpu.SMEM((COMPUTE_WGS, lat_chunks, TILE, CHUNK), dtype, transforms=transforms),
+            plgpu.SMEM((COMPUTE_WGS, rope_chunks, TILE, CHUNK), dtype, transforms=transforms),
+            plgpu.SMEM((stages, lat_chunks, TILE, CHUNK), dtype, transforms=transforms),
+            plgpu.SMEM((stages, rope_chunks, TILE, CHUNK), dtype, transforms=transforms),
+            plgpu.SMEM((stages, lat_chunks, TILE, CHUNK), dtype, transforms=transforms),
+            plgpu.SMEM((stages, TILE), jnp.float32),
+            plgpu.SMEM((stages, TILE), jnp.float32),
+        )
+        barriers = (
+            plgpu.Barrier(num_arrivals=lat_chunks + rope_chunks, num_barriers=COMPUTE_WGS),
+            plgpu.Barrier(num_arrivals=2 * lat_chunks + rope_chunks + 2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+        )
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
+
+    return plgpu.kernel(
+        entry,
+        out_type=[jax.ShapeDtypeStruct(lat.shape, dtype), jax.ShapeDtypeStruct((b, n, t, dr), dtype)],
+        grid=(n, kv_tiles, b),
+        grid_names=("block", "kv_tile", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
+        interpret=_gpu_interpret_params() if interpret else None,
+    )(ql, qr, lat, kr, do, lse2, delta)
+
+
+def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, interpret: bool):
+    """d q_latent [B, T, n, H, R] and the per-block d q_rope [B, n, T, H, Dr] (to be summed over n)."""
+    b, t, n, h, r = ql.shape
+    dr, dtype = kr.shape[-1], lat.dtype
+    rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
+    q_tiles = t // (COMPUTE_WGS * TILE)
+    size = jnp.dtype(dtype).itemsize
+    stages = _stages(COMPUTE_WGS * TILE * ((2 * r + dr) * size + 8), TILE * (r + dr) * size)
+    scale_log2, transforms = scale * LOG2E, _transforms(dtype)
+    shape = (TILE, TILE)
+
+    def kernel(ql_ref, qr_ref, lat_ref, kr_ref, do_ref, lse_ref, delta_ref, dql_ref, dqr_ref, scoped):
+        (ql_smem, qr_smem, do_smem, lse_smem, delta_smem, lat_smem, kr_smem), barriers = scoped
+        q_barriers, kv_barriers, consumed = barriers
+        head, bi, wg = lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("wg")
+        j, hi = head // h, lax.rem(head, h)
+        q_tile = q_tiles - 1 - lax.axis_index("q_tile")  # the longest rows first
+        max_steps = (q_tile + 1) * COMPUTE_WGS  # key tiles of the CTA's last rows
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            q0 = q_tile * (COMPUTE_WGS * TILE) + wg * TILE
+            rows = pl.ds(q0, TILE)
+            for c in range(lat_chunks):
+                columns = pl.ds(c * CHUNK, CHUNK)
+                plgpu.copy_gmem_to_smem(ql_ref.at[bi, rows, j, hi, columns], ql_smem.at[wg, c], q_barriers.at[wg])
+                plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, j, hi, columns], do_smem.at[wg, c], q_barriers.at[wg])
+            for c in range(rope_chunks):
+                plgpu.copy_gmem_to_smem(
+                    qr_ref.at[bi, rows, hi, pl.ds(c * CHUNK, CHUNK)], qr_smem.at[wg, c], q_barriers.at[wg]
+                )
+            plgpu.copy_gmem_to_smem(lse_ref.at[bi, j, hi, rows], lse_smem.at[wg], q_barriers.at[wg])
+            plgpu.copy_gmem_to_smem(delta_ref.at[bi, j, hi, rows], delta_smem.at[wg], q_barriers.at[wg])
+            plgpu.barrier_wait(q_barriers.at[wg])
+            lse, d = _vector(lse_smem.at[wg], 1, interpret), _vector(delta_smem.at[wg], 1, interpret)
+            steps = q0 // TILE + 1  # key tiles these rows read: the last on the diagonal
+
+            def step(i, carry, masked):
+                slot = lax.rem(i, jnp.int32(stages))
+                plgpu.barrier_wait(kv_barriers.at[slot])
+
+                def scores():  # S = [q_latent || q_rope] [latent || k_rope]^T, dP = dO latent^T
+                    return (
+                        [(0, ql_smem.at[wg, c], lat_smem.at[slot, c], True) for c in range(lat_chunks)]
+                        + [(0, qr_smem.at[wg, c], kr_smem.at[slot, c], True) for c in range(rope_chunks)]
+                        + [(1, do_smem.at[wg, c], lat_smem.at[slot, c], True) for c in range(lat_chunks)]
+                    )
+
+                s, dp = _mma((_zeros(shape, interpret),) * 2, scores, interpret)
+                if masked:
+                    keep = _iota(shape, 0, interpret) + q0 >= _iota(shape, 1, interpret) + i * TILE
+                    s = jnp.where(keep, s, -jnp.inf)
+                p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(lse, shape, [0]))
+                ds16 = _Reg(((p * scale) * (dp - lax.broadcast_in_dim(d, shape, [0]))).astype(dtype))
+
+                def grads():
+                    return [(c, ds16, lat_smem.at[slot, c], False) for c in range(lat_chunks)] + [
+                        (lat_chunks + c, ds16, kr_smem.at[slot, c], False) for c in range(rope_chunks)
+                    ]
+
+                carry = _mma(carry, grads, interpret)
+                pl.when(i + stages < max_steps)(lambda: plgpu.barrier_arrive(consumed.at[slot]))
+                return carry
+
+            accs = (_zeros((TILE, CHUNK), interpret),) * (lat_chunks + rope_chunks)
+            accs = lax.fori_loop(0, steps - 1, functools.partial(step, masked=False), accs)
+            accs = step(steps - 1, accs, masked=True)
+
+            @pl.loop(steps, max_steps)
+            def _skipped(i):  # the first warpgroup's tile past its diagonal: observed and released
+                slot = lax.rem(i, jnp.int32(stages))
+                plgpu.barrier_wait(kv_barriers.at[slot])
+                pl.when(i + stages < max_steps)(lambda: plgpu.barrier_arrive(consumed.at[slot]))
+
+            for c in range(lat_chunks):
+                ql_smem.at[wg, c][...] = accs[c].astype(dtype)
+            for c in range(rope_chunks):
+                qr_smem.at[wg, c][...] = accs[lat_chunks + c].astype(dtype)
+            plgpu.commit_smem()
+            for c in range(lat_chunks):
+                plgpu.copy_smem_to_gmem(ql_smem.at[wg, c], dql_ref.at[bi, rows, j, hi, pl.ds(c * CHUNK, CHUNK)])
+            for c in range(rope_chunks):
+                plgpu.copy_smem_to_gmem(qr_smem.at[wg, c], dqr_ref.at[bi, j, rows, hi, pl.ds(c * CHUNK, CHUNK)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def fetch(i, slot):
+                keys = pl.ds(i * TILE, TILE)
+                for c in range(lat_chunks):
+                    plgpu.copy_gmem_to_smem(
+                        lat_ref.at[bi, keys, j, pl.ds(c * CHUNK, CHUNK)], lat_smem.at[slot, c], kv_barriers.at[slot]
+                    )
+                for c in range(rope_chunks):
+                    plgpu.copy_gmem_to_smem(
+                        kr_ref.at[bi, keys, pl.ds(c * CHUNK, CHUNK)], kr_smem.at[slot, c], kv_barriers.at[slot]
+                    )
+
+            for i in range(min(stages, t // TILE)):  # (statically in bounds)
+                pl.when(i < max_steps)(functools.partial(fetch, i, i))
+
+            @pl.loop(0, jnp.maximum(max_steps - stages, 0))
+            def _refill(i):
+                slot = lax.rem(i, jnp.int32(stages))
+                plgpu.barrier_wait(consumed.at[slot])
+                fetch(i + stages, slot)
+
+    def entry(*refs):
+        smem = (
+            plgpu.SMEM((COMPUTE_WGS, lat_chunks, TILE, CHUNK), dtype, transforms=transforms),
+            plgpu.SMEM((COMPUTE_WGS, rope_chunks, TILE, CHUNK), dtype, transforms=transforms),
+            plgpu.SMEM((COMPUTE_WGS, lat_chunks, TILE, CHUNK), dtype, transforms=transforms),
+            plgpu.SMEM((COMPUTE_WGS, TILE), jnp.float32),
+            plgpu.SMEM((COMPUTE_WGS, TILE), jnp.float32),
+            plgpu.SMEM((stages, lat_chunks, TILE, CHUNK), dtype, transforms=transforms),
+            plgpu.SMEM((stages, rope_chunks, TILE, CHUNK), dtype, transforms=transforms),
+        )
+        barriers = (
+            plgpu.Barrier(num_arrivals=2 * lat_chunks + rope_chunks + 2, num_barriers=COMPUTE_WGS),
+            plgpu.Barrier(num_arrivals=lat_chunks + rope_chunks, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+        )
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
+
+    return plgpu.kernel(
+        entry,
+        out_type=[jax.ShapeDtypeStruct(ql.shape, dtype), jax.ShapeDtypeStruct((b, n, t, h, dr), dtype)],
+        grid=(n * h, q_tiles, b),
+        grid_names=("head", "q_tile", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
+        interpret=_gpu_interpret_params() if interpret else None,
+    )(ql, qr, lat, kr, do, lse2, delta)
+
+
+def check_backward_shapes(
+    q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, interpret: bool
+):
+    """The backward's constraints, as ValueErrors naming the value and the limit."""
+    b, t, n, h, r = q_latent.shape
+    s, dr = k_rope.shape[1], k_rope.shape[2]
+    if q_rope.shape != (b, t, h, dr) or latent.shape != (b, s, n, r) or k_rope.shape != (b, s, dr):
+        raise ValueError(
+            f"shapes do not match: q_latent {q_latent.shape}, q_rope {q_rope.shape}, latent {latent.shape}, "
+            f"k_rope {k_rope.shape}"
+        )
+    allowed = (jnp.bfloat16, jnp.float16, jnp.float32) if interpret else (jnp.bfloat16, jnp.float16)
+    if latent.dtype not in allowed or len({q_latent.dtype, q_rope.dtype, latent.dtype, k_rope.dtype}) != 1:
+        raise ValueError(f"the MLRA attention backward takes one dtype of {', '.join(map(str, allowed))}")
+    if t != s or t % (COMPUTE_WGS * TILE) or r % CHUNK or dr % CHUNK:
+        raise ValueError(
+            f"the backward takes causal self-attention (T == S) over a multiple of {COMPUTE_WGS * TILE} tokens, "
+            f"latent and RoPE widths that are multiples of {CHUNK}; got T={t}, S={s}, R={r}, Dr={dr}"
+        )
+    if r + dr > BACKWARD_COLUMNS:
+        raise ValueError(
+            f"the backward's accumulators take R + Dr <= {BACKWARD_COLUMNS} columns per warpgroup; got R={r}, Dr={dr}"
+        )
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def mlra_attention_backward(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    latent: jax.Array,
+    k_rope: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    d_out: jax.Array,
+    *,
+    scale: float,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The gradients (d q_latent, d q_rope, d latent, d k_rope) of the causal MLRA attention (mlra_attention_gpu's
+    inputs, its output `out` and logsumexp `lse` [B, n, H, T]) for the output's cotangent d_out [B, T, n, H, R].
+    Constraints (ValueError outside them): T == S a multiple of 128, R and Dr multiples of 64, R + Dr <= 192."""
+    check_backward_shapes(q_latent, q_rope, latent, k_rope, interpret)
+    f32 = jnp.float32
+    d_out = d_out.astype(latent.dtype)
+    delta = jnp.einsum("btnhr,btnhr->bnht", out.astype(f32), d_out.astype(f32))
+    lse2 = lse.astype(f32) * LOG2E
+    args = (q_latent, q_rope, latent, k_rope, d_out, lse2, delta)
+    d_latent, d_k_rope = _dkv(*args, scale=scale, interpret=interpret)
+    d_q_latent, d_q_rope = _dq(*args, scale=scale, interpret=interpret)
+    d_q_rope = d_q_rope.astype(f32).sum(axis=1).astype(q_rope.dtype)
+    d_k_rope = d_k_rope.astype(f32).sum(axis=1).astype(k_rope.dtype)
+    return d_q_latent, d_q_rope, d_latent, d_k_rope
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _attention(scale, block_kv, interpret, q_latent, q_rope, latent, k_rope):
+    out, _ = mlra_attention_gpu(q_latent, q_rope, latent, k_rope, scale=scale, block_kv=block_kv, interpret=interpret)
+    return out
+
+
+def _attention_fwd(scale, block_kv, interpret, q_latent, q_rope, latent, k_rope):
+    check_backward_shapes(q_latent, q_rope, latent, k_rope, interpret)
+    out, lse = mlra_attention_gpu(q_latent, q_rope, latent, k_rope, scale=scale, block_kv=block_kv, interpret=interpret)
+    return out, (q_latent, q_rope, latent, k_rope, out, lse)
+
+
+def _attention_bwd(scale, block_kv, interpret, residuals, d_out):
+    return mlra_attention_backward(*residuals, d_out, scale=scale, interpret=interpret)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def mlra_attention(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    latent: jax.Array,
+    k_rope: jax.Array,
+    *,
+    scale: float,
+    block_kv: int = BLOCK_KV,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal MLRA attention out [B, T, n, H, R] (mlra_attention_gpu's forward with its defaults) with its
+    gradients by mlra_attention_backward's kernels: jax.grad and jax.vjp run through both."""
+    return _attention(scale, block_kv, interpret, q_latent, q_rope, latent, k_rope)
