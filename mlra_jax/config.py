@@ -19,7 +19,7 @@ from mlra_jax.variants import LATENT_FIELDS, SPECS, VARIANTS, VariantSpec
 OPTIONAL_FIELDS = ("head_dim", "group_size", "tpa_rank", "tpa_q_rank", *LATENT_FIELDS)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash", "pallas")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash", "pallas", "mlra_kernel")
 # auto: the least recomputation that fits the device's memory (training.remat_choice)
 REMAT_POLICIES = ("none", "full", "dots", "dots_attn", "dots_attn_kv", "dots_attn_qkv", "auto")
 LATENT_FORMS = ("expanded", "absorbed")
@@ -112,7 +112,11 @@ class ModelConfig:
     param_dtype: str = dataclasses.field(default="float32", metadata={"choices": tuple(DTYPES)})
     # dtype of the activations and matmuls (bfloat16 on accelerators)
     compute_dtype: str = dataclasses.field(default="float32", metadata={"choices": tuple(DTYPES)})
-    # auto: the fastest fused kernel for the backend and shape (attention.fused), else XLA
+    # auto: the fastest kernel for the backend and shape (attention.fused; the latent family's decode steps:
+    # attention.latent_kernels), else XLA; xla, cudnn, splash: that one (a kernel that cannot run is an error);
+    # pallas: the latent decode kernels, else as auto; mlra_kernel: the latent family's absorbed training attention
+    # (latent_form=absorbed, one device's layer) on our MLRA kernel (Mosaic GPU, Hopper; attention.mlra_kernel),
+    # else as auto
     attention_impl: str = dataclasses.field(default="auto", metadata={"choices": ATTENTION_IMPLS})
     scan_layers: bool = True  # one scanned layer body (compile time flat in depth); false unrolls the layers
     # what the backward recomputes, least first: none, dots_attn_qkv, dots_attn_kv, dots_attn, dots, full; auto: the
@@ -164,6 +168,12 @@ class ModelConfig:
             self.latent_form == "expanded" or self.spec.latent_layout is not None,
             f"latent_form={self.latent_form!r} applies to the latent family (MLA, GLA, MLRA), not variant "
             f"{self.variant!r}; leave it unset",
+        )
+        _require(
+            self.attention_impl != "mlra_kernel" or self.trains_absorbed,
+            f"attention_impl='mlra_kernel' runs the latent family's absorbed training attention (variant "
+            f"{self.variant!r}, latent_form={self.latent_form!r}); set --model.latent_form=absorbed on MLA, GLA or "
+            "MLRA, or another attention_impl",
         )
         _require(
             self.latent_keys == "auto" or self.spec.latent_layout is not None,

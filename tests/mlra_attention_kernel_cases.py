@@ -1,18 +1,22 @@
 """The MLRA training attention kernels (Mosaic GPU, forward and backward) in Pallas's GPU interpret mode on CPU:
 against their jnp reference (float32 and bfloat16; output and logsumexp, the four inputs' gradients against
 jax.vjp of the reference) and against the library's training path (latent_heads_attention, impl="xla") on a tiny
-MLRA-4 layer's own tensors; the backward also lowers for the GPU on the CPU."""
+MLRA-4 layer's own tensors; the backward also lowers for the GPU on the CPU; a one-layer model trains through the
+kernel (attention_impl="mlra_kernel") with the XLA attention's loss and gradients."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.pallas_kernels.mlra_attention_gpu import mlra_attention_gpu, mlra_attention_reference, plan
 from mlra_jax.pallas_kernels.mlra_attention_gpu_backward import mlra_attention, mlra_attention_backward
 
+from mlra_jax.attention.fused import kernels_chosen
 from mlra_jax.attention.latent import LatentAttention
 from mlra_jax.model import init_model
+from mlra_jax.training.step import loss_fn
 
 
 def inputs(b, t, n, h, r, dr, dtype, seed=0):
@@ -278,3 +282,54 @@ def test_the_benchmark_times_forward_and_backward_beside_cudnn(monkeypatch):
     assert ours["finite"] and ours["speedup_vs_cudnn"] == pytest.approx(1.5) and ours["cudnn_time_s"] == 12e-3
     for name in ("d_q_latent", "d_q_rope", "d_latent", "d_k_rope"):  # bf16 gradients
         assert ours[f"relative_error_{name}_vs_reference"] < 2e-2 and ours[f"relative_error_{name}_vs_cudnn"] < 2e-2
+
+
+def model_loss_and_grads(cfg, tokens):
+    model = init_model(cfg, seed=0)
+    graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return jax.jit(jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t)))(params, tokens)
+
+
+@pytest.mark.parametrize("variant, heads", [("mlra4", 1), pytest.param("mlra2", 2, marks=pytest.mark.slow)])
+def test_the_model_trains_through_the_kernel(monkeypatch, variant, heads):
+    """attention_impl="mlra_kernel" (the kernel in interpret mode standing in for the GPU's): a one-layer model's
+    float32 loss and gradients equal the XLA attention's. MLRA-4 passes its tensors as they are (one head group);
+    MLRA-2's two head groups are rows of the kernel's batch, each with its two branches."""
+    import dataclasses
+
+    from mlra_jax.attention import mlra_kernel
+
+    calls = []
+
+    def interpreted(*args, scale):
+        calls.append(tuple(x.shape for x in args))
+        return mlra_attention(*args, scale=scale, interpret=True)
+
+    monkeypatch.setattr(mlra_kernel, "kernel", lambda: interpreted)
+    monkeypatch.setattr(mlra_kernel, "device_problem", lambda dtype: None)
+    cfg = tiny_model(
+        variant,
+        n_layer=1,
+        n_head=heads,
+        kv_lora_rank=256,
+        qk_rope_head_dim=64,
+        vocab_size=128,
+        latent_form="absorbed",
+        output_init="normal",
+        scan_layers=False,
+    )
+    tokens = jax.random.randint(jax.random.key(2), (1, 129), 0, 128)
+    with kernels_chosen() as chosen:
+        loss, grads = model_loss_and_grads(dataclasses.replace(cfg, attention_impl="mlra_kernel"), tokens)
+    want_loss, want_grads = model_loss_and_grads(dataclasses.replace(cfg, attention_impl="xla"), tokens)
+    groups = 2 if variant == "mlra2" else 1
+    assert chosen == {"mlra_kernel": 1}
+    assert calls == [
+        ((groups, 128, 4 // groups, 1, 64), (groups, 128, 1, 64), (groups, 128, 4 // groups, 64), (groups, 128, 64))
+    ]
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
+        scale = float(jnp.abs(want).max())
+        np.testing.assert_allclose(
+            np.asarray(got), np.asarray(want), atol=1e-5 * scale + 1e-9, err_msg=jax.tree_util.keystr(path)
+        )

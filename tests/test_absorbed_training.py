@@ -13,7 +13,8 @@ from mlra_jax.experiments import get_experiment
 from mlra_jax.experiments.tiny import tiny_model
 from test_fused_attention import model_loss_and_grads
 
-from mlra_jax.attention import latent
+from mlra_jax.attention import latent, mlra_kernel
+from mlra_jax.attention.fused import KernelUnavailable, kernels_chosen
 from mlra_jax.config import ConfigError, MeshConfig
 from mlra_jax.model import init_model
 from mlra_jax.sharding import make_mesh
@@ -98,3 +99,90 @@ def test_the_expanded_form_is_the_default_and_absorbed_applies_to_the_latent_fam
     assert small("mla", "absorbed").trains_absorbed and not small("mlra4", "expanded").trains_absorbed
     with pytest.raises(ConfigError, match="latent_form='absorbed' applies to the latent family"):
         tiny_model("gqa", latent_form="absorbed")
+
+
+# ----------------------------------------------------------------------------- our MLRA kernel (attention.mlra_kernel)
+def kernel_sized(variant, **changes):
+    """A one-layer model within the MLRA kernel's constraints: latent blocks and RoPE 64 wide."""
+    return small(variant, **{"form": "absorbed", "n_head": 2, "kv_lora_rank": 256, "qk_rope_head_dim": 64, **changes})
+
+
+def kernel_stand_in(monkeypatch, chosen_shapes=None):
+    """The kernel's jnp reference in its place, as if the device took it (the kernel itself, in interpret mode:
+    mlra_attention_kernel_cases.py)."""
+    from mlra_jax.pallas_kernels.mlra_attention_gpu import mlra_attention_reference
+
+    def reference(*args, scale):
+        if chosen_shapes is not None:
+            chosen_shapes.append(tuple(x.shape for x in args))
+        return mlra_attention_reference(*args, scale=scale)[0]
+
+    monkeypatch.setattr(mlra_kernel, "kernel", lambda: reference)
+    monkeypatch.setattr(mlra_kernel, "device_problem", lambda dtype: None)
+
+
+def chosen_kernels(cfg, tokens):
+    with kernels_chosen() as chosen:
+        loss_and_grads(cfg, tokens)
+    return chosen
+
+
+def test_auto_keeps_the_fused_kernels_choice_on_the_cpu():
+    assert chosen_kernels(kernel_sized("mlra4"), random_tokens(0, (1, 129))) == {"xla": 1}
+    with pytest.raises(KernelUnavailable, match="the backend is 'cpu'"):
+        model_loss_and_grads(kernel_sized("mlra4"), "mlra_kernel", random_tokens(0, (1, 129)))
+
+
+@pytest.mark.parametrize("variant, groups", [("mlra4", 1), ("mlra2", 2)])
+def test_the_kernel_path_equals_the_fused_path(monkeypatch, variant, groups):
+    """With the kernel (its reference standing in) the float32 loss and gradients are the XLA attention's: MLRA-4's
+    tensors as they are, MLRA-2's two head groups as rows of the kernel's batch, each with its two branches."""
+    shapes = []
+    kernel_stand_in(monkeypatch, shapes)
+    cfg, tokens = kernel_sized(variant), random_tokens(3, (2, 129))
+    assert_equal(model_loss_and_grads(cfg, "mlra_kernel", tokens), model_loss_and_grads(cfg, "xla", tokens))
+    c, h = 4 // groups, 2 // groups
+    assert shapes == [
+        ((2 * groups, 128, c, h, 64), (2 * groups, 128, h, 64), (2 * groups, 128, c, 64), (2 * groups, 128, 64))
+    ]
+
+
+def test_auto_keeps_cudnn_until_the_step_is_measured(monkeypatch):
+    kernel_stand_in(monkeypatch)  # as on a Hopper GPU
+    assert not mlra_kernel.AUTO_TAKES_KERNEL
+    assert chosen_kernels(kernel_sized("mlra4"), random_tokens(0, (1, 129))) == {"xla": 1}
+
+
+def test_auto_can_take_the_kernel_for_models_with_branches_where_it_runs(monkeypatch):
+    kernel_stand_in(monkeypatch)
+    monkeypatch.setattr(mlra_kernel, "AUTO_TAKES_KERNEL", True)
+    tokens = random_tokens(0, (1, 129))
+    assert chosen_kernels(kernel_sized("mlra4"), tokens) == {"mlra_kernel": 1}
+    assert chosen_kernels(kernel_sized("mlra2"), tokens) == {"mlra_kernel": 1}
+    assert chosen_kernels(small("mla", "absorbed", kv_lora_rank=64, qk_rope_head_dim=64), tokens) == {"xla": 1}
+    assert chosen_kernels(kernel_sized("mlra4"), random_tokens(0, (1, 65))) == {"xla": 1}  # 64 tokens
+    assert chosen_kernels(kernel_sized("mlra4", kv_lora_rank=512, qk_rope_head_dim=128), tokens) == {"xla": 1}
+    assert chosen_kernels(kernel_sized("mlra4", form="expanded"), tokens) == {"xla": 1}
+    with pytest.raises(KernelUnavailable, match="multiple of 128 tokens; got 64 queries"):
+        model_loss_and_grads(kernel_sized("mlra4"), "mlra_kernel", random_tokens(0, (1, 65)))
+
+
+def test_the_kernel_choice_names_what_it_needs():
+    with pytest.raises(ConfigError, match="set --model.latent_form=absorbed"):
+        small("mlra4", "expanded", attention_impl="mlra_kernel")
+    with pytest.raises(ConfigError, match="set --model.latent_form=absorbed"):
+        tiny_model("gqa", attention_impl="mlra_kernel")
+    mesh = make_mesh(MeshConfig(data=-1, tensor=4), jax.devices()[:8])
+    with pytest.raises(KernelUnavailable, match="under tensor parallelism"):
+        model_loss_and_grads(kernel_sized("mlra4"), "mlra_kernel", random_tokens(1, (8, 129)), mesh)
+
+
+def test_the_kernel_runs_on_each_devices_sequences_under_a_mesh(monkeypatch):
+    """Under data parallelism the kernel (its reference standing in) runs in one shard_map, each device on its own
+    sequences; loss and gradients are the unsharded XLA attention's."""
+    shapes = []
+    kernel_stand_in(monkeypatch, shapes)
+    cfg, tokens = kernel_sized("mlra2"), random_tokens(4, (4, 129))
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2), jax.devices()[:4])
+    assert_equal(model_loss_and_grads(cfg, "mlra_kernel", tokens, mesh), model_loss_and_grads(cfg, "xla", tokens))
+    assert [s[0][0] for s in shapes] == [1 * 2]  # one of four sequences per device, its two head groups

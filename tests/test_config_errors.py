@@ -63,7 +63,7 @@ def test_missing_and_foreign_fields():
         (
             "attention_impl",
             "flash",
-            "attention_impl='flash' is not valid; allowed values: auto, xla, cudnn, splash, pallas",
+            "attention_impl='flash' is not valid; allowed values: auto, xla, cudnn, splash, pallas, mlra_kernel",
         ),
         ("output_init", "xavier", "output_init='xavier' is not valid; allowed values: zero, normal"),
         ("remat", "some", "remat='some' is not valid"),

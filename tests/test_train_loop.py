@@ -118,7 +118,7 @@ def test_help_lists_experiments_and_fields(capsys):
     for allowed in (
         "--model.remat {none,full,dots,dots_attn,dots_attn_kv,dots_attn_qkv,auto}",
         "--model.compute_dtype {float32,bfloat16,float16}",
-        "--model.attention_impl {auto,xla,cudnn,splash,pallas}",
+        "--model.attention_impl {auto,xla,cudnn,splash,pallas,mlra_kernel}",
         "--model.output_init {zero,normal}",
         "--model.scan_layers {true,false}",
         "--model.variant {mha,mqa,gqa,mla,mfa,tpa,gla2,gla4,gta,",

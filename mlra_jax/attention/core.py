@@ -66,10 +66,10 @@ def latent_attention(
     Per latent block n: q = [q_rope || q_latent], k = [k_rope || latent_n], v = latent_n.
     q_rope [B, T, N, H, Dr], q_latent [B, T, N, H, R], k_rope [B, S, Dr], latent [B, S, N, R]
     -> [B, T, N, H, R]. No per-head key or value is ever formed. impl 'pallas' runs the
-    decode kernel, 'auto' runs it where it can (one token on a Hopper GPU or a TPU); otherwise XLA
-    (the flash kernels do not cover this shape).
+    decode kernel, 'auto' (and 'mlra_kernel') runs it where it can (one token on a Hopper GPU or a TPU);
+    otherwise XLA (the flash kernels do not cover this shape).
     """
-    if use_kernel(impl, q_rope, latent):
+    if use_kernel("auto" if impl == "mlra_kernel" else impl, q_rope, latent):
         return latent_decode_attention(q_rope, q_latent, k_rope, latent, scale=scale, mask=mask)
     logits = (
         einsum("btnhr,bsnr->bnhts", q_latent, latent, preferred_element_type=jnp.float32)
@@ -90,9 +90,10 @@ def attention(
     """Causal attention over a full sequence (mask=None) or under an explicit [B, T, S] mask.
 
     impl: 'xla' (einsum), 'auto' (the fastest fused kernel that covers the call, else XLA),
-    'cudnn' / 'splash' (that kernel or an error), 'pallas' (the decode kernels; full sequences as 'auto').
+    'cudnn' / 'splash' (that kernel or an error), 'pallas' (the decode kernels; full sequences as 'auto'),
+    'mlra_kernel' (MLRA's absorbed training attention on our kernel, attention.mlra_kernel; here as 'auto').
     """
-    kernel = choose("auto" if impl == "pallas" else impl, q, k, v, masked=mask is not None)
+    kernel = choose("auto" if impl in ("pallas", "mlra_kernel") else impl, q, k, v, masked=mask is not None)
     # named for the remat policies that keep the kernel's inputs (dots_attn_kv, dots_attn_qkv: model.REMAT_POLICIES)
     q, k, v = (checkpoint_name(x, name) for x, name in zip((q, k, v), ATTENTION_INPUTS))
     if kernel is not None:

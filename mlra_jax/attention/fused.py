@@ -257,5 +257,10 @@ def _record(name: str, q: jax.Array, v: jax.Array) -> None:
     if name == "cudnn" and q.shape[-1] != v.shape[-1]:
         name = "cudnn" if cudnn_native_widths(q.shape[-1], v.shape[-1]) else "cudnn (v padded)"
     log.debug("attention kernel %s for q %s, v %s", name, q.shape, v.shape)
+    record(name)
+
+
+def record(name: str) -> None:
+    """Count one traced call of the attention kernel `name` in the open kernels_chosen() records."""
     for chosen in _RECORDS.get():
         chosen[name] = chosen.get(name, 0) + 1

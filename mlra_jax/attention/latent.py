@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from mlra_jax.attention.base import Attention, CacheComponent, DecodeShape, KVCache, store_entry
 from mlra_jax.attention.core import attention, latent_attention
 from mlra_jax.attention.latent_kernels import automatic_axes, split_batch_axes
+from mlra_jax.attention.mlra_kernel import MLRA_KERNEL, mlra_kernel_attention, tensor_parallel_error, use_kernel
 from mlra_jax.attention.rope import apply_rope
 from mlra_jax.config import ModelConfig
 from mlra_jax.layers import RMSNorm, dense_init, einsum, make_param, project, row_copies
@@ -239,6 +240,8 @@ class LatentAttention(Attention):
             return self.absorbed_attention(q_nope, q_rope, kv["latent"], kv["k_rope"], mask)
         if tp == 1:
             return self.local_blocks(mode, queries, kv, self.up_weights(), mask)
+        if mode == "train" and self.absorbed_training and self.impl == MLRA_KERNEL:
+            raise tensor_parallel_error()
         plan = LatentPlan(self.blocks, self.branches, self.n_head, tp)
         return self.tensor_parallel_blocks(mode, plan, (q_nope, q_rope), kv, self.kv_up[...].astype(self.dtype), mask)
 
@@ -398,15 +401,23 @@ class LatentAttention(Attention):
         """Training attention with absorbed weights on one device: q_nope [B, T, h, d_h] and q_rope [B, T, h,
         d_h^R] over latent [B, S, n, R] and k_rope [B, S, 1, d_h^R] -> [B, T, h, d_h], the branches summed.
         Each head's query meets W_UK of every block that serves it in one product (no copy of q per branch),
-        and W_UV with the branch sum is one product over (block, rank), accumulated in float32."""
+        and W_UV with the branch sum is one product over (block, rank), accumulated in float32. The attention runs
+        on our MLRA kernel where attention_impl takes it (attention.mlra_kernel), else latent_heads_attention."""
         branches, groups, heads = self.branches, self.blocks // self.branches, self.block_heads
         b, t = q_nope.shape[:2]
         rank, nope, rope = self.block_rank, self.nope_dim, self.rope_dim
         w_uk, w_uv = (w.reshape(branches, groups, rank, heads, nope) for w in self.up_weights())
         q_latent = einsum("btgik,cgrik->btcgir", q_nope.reshape(b, t, groups, heads, nope), w_uk)
-        q_rope = jnp.broadcast_to(q_rope.reshape(b, t, 1, groups, heads, rope), (b, t, branches, groups, heads, rope))
-        per_block = lambda x: x.reshape(b, t, self.blocks, heads, x.shape[-1])
-        z = self.latent_heads_attention(per_block(q_latent), per_block(q_rope), latent, k_rope, mask)
+        q_rope = q_rope.reshape(b, t, groups, heads, rope)
+        if use_kernel(self.impl, branches, q_latent, latent, k_rope, mask is not None):
+            # our MLRA kernel: each group's RoPE queries shared by its branches, never copied per block
+            z = mlra_kernel_attention(
+                *(x.astype(self.dtype) for x in (q_latent, q_rope, latent, k_rope[:, :, 0])), scale=self.softmax_scale
+            )
+        else:
+            q_rope = jnp.broadcast_to(q_rope[:, :, None], (b, t, branches, groups, heads, rope))
+            per_block = lambda x: x.reshape(b, t, self.blocks, heads, x.shape[-1])
+            z = self.latent_heads_attention(per_block(q_latent), per_block(q_rope), latent, k_rope, mask)
         out = einsum(
             "btcgir,cgrik->btgik",
             z.reshape(b, t, branches, groups, heads, rank),

@@ -1,0 +1,150 @@
+"""MLRA's training attention on our Mosaic GPU kernel, in the model: where it runs, auto's choice, the head groups
+folded into its batch, one manual region under a mesh.
+
+The kernel (mlra_jax.pallas_kernels.mlra_attention_gpu_backward's `mlra_attention`: the forward kernel and the
+backward's under jax.custom_vjp) computes, per latent block j, causal attention of [q_latent_j || q_rope] over keys
+[latent_j || k_rope] and values latent_j, every block sharing one RoPE query. The latent family's absorbed training
+attention on one device (attention/latent.py, `absorbed_attention`) is that problem per head group: block
+j = c G + g serves the heads of group g (branch c), whose RoPE queries the group's blocks share. So the G groups
+are rows of the kernel's batch and a group's C branches its blocks; MLRA-4 (one group) passes its tensors as they
+are, MLRA-2 (two groups) pays a transpose of each input and of the output.
+
+`attention_impl="mlra_kernel"` runs that attention on the kernel and is an error (KernelUnavailable) where the
+kernel cannot take the call: on Hopper GPUs (compute capability 9.x) in bfloat16 or float16, causal over the whole
+sequence (no explicit mask), T == S a multiple of 128, R and Dr multiples of 64, R + Dr <= 192, on one device's
+whole layer (no tensor parallelism). `"auto"` does not take it yet (AUTO_TAKES_KERNEL): the kernel's forward and
+backward ran 1.28x cuDNN's on MLRA-4's layer alone (docs/performance.md), but the training step with it has not
+been timed against cuDNN's. With AUTO_TAKES_KERNEL set, auto would take it for the models with branches (MLRA-2,
+MLRA-4) where it runs, and leave every other call to the fused kernels' choice (attention.fused).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from mlra_jax.attention.fused import BATCH_AXES, KernelUnavailable, log_once, record
+from mlra_jax.attention.latent_kernels import automatic_axes
+from mlra_jax.platform import target_platform
+
+MLRA_KERNEL = "mlra_kernel"  # the attention_impl value
+# Whether attention_impl="auto" takes the kernel (MLRA-2, MLRA-4, where it runs): not until an A/B of the training
+# step on a Hopper GPU shows it faster than cuDNN's (issue 51)
+AUTO_TAKES_KERNEL = False
+KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
+TOKENS = 128  # the sequence is a multiple of this (two warpgroups of 64 query rows)
+WIDTH = 64  # the latent and RoPE widths are multiples of this (one SMEM tile's columns)
+MAX_COLUMNS = 192  # R + Dr at most (the backward's accumulators)
+
+
+def kernel() -> Callable[..., jax.Array]:
+    """The kernel, forward and backward: mlra_attention(q_latent, q_rope, latent, k_rope, *, scale)."""
+    from mlra_jax.pallas_kernels.mlra_attention_gpu_backward import mlra_attention
+
+    return mlra_attention
+
+
+def device_problem(dtype: jnp.dtype) -> str | None:
+    """Why the kernel cannot run on this backend in this dtype, or None when it can."""
+    backend = target_platform()
+    if backend != "gpu":
+        return f"the MLRA attention kernel runs on NVIDIA Hopper GPUs; the backend is {backend!r}"
+    capability = str(getattr(jax.devices()[0], "compute_capability", ""))
+    if not capability.startswith("9"):
+        return f"the MLRA attention kernel needs a Hopper GPU (compute capability 9.x), not {capability or 'unknown'}"
+    if dtype not in KERNEL_DTYPES:
+        return f"the MLRA attention kernel takes bfloat16 or float16, not {dtype} (set model.compute_dtype=bfloat16)"
+    return None
+
+
+def shape_problem(tokens: int, keys: int, rank: int, rope: int) -> str | None:
+    """Why the kernel cannot take these sizes (queries, keys, latent block width R, RoPE width Dr), or None."""
+    if tokens != keys or tokens % TOKENS:
+        return f"it takes causal self-attention over a multiple of {TOKENS} tokens; got {tokens} queries, {keys} keys"
+    if rank % WIDTH or rope % WIDTH or rank + rope > MAX_COLUMNS:
+        return (
+            f"it takes latent block and RoPE widths in multiples of {WIDTH} with R + Dr <= {MAX_COLUMNS}; "
+            f"got R={rank}, Dr={rope}"
+        )
+    return None
+
+
+def kernel_problem(q_latent: jax.Array, latent: jax.Array, k_rope: jax.Array, masked: bool) -> str | None:
+    """Why the kernel cannot take this call (q_latent [B, T, ..., R], latent [B, S, n, R], k_rope [B, S, ..., Dr];
+    masked: under an explicit mask), or None when it can."""
+    if masked:
+        return "it takes the plain causal mask only (padded or cached attention)"
+    problem = device_problem(latent.dtype)
+    if problem is None:
+        problem = shape_problem(q_latent.shape[1], latent.shape[1], latent.shape[-1], k_rope.shape[-1])
+    return problem
+
+
+def use_kernel(
+    impl: str, branches: int, q_latent: jax.Array, latent: jax.Array, k_rope: jax.Array, masked: bool
+) -> bool:
+    """Whether the absorbed training attention of one device runs on the kernel: always for 'mlra_kernel' (a
+    KernelUnavailable naming the reason where it cannot); for 'auto' with AUTO_TAKES_KERNEL, on a model with
+    branches where it can (logged once where it cannot); never for the others."""
+    if impl == MLRA_KERNEL:
+        problem = kernel_problem(q_latent, latent, k_rope, masked)
+        if problem is not None:
+            raise KernelUnavailable(
+                f"attention_impl='mlra_kernel' cannot run q_latent {q_latent.shape} over latent {latent.shape} "
+                f"{latent.dtype}: {problem}; use attention_impl='auto', 'cudnn' or 'xla'"
+            )
+        return True
+    if impl != "auto" or branches == 1 or not AUTO_TAKES_KERNEL:
+        return False
+    problem = kernel_problem(q_latent, latent, k_rope, masked)
+    if problem is not None:
+        log_once(f"attention_impl='auto': MLRA's absorbed training attention takes the fused kernels ({problem})")
+    return problem is None
+
+
+def tensor_parallel_error() -> KernelUnavailable:
+    return KernelUnavailable(
+        "attention_impl='mlra_kernel' runs the absorbed training attention on one device's whole layer; under "
+        "tensor parallelism (mesh.tensor > 1) use attention_impl='auto' or 'cudnn'"
+    )
+
+
+def mlra_kernel_attention(
+    q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, *, scale: float
+) -> jax.Array:
+    """The absorbed training attention on the kernel: q_latent [B, T, C, G, H, R] (C branches, G head groups,
+    block c G + g), q_rope [B, T, G, H, Dr] (each group's), latent [B, S, C G, R], k_rope [B, S, Dr] ->
+    [B, T, C, G, H, R]. Where mesh axes are still automatic, one shard_map makes all of them manual (GSPMD cannot
+    partition a kernel): the batch splits over the data axes where it divides, other axes compute redundantly."""
+    attend = kernel()
+    record(MLRA_KERNEL)
+
+    def run(q_latent, q_rope, latent, k_rope):
+        b, t, c, g, h, r = q_latent.shape
+        s = latent.shape[1]
+        if g == 1:
+            return attend(q_latent[:, :, :, 0], q_rope[:, :, 0], latent, k_rope, scale=scale)[:, :, :, None]
+        rows = lambda x: x.reshape((b * g,) + x.shape[2:])  # [B, G, ...] -> [B G, ...]
+        out = attend(
+            rows(jnp.moveaxis(q_latent, 3, 1)),
+            rows(jnp.moveaxis(q_rope, 2, 1)),
+            rows(jnp.moveaxis(latent.reshape(b, s, c, g, r), 3, 1)),
+            rows(jnp.broadcast_to(k_rope[:, None], (b, g) + k_rope.shape[1:])),
+            scale=scale,
+        )
+        return jnp.moveaxis(out.reshape(b, g, t, c, h, r), 1, 3)
+
+    auto = automatic_axes()
+    if not auto:
+        return run(q_latent, q_rope, latent, k_rope)
+    batch = tuple(a for a in BATCH_AXES if auto.get(a, 1) > 1)
+    if batch and q_latent.shape[0] % math.prod(auto[a] for a in batch):
+        batch = ()
+    spec = P(batch or None)
+    return jax.shard_map(run, in_specs=(spec,) * 4, out_specs=spec, axis_names=set(auto), check_vma=False)(
+        q_latent, q_rope, latent, k_rope
+    )
