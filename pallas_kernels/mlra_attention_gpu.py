@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -217,6 +217,20 @@ def _values(
             issued()
 
     return pl.run_state(body)(tuple(plgpu.ACC.init(a) for a in accs))
+
+
+def stream_tiles(fetch: Callable[[Any, Any], None], consumed: Any, stages: int, first: int, steps: Any) -> None:
+    """The memory warpgroup's pipeline, inside a kernel: tiles 0..first-1 (those below `steps`) fetched into slots
+    0..first-1, then tile i + stages into slot i mod stages once the compute warpgroups release it (`consumed`);
+    fetch(tile, slot) issues one tile's copies."""
+    for i in range(first):
+        pl.when(i < steps)(functools.partial(fetch, i, i))
+
+    @pl.loop(0, jnp.maximum(steps - stages, 0))
+    def _refill(i):
+        slot = lax.rem(i, jnp.int32(stages))
+        plgpu.barrier_wait(consumed.at[slot])
+        fetch(i + stages, slot)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "branches", "block_kv", "pingpong", "overlap", "interpret"))
@@ -496,14 +510,7 @@ def mlra_attention_gpu(
                             kv_barriers.at[slot],
                         )
 
-            for i in range(min(stages, s // block_kv)):  # (statically in bounds)
-                pl.when(i < max_steps)(functools.partial(fetch, i, i))
-
-            @pl.loop(0, jnp.maximum(max_steps - stages, 0))
-            def _refill(step):
-                slot = lax.rem(step, jnp.int32(stages))
-                plgpu.barrier_wait(consumed.at[slot])
-                fetch(step + stages, slot)
+            stream_tiles(fetch, consumed, stages, min(stages, s // block_kv), max_steps)  # (statically in bounds)
 
     def entry(*refs):
         smem = (

@@ -54,6 +54,7 @@ from mlra_jax.pallas_kernels.mlra_attention_gpu import (
     _gpu_interpret_params,
     _layout,
     mlra_attention_gpu,
+    stream_tiles,
 )
 
 TILE = 64  # rows of every tile: a warpgroup's keys (dK/dV) or queries (dQ), and the streamed tiles
@@ -230,14 +231,7 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, interpret: bool):
                 plgpu.copy_gmem_to_smem(lse_ref.at[bi, j, hi, rows], lse_smem.at[slot], q_barriers.at[slot])
                 plgpu.copy_gmem_to_smem(delta_ref.at[bi, j, hi, rows], delta_smem.at[slot], q_barriers.at[slot])
 
-            for i in range(stages):
-                pl.when(i < total)(functools.partial(fetch, i, i))
-
-            @pl.loop(0, jnp.maximum(total - stages, 0))
-            def _refill(i):
-                slot = lax.rem(i, jnp.int32(stages))
-                plgpu.barrier_wait(consumed.at[slot])
-                fetch(i + stages, slot)
+            stream_tiles(fetch, consumed, stages, stages, total)
 
     def entry(*refs):
         smem = (
@@ -369,14 +363,7 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, interpret: bool):
                         kr_ref.at[bi, keys, pl.ds(c * CHUNK, CHUNK)], kr_smem.at[slot, c], kv_barriers.at[slot]
                     )
 
-            for i in range(min(stages, t // TILE)):  # (statically in bounds)
-                pl.when(i < max_steps)(functools.partial(fetch, i, i))
-
-            @pl.loop(0, jnp.maximum(max_steps - stages, 0))
-            def _refill(i):
-                slot = lax.rem(i, jnp.int32(stages))
-                plgpu.barrier_wait(consumed.at[slot])
-                fetch(i + stages, slot)
+            stream_tiles(fetch, consumed, stages, min(stages, t // TILE), max_steps)  # (statically in bounds)
 
     def entry(*refs):
         smem = (
