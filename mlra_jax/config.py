@@ -124,8 +124,9 @@ class ModelConfig:
     remat: str = dataclasses.field(default="none", metadata={"choices": REMAT_POLICIES})
     # Training attention of the latent family (same math, same FLOPs): "expanded" up-projects per-head keys and
     # values; "absorbed" folds W_UK into the query and applies W_UV after the attention, so that each latent block
-    # is one KV head ([block || RoPE key], value the block) shared by its query heads. Expanded is the default: it
-    # measured faster on an H100 (experiments/results/README.md).
+    # is one KV head ([block || RoPE key], value the block) shared by its query heads. Expanded is the default: on
+    # cuDNN's attention it is the faster form; absorbed on our MLRA kernel (attention_impl auto or mlra_kernel, a
+    # Hopper GPU) ran MLRA-4's 8-layer step 1% faster on an H100 (docs/performance.md).
     latent_form: str = dataclasses.field(default="expanded", metadata={"choices": LATENT_FORMS})
     # How the expanded form builds each head's key [k_nope || k_rope]: "product" multiplies [block || RoPE key] by
     # [[W_UK, 0], [0, I]] (the keys come out of one matmul, no concatenation of per-head keys forward or backward);

@@ -147,15 +147,8 @@ def test_the_kernel_path_equals_the_fused_path(monkeypatch, variant, groups):
     ]
 
 
-def test_auto_keeps_cudnn_until_the_step_is_measured(monkeypatch):
+def test_auto_takes_the_kernel_for_models_with_branches_where_it_runs(monkeypatch):
     kernel_stand_in(monkeypatch)  # as on a Hopper GPU
-    assert not mlra_kernel.AUTO_TAKES_KERNEL
-    assert chosen_kernels(kernel_sized("mlra4"), random_tokens(0, (1, 129))) == {"xla": 1}
-
-
-def test_auto_can_take_the_kernel_for_models_with_branches_where_it_runs(monkeypatch):
-    kernel_stand_in(monkeypatch)
-    monkeypatch.setattr(mlra_kernel, "AUTO_TAKES_KERNEL", True)
     tokens = random_tokens(0, (1, 129))
     assert chosen_kernels(kernel_sized("mlra4"), tokens) == {"mlra_kernel": 1}
     assert chosen_kernels(kernel_sized("mlra2"), tokens) == {"mlra_kernel": 1}

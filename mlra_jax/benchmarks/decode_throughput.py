@@ -90,9 +90,13 @@ def pipelined_time(run: Callable[[], Any], steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+KEEP_TIMELINE = False  # --timeline: each GPU row keeps the kernels of its median step on device 0
+
+
 def time_step(run: Callable[[], Any], repeats: int) -> dict[str, Any]:
     """Seconds per call of run(): the profiler's span on GPUs (with the wall time of single steps and of steps
-    dispatched back to back, the sum of all kernels and the top kernels), else the median wall time."""
+    dispatched back to back, the sum of all kernels and the top kernels, and with KEEP_TIMELINE the median
+    step's kernels: name, start and duration in us), else the median wall time."""
     wall = median_time(run, repeats=repeats)
     pipelined = pipelined_time(run, repeats)
     if jax.default_backend() != "gpu":
@@ -108,6 +112,7 @@ def time_step(run: Callable[[], Any], repeats: int) -> dict[str, Any]:
         "kernel_sum_s": kernels,
         "span_over_kernels": profiled["time_s"] / kernels,
         "kernels_s": top,
+        **({"timeline": profiled["timeline"]} if KEEP_TIMELINE else {}),
     }
 
 
@@ -327,6 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--copy_gb", type=float, default=2.0, help="size of the bandwidth-reference copy")
     parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="keep each GPU row's median step as its kernels on device 0 (name, start and duration in us)",
+    )
+    parser.add_argument(
         "--no_isolate",
         dest="isolate",
         action="store_false",
@@ -366,6 +376,7 @@ def child_argv(args: argparse.Namespace, scope: str, variant: str, out: Path) ->
         f"--tp_output={args.tp_output}",
         f"--tp_all_reduce={args.tp_all_reduce}",
         f"--copy_gb={args.copy_gb}",
+        *(["--timeline"] if args.timeline else []),
         "--no_isolate",
         f"--out={out}",
         *(["--cpu"] if args.cpu else []),
@@ -432,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     tensor_parallel.DECODE_REDUCE_DTYPE = args.tp_reduce
     layouts.PROJECT_IN_REGION = args.tp_output == "in_region"
     serving.TP_ALL_REDUCE = args.tp_all_reduce
+    global KEEP_TIMELINE
+    KEEP_TIMELINE = args.timeline
     results, runs = (
         earlier_throughput(args.out, scopes, variants, contexts, args.attention_impl) if args.merge else ([], [])
     )
