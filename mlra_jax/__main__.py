@@ -36,7 +36,6 @@ BENCHMARKS: dict[str, str] = {
     "throughput_figure": "the decoding-throughput study's figure from a decode_throughput record",
     "latent_kernel": "the Mosaic GPU latent decode kernel: self-check, tuning, bound",
     "row_products": "the batch-1 row kernels against XLA's GEMMs",
-    "panel_products": "the 16-128-row panel kernels against XLA's GEMMs (decode steps at batch 64 over 4 GPUs)",
 }
 
 

@@ -385,7 +385,7 @@ def norm_matvec_reference(
 
 
 # -- swiglu_norm_matvec -------------------------------------------------------------------------------------
-def swiglu_rounded(gate: jax.Array, up: jax.Array, dtype: jnp.dtype) -> jax.Array:
+def _swiglu(gate: jax.Array, up: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """jax.nn.silu(gate) * up on values of `dtype`: the sigmoid expanded to 1 / (1 + exp(-gate)) and each operation
     rounded to `dtype`, as XLA computes it on a bf16 graph."""
     rounded = lambda v: v.astype(dtype).astype(F32)
@@ -416,7 +416,7 @@ def swiglu_norm_matvec(
         2,
         start,
         row_tile,
-        lambda ins, sums: swiglu_rounded(*sums, w.dtype),
+        lambda ins, sums: _swiglu(*sums, w.dtype),
         jax.ShapeDtypeStruct((f,), w.dtype),
         tiling,
         "swiglu_norm_matvec",
