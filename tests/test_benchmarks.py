@@ -594,3 +594,31 @@ def test_collective_census_counts_every_form_of_a_collective():
     census = collective_census(hlo)
     assert census["collectives"] == {"all-reduce": 1, "reduce-scatter": 1, "all-gather": 1}
     assert census["collective_bytes"] == 64 * 3072 * 2 + 64 * 32 * 128 * 2 + 8 * 24 * 128 * 4
+
+
+CHILD = """
+import sys
+from mlra_jax.benchmarks import decode_throughput
+from mlra_jax.experiments.tiny import tiny_model
+decode_throughput.whole_model = lambda v: tiny_model(v, n_layer=1, n_head=8, vocab_size=128)
+sys.exit(decode_throughput.main(sys.argv[1:]))
+"""
+
+
+def test_decode_throughput_in_one_process_per_device_group(tmp_path, monkeypatch, capfd):
+    """--processes=2: two processes of 2 CPU devices each joined by jax.distributed (gloo), MLRA-4's TP=4 step
+    spanning both; process 0 alone prints the rows and writes the record."""
+    child = tmp_path / "child.py"
+    child.write_text(CHILD)
+    monkeypatch.setattr(decode_throughput, "PROCESS_COMMAND", [sys.executable, str(child)])
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    out = tmp_path / "throughput.json"
+    argv = ["--cpu", "--scopes=model", "--variants=mlra4", "--contexts=64", "--repeats=1", "--copy_gb=0.01"]
+    argv += ["--processes=2"]
+    assert decode_throughput.main([*argv, f"--out={out}"]) == 0
+    record = json.loads(out.read_text())
+    assert record["processes"] == 2 and record["devices_used"] == 4, record
+    (row,) = record["results"]
+    assert (row["tp"], row["dp"], row["collectives"]) == (4, 1, {"all-reduce": 3}) and row["tokens_per_s"] > 0
+    assert capfd.readouterr().out.count("model     mlra4  TP=4") == 1

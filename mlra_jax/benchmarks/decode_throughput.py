@@ -23,6 +23,10 @@ the FLOPs it must do, the floor at the copy bandwidth and bf16 matrix rate measu
 as a multiple of the floor, and the compiled step's collectives (count by kind and bytes). Each (scope, variant)
 runs in a process of its own (--isolate, the default), so that a failure (out of memory) loses only its own rows;
 `mlra bench throughput_figure RECORD` draws the study's figure with the floors.
+
+--processes=N runs the measurement in N processes of one device each (jax.distributed on this host, as a serving
+deployment of one process per GPU runs), so that no process launches the kernels of more than one device; process
+0 profiles its device and writes --out.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -342,6 +348,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="measure every (scope, variant) in this process (default: a process each)",
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="processes to measure in, one device each (jax.distributed on this host); 1: this process drives all",
+    )
+    parser.add_argument("--process_id", type=int, help=argparse.SUPPRESS)  # set by --processes for its children
+    parser.add_argument("--coordinator", help=argparse.SUPPRESS)  # host:port of process 0's coordination service
     parser.add_argument("--cpu", action="store_true", help="measure a CPU anyway (tiny models in the tests)")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/decode_throughput.json"))
     parser.add_argument(
@@ -377,6 +391,7 @@ def child_argv(args: argparse.Namespace, scope: str, variant: str, out: Path) ->
         f"--tp_all_reduce={args.tp_all_reduce}",
         f"--copy_gb={args.copy_gb}",
         *(["--timeline"] if args.timeline else []),
+        f"--processes={args.processes}",
         "--no_isolate",
         f"--out={out}",
         *(["--cpu"] if args.cpu else []),
@@ -424,8 +439,45 @@ def _save_gathered(path: Path, record: dict[str, Any], runs: list[dict], results
     path.write_text(json.dumps({**gathered, "results": results}, indent=1) + "\n")
 
 
+PROCESS_COMMAND = [sys.executable, "-m", "mlra_jax.benchmarks.decode_throughput"]  # what --processes starts
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def measure_in_processes(args: argparse.Namespace, argv: list[str]) -> int:
+    """This run in args.processes processes of one GPU each (CUDA_VISIBLE_DEVICES), joined by jax.distributed
+    through a coordinator on this host; process 0 writes --out. This process starts no backend."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    children = []
+    for rank in range(args.processes):
+        env = dict(os.environ)
+        if not args.cpu:
+            env["CUDA_VISIBLE_DEVICES"] = str(rank)
+        children.append(
+            subprocess.Popen(
+                [*PROCESS_COMMAND, *argv, f"--process_id={rank}", f"--coordinator={coordinator}"],
+                env=env,
+                stdout=None if rank == 0 else subprocess.DEVNULL,  # process 0 prints the rows
+            )
+        )
+    codes = [child.wait() for child in children]
+    return next((code for code in codes if code), 0)
+
+
+def join_processes(args: argparse.Namespace) -> None:
+    """Start this process's part of a --processes run (jax.distributed; on CPUs with gloo's collectives)."""
+    if args.cpu:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(args.coordinator, num_processes=args.processes, process_id=args.process_id)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if not args.cpu and not accelerator_present():
         parser.error("the study measures GPUs or TPUs (minutes of meaningless work on a CPU); --cpu measures it anyway")
@@ -435,8 +487,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--scopes={args.scopes}: choose from {', '.join(SCOPES)}")
     contexts = [int(c) for c in args.contexts.split(",")]
     variants = args.variants.split(",")
+    if args.processes < 1 or (args.process_id is not None and not args.coordinator):
+        parser.error(f"--processes={args.processes}: give at least 1 (--process_id comes with --coordinator)")
     if args.isolate and len(scopes) * len(variants) > 1:
         return measure_isolated(args, scopes, variants)
+    if args.processes > 1 and args.process_id is None:
+        return measure_in_processes(args, argv)
+    if args.process_id is not None:
+        join_processes(args)
     devices = jax.devices()[: args.devices or None]
     if args.devices > len(jax.devices()):
         parser.error(f"--devices={args.devices}: only {len(jax.devices())} devices are present")
@@ -459,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         "tp_reduce": args.tp_reduce,
         "tp_output": args.tp_output,
         "tp_all_reduce": args.tp_all_reduce,
+        "processes": args.processes,
         "ceilings": ceilings,
         "runs": [*runs, {**environment(), "devices_used": len(devices)}],
     }
@@ -483,9 +542,11 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 )
                 print(f"{scope} {variant} at {failed} tokens: failed: {message}", flush=True)
-            save(args.out, "decode_throughput", results, **extra)
-    record = save(args.out, "decode_throughput", results, **extra)
-    print(f"saved {args.out} ({record['device']} x{len(devices)})")
+            if jax.process_index() == 0:
+                save(args.out, "decode_throughput", results, **extra)
+    if jax.process_index() == 0:
+        record = save(args.out, "decode_throughput", results, **extra)
+        print(f"saved {args.out} ({record['device']} x{len(devices)})")
     return 0
 
 
