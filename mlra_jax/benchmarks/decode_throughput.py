@@ -26,7 +26,8 @@ runs in a process of its own (--isolate, the default), so that a failure (out of
 
 --processes=N runs the measurement in N processes of one device each (jax.distributed on this host, as a serving
 deployment of one process per GPU runs), so that no process launches the kernels of more than one device; process
-0 profiles its device and writes --out.
+0 profiles its device and writes --out. The processes' steps start apart, so there the profiled span of a step
+holds the others' lag inside its collectives: compare `pipelined_step_s` (steps dispatched back to back).
 """
 
 from __future__ import annotations
@@ -547,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     if jax.process_index() == 0:
         record = save(args.out, "decode_throughput", results, **extra)
         print(f"saved {args.out} ({record['device']} x{len(devices)})")
+    if args.process_id is not None:
+        jax.distributed.shutdown()  # a barrier: process 0's coordinator outlives the others
     return 0
 
 
