@@ -4,6 +4,7 @@ lists every field. (CI builds the site itself with `mkdocs build --strict`.)"""
 import dataclasses
 import importlib.util
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,14 @@ PAGES = sorted((ROOT / "docs").rglob("*.md"))
 LINK = re.compile(r"!?\[[^\]\n]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)|^\[[^\]\n]+\]:\s*(\S+)", re.MULTILINE)
 
 
-def _config_reference_module():
-    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "docs" / "hooks" / "config_reference.py")
+def _hook_module(name: str = "config_reference"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "hooks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+_config_reference_module = _hook_module
 
 
 def _without_code(text: str) -> str:
@@ -105,3 +109,31 @@ def test_every_config_field_has_help():
     fields = [(c, f.name) for c in classes for f in dataclasses.fields(c)]
     missing = [f"{c.__name__}.{name}" for c, name in fields if not field_docs(c).get(name)]
     assert not missing, f"fields without a help comment in mlra_jax/config.py: {missing}"
+
+
+def test_the_site_links_the_repository_it_is_built_from(tmp_path, monkeypatch):
+    """repo_url and each page's edit link come from MLRA_JAX_REPO_URL, else from the checkout's origin remote when
+    it is a web address; a local remote (a fresh clone of a path) gives none."""
+    hook = _hook_module("repository")
+    assert hook.web_url("git@github.com:someone/mlra_jax.git\n") == "https://github.com/someone/mlra_jax"
+    assert hook.web_url("ssh://git@gitlab.com/a/b/mlra_jax.git") == "https://gitlab.com/a/b/mlra_jax"
+    assert hook.web_url("https://github.com/someone/mlra_jax.git") == "https://github.com/someone/mlra_jax"
+    assert hook.web_url("/srv/git/mlra_jax") is None and hook.web_url("file:///srv/mlra_jax") is None
+    assert hook.repository_links("https://github.com/someone/mlra_jax") == {
+        "repo_url": "https://github.com/someone/mlra_jax",
+        "repo_name": "someone/mlra_jax",
+        "edit_uri": "edit/main/docs/",
+    }
+    assert hook.repository_links("https://git.example.org/mlra_jax") == {
+        "repo_url": "https://git.example.org/mlra_jax",
+        "repo_name": "git.example.org/mlra_jax",
+    }
+    checkout = tmp_path / "checkout"
+    subprocess.run(["git", "init", "-q", str(checkout)], check=True)
+    config = {"config_file_path": str(checkout / "mkdocs.yml")}
+    monkeypatch.delenv(hook.ENV, raising=False)
+    assert "repo_url" not in hook.on_config(dict(config))  # no origin
+    subprocess.run(["git", "-C", str(checkout), "remote", "add", "origin", "git@github.com:o/r.git"], check=True)
+    assert hook.on_config(dict(config))["edit_uri"] == "edit/main/docs/"
+    monkeypatch.setenv(hook.ENV, "https://github.com/elsewhere/mlra_jax")
+    assert hook.on_config(dict(config))["repo_url"] == "https://github.com/elsewhere/mlra_jax"
