@@ -26,6 +26,13 @@ Design (FlashAttention-2's backward, as jax.experimental.pallas.ops.gpu.attentio
     S and dP (one wait), P, dS, then dS latent and dS k_rope. d q_rope leaves per block and is summed in XLA.
   Every warpgroup's accumulators: 64 + 64 + R + Dr float32 columns (BACKWARD_COLUMNS bounds R + Dr). The per-block
   RoPE gradients are written in the inputs' dtype and summed in float32.
+  * Optional schedules (`BackwardTuning`, `tuning=`; the defaults are the above): either kernel's pipeline depth,
+    FA3's intra-warpgroup overlap in either kernel (tile i's scores issued with tile i - 1's gradient products,
+    `wgmma_accumulator_load(..., wait_n=...)` awaiting the scores only; the gradient accumulators stay in a
+    `pl.run_scoped` across the walk; with the overlap a warpgroup also holds the previous tile's P^T and dS^T in
+    registers while they run), dK/dV warpgroups starting each head at their own diagonal tile (`skip_masked`),
+    and the scale folded into D and the logsumexp (`prescale`). Not timed on a GPU yet; the benchmark's
+    `--mlra_backward` compares them.
 
 On an H100 (jax 0.11; experiments/results/attention_kernels_mlra_h100_backward.json) MLRA-4 2.9B's layer ran
 forward (the default tiling) + backward 1.28x cuDNN's forward + backward on the same inputs; ptxas spills 12 and
