@@ -26,6 +26,13 @@ Design (FlashAttention-2's backward, as jax.experimental.pallas.ops.gpu.attentio
     S and dP (one wait), P, dS, then dS latent and dS k_rope. d q_rope leaves per block and is summed in XLA.
   Every warpgroup's accumulators: 64 + 64 + R + Dr float32 columns (BACKWARD_COLUMNS bounds R + Dr). The per-block
   RoPE gradients are written in the inputs' dtype and summed in float32.
+  * Optional schedules (`BackwardTuning`, `tuning=`; the defaults are the above): either kernel's pipeline depth,
+    FA3's intra-warpgroup overlap in either kernel (tile i's scores issued with tile i - 1's gradient products,
+    `wgmma_accumulator_load(..., wait_n=...)` awaiting the scores only; the gradient accumulators stay in a
+    `pl.run_scoped` across the walk; with the overlap a warpgroup also holds the previous tile's P^T and dS^T in
+    registers while they run), dK/dV warpgroups starting each head at their own diagonal tile (`skip_masked`),
+    and the scale folded into D and the logsumexp (`prescale`). Not timed on a GPU yet; the benchmark's
+    `--mlra_backward` compares them.
 
 On an H100 (jax 0.11; experiments/results/attention_kernels_mlra_h100_backward.json) MLRA-4 2.9B's layer ran
 forward (the default tiling) + backward 1.28x cuDNN's forward + backward on the same inputs; ptxas spills 12 and
@@ -38,6 +45,8 @@ dots of the same SMEM operands (`_mma`). Float32 inputs run only in interpret mo
 from __future__ import annotations
 
 import functools
+import math
+import re
 from typing import Callable, NamedTuple
 
 import jax
@@ -60,6 +69,57 @@ from mlra_jax.pallas_kernels.mlra_attention_gpu import (
 TILE = 64  # rows of every tile: a warpgroup's keys (dK/dV) or queries (dQ), and the streamed tiles
 BACKWARD_COLUMNS = 192  # R + Dr at most: with S and dP, 320 float32 accumulator columns per warpgroup
 MAX_STAGES = 4
+
+
+class BackwardTuning(NamedTuple):
+    """Optional schedules of the two backward kernels; the defaults are the measured baseline's.
+
+    dkv_stages, dq_stages: pipeline slots of the streamed tiles (None: as many as fit SMEM, at most MAX_STAGES;
+      a number: that many, at least 2, ValueError where they do not fit).
+    dkv_overlap: the dK/dV kernel issues query tile i's S^T and dP^T with tile i - 1's gradient products (P^T dO,
+      dS^T q_latent, dS^T q_rope; FA3's intra-warpgroup overlap, as the forward's `overlap`), waits for the
+      scores only and runs tile i's P^T and dS^T while tile i - 1's products run; d latent and d k_rope stay in
+      accumulators across the whole query walk. The first tile's "previous" products are zeros (one tile's extra
+      products per warpgroup).
+    dq_overlap: the same in the dQ kernel: key tile i's S and dP issued with tile i - 1's dS latent and dS k_rope.
+    skip_masked: the dK/dV kernel's warpgroups start each head's query walk at their own diagonal tile: the second
+      warpgroup only observes and releases the first tile (wholly above its keys: it added zeros) and the first
+      warpgroup's second tile runs unmasked (it is wholly below its keys).
+    prescale: the scale folded into the inputs computed in XLA: the dK/dV kernel takes scale * D and computes
+      dS^T = P^T (scale dP^T - scale D) (a multiply-add and a multiply, instead of three operations); the dQ kernel
+      takes the logsumexp less log2(scale), so that exp2 gives scale * P and dS = (scale P) (dP - D).
+    """
+
+    dkv_stages: int | None = None
+    dq_stages: int | None = None
+    dkv_overlap: bool = False
+    dq_overlap: bool = False
+    skip_masked: bool = False
+    prescale: bool = False
+
+    @classmethod
+    def parse(cls, spec: str) -> "BackwardTuning":
+        """A tuning from words joined by '+': default, overlap (both kernels), dkv_overlap, dq_overlap, skip,
+        prescale, stagesN (both kernels), dkv_stagesN, dq_stagesN; e.g. 'overlap+skip+dq_stages5'."""
+        fields: dict = {}
+        for word in spec.split("+"):
+            if word == "default":
+                continue
+            if word == "overlap":
+                fields.update(dkv_overlap=True, dq_overlap=True)
+            elif word in ("dkv_overlap", "dq_overlap", "prescale"):
+                fields[word] = True
+            elif word == "skip":
+                fields["skip_masked"] = True
+            elif (match := re.fullmatch(r"(dkv_|dq_)?stages(\d+)", word)) is not None:
+                for kernel in (match.group(1),) if match.group(1) else ("dkv_", "dq_"):
+                    fields[f"{kernel}stages"] = int(match.group(2))
+            else:
+                raise ValueError(
+                    f"backward tuning {spec!r}: {word!r} is none of default, overlap, dkv_overlap, dq_overlap, skip, "
+                    "prescale, stagesN, dkv_stagesN, dq_stagesN"
+                )
+        return cls(**fields)
 
 
 class _Reg(NamedTuple):
@@ -109,12 +169,17 @@ def _iota(shape: tuple[int, int], dim: int, interpret: bool) -> jax.Array:
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def _stages(resident: int, streamed: int) -> int:
-    """Pipeline slots of `streamed` bytes beside `resident` bytes of SMEM (at least two)."""
-    stages = min((SMEM_BYTES - resident) // streamed, MAX_STAGES)
-    if stages < 2:
+def _stages(resident: int, streamed: int, requested: int | None = None) -> int:
+    """Pipeline slots of `streamed` bytes beside `resident` bytes of SMEM: `requested` (ValueError where they do not
+    fit), else as many as fit up to MAX_STAGES; at least two."""
+    fit = (SMEM_BYTES - resident) // streamed
+    if fit < 2:
         raise ValueError("the backward's tiles do not fit shared memory twice")
-    return stages
+    if requested is None:
+        return min(fit, MAX_STAGES)
+    if not 2 <= requested <= fit:
+        raise ValueError(f"stages={requested}: the backward's pipeline takes 2 to {fit} slots of its tiles here")
+    return requested
 
 
 def _transforms(dtype) -> tuple:
@@ -123,16 +188,21 @@ def _transforms(dtype) -> tuple:
     return ()
 
 
-def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, interpret: bool):
-    """d latent [B, S, n, R] and the per-block d k_rope [B, n, S, Dr] (to be summed over n)."""
+def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTuning, interpret: bool):
+    """d latent [B, S, n, R] and the per-block d k_rope [B, n, S, Dr] (to be summed over n). delta: D, or scale * D
+    under tuning.prescale."""
     b, t, n, h, r = ql.shape
     dr, dtype = kr.shape[-1], lat.dtype
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
     kv_tiles = t // (COMPUTE_WGS * TILE)
     size = jnp.dtype(dtype).itemsize
-    stages = _stages(COMPUTE_WGS * TILE * (r + dr) * size, TILE * ((2 * r + dr) * size + 8))
+    stages = _stages(COMPUTE_WGS * TILE * (r + dr) * size, TILE * ((2 * r + dr) * size + 8), tuning.dkv_stages)
+    if tuning.dkv_overlap and tuning.skip_masked and stages < 3:
+        # the second warpgroup releases its skipped tile while the tile before it waits for its products
+        raise ValueError("dkv_overlap with skip_masked takes at least 3 stages")
     scale_log2, transforms = scale * LOG2E, _transforms(dtype)
     shape = (TILE, TILE)
+    grad_groups = 2 * lat_chunks + rope_chunks  # wgmma groups of one tile's gradient products
 
     def kernel(ql_ref, qr_ref, lat_ref, kr_ref, do_ref, lse_ref, delta_ref, dlat_ref, dkr_ref, scoped):
         (klat_smem, kkr_smem, ql_smem, qr_smem, do_smem, lse_smem, delta_smem), barriers = scoped
@@ -158,47 +228,122 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, interpret: bool):
                 )
             plgpu.barrier_wait(k_barriers.at[wg])
 
-            def step(i, local, carry, masked):
-                slot = lax.rem(i, jnp.int32(stages))
-                plgpu.barrier_wait(q_barriers.at[slot])
+            def scores(slot):  # S^T = [latent || k_rope] [q_latent || q_rope]^T, dP^T = latent dO^T
+                return (
+                    [(0, klat_smem.at[wg, c], ql_smem.at[slot, c], True) for c in range(lat_chunks)]
+                    + [(0, kkr_smem.at[wg, c], qr_smem.at[slot, c], True) for c in range(rope_chunks)]
+                    + [(1, klat_smem.at[wg, c], do_smem.at[slot, c], True) for c in range(lat_chunks)]
+                )
 
-                def scores():  # S^T = [latent || k_rope] [q_latent || q_rope]^T, dP^T = latent dO^T
-                    return (
-                        [(0, klat_smem.at[wg, c], ql_smem.at[slot, c], True) for c in range(lat_chunks)]
-                        + [(0, kkr_smem.at[wg, c], qr_smem.at[slot, c], True) for c in range(rope_chunks)]
-                        + [(1, klat_smem.at[wg, c], do_smem.at[slot, c], True) for c in range(lat_chunks)]
-                    )
+            def grads(slot, p16, ds16):  # P^T dO and dS^T q_latent onto d latent, dS^T q_rope onto d k_rope
+                return (
+                    [(c, p16, do_smem.at[slot, c], False) for c in range(lat_chunks)]
+                    + [(c, ds16, ql_smem.at[slot, c], False) for c in range(lat_chunks)]
+                    + [(lat_chunks + c, ds16, qr_smem.at[slot, c], False) for c in range(rope_chunks)]
+                )
 
-                s_t, dp_t = _mma((_zeros(shape, interpret),) * 2, scores, interpret)
+            def probabilities(s_t, dp_t, local, slot, masked):
+                """P^T and dS^T of one query tile from S^T and dP^T, in the inputs' dtype."""
                 if masked:  # query q0 + column sees key k0 + row when q >= k
                     q0 = (first + local) * TILE
                     keep = _iota(shape, 1, interpret) + q0 >= _iota(shape, 0, interpret) + k0
                     s_t = jnp.where(keep, s_t, -jnp.inf)
                 lse = _vector(lse_smem.at[slot], 0, interpret)
                 p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse, shape, [1]))
-                d = _vector(delta_smem.at[slot], 0, interpret)
-                ds_t = (p_t * scale) * (dp_t - lax.broadcast_in_dim(d, shape, [1]))
-                p16, ds16 = _Reg(p_t.astype(dtype)), _Reg(ds_t.astype(dtype))
+                d = lax.broadcast_in_dim(_vector(delta_smem.at[slot], 0, interpret), shape, [1])
+                ds_t = p_t * (dp_t * scale - d) if tuning.prescale else (p_t * scale) * (dp_t - d)
+                return p_t.astype(dtype), ds_t.astype(dtype)
 
-                def grads():
-                    return (
-                        [(c, p16, do_smem.at[slot, c], False) for c in range(lat_chunks)]
-                        + [(c, ds16, ql_smem.at[slot, c], False) for c in range(lat_chunks)]
-                        + [(lat_chunks + c, ds16, qr_smem.at[slot, c], False) for c in range(rope_chunks)]
-                    )
+            def release(i):  # the slot is refilled only while tiles remain to load: every phase is awaited
+                pl.when(i + stages < total)(lambda: plgpu.barrier_arrive(consumed.at[lax.rem(i, jnp.int32(stages))]))
 
-                carry = _mma(carry, grads, interpret)
-                pl.when(i + stages < total)(lambda: plgpu.barrier_arrive(consumed.at[slot]))
+            def skipped(i):  # a tile wholly above this warpgroup's keys (skip_masked): observed and released
+                plgpu.barrier_wait(q_barriers.at[lax.rem(i, jnp.int32(stages))])
+                release(i)
+
+            def step(i, local, carry, masked):
+                slot = lax.rem(i, jnp.int32(stages))
+                plgpu.barrier_wait(q_barriers.at[slot])
+                s_t, dp_t = _mma((_zeros(shape, interpret),) * 2, lambda: scores(slot), interpret)
+                p16, ds16 = probabilities(s_t, dp_t, local, slot, masked)
+                carry = _mma(carry, lambda: grads(slot, _Reg(p16), _Reg(ds16)), interpret)
+                release(i)
                 return carry
 
-            def head(hi, carry):
-                base = hi * per_head
-                masked = functools.partial(step, masked=True)
-                carry = lax.fori_loop(0, COMPUTE_WGS, lambda m, c: masked(base + m, m, c), carry)
-                unmasked = functools.partial(step, masked=False)
-                return lax.fori_loop(COMPUTE_WGS, per_head, lambda m, c: unmasked(base + m, m, c), carry)
+            def walk(step, carry):
+                """step(i, local, carry, masked) over every head's query tiles from the CTA's diagonal on."""
 
-            accs = lax.fori_loop(0, h, head, (_zeros((TILE, CHUNK), interpret),) * (lat_chunks + rope_chunks))
+                def head(hi, carry):
+                    base = hi * per_head
+                    unmasked = functools.partial(step, masked=False)
+                    if not tuning.skip_masked:  # the first two tiles masked for both warpgroups
+                        masked = functools.partial(step, masked=True)
+                        carry = lax.fori_loop(0, COMPUTE_WGS, lambda m, c: masked(base + m, m, c), carry)
+                        return lax.fori_loop(COMPUTE_WGS, per_head, lambda m, c: unmasked(base + m, m, c), carry)
+
+                    @pl.loop(0, wg)
+                    def _above(m):
+                        skipped(base + m)
+
+                    carry = step(base + wg, wg, carry, masked=True)  # the warpgroup's diagonal tile
+                    return lax.fori_loop(wg + 1, per_head, lambda m, c: unmasked(base + m, m, c), carry)
+
+                return lax.fori_loop(0, h, head, carry)
+
+            accs = (_zeros((TILE, CHUNK), interpret),) * (lat_chunks + rope_chunks)
+
+            def overlapped(*acc_refs):
+                """tuning.dkv_overlap: tile i's S^T and dP^T issued with tile i - 1's gradient products, awaited
+                alone (the products stay in flight through tile i's P^T and dS^T). acc_refs: d latent's and d
+                k_rope's accumulators (GPU); in interpret mode they are carried as values, the same arithmetic in
+                the same order."""
+
+                def overlapped_step(i, local, carry, masked):
+                    p_prev, ds_prev, prev, values = carry
+                    slot = lax.rem(i, jnp.int32(stages))
+                    prev_slot = lax.rem(jnp.where(prev < 0, i, prev), jnp.int32(stages))  # (the first: zeros)
+                    plgpu.barrier_wait(q_barriers.at[slot])
+                    previous = lambda: grads(prev_slot, _Reg(p_prev), _Reg(ds_prev))  # noqa: E731
+                    if interpret:
+                        s_t, dp_t = _mma((_zeros(shape, interpret),) * 2, lambda: scores(slot), interpret)
+                        values = _mma(values, previous, interpret)
+                    else:
+
+                        def issue(s_ref, dp_ref):
+                            for k, a, b_ref, _ in scores(slot):
+                                plgpu.wgmma((s_ref, dp_ref)[k], a, plgpu.transpose_ref(b_ref, (1, 0)))
+                            for k, a, b_ref, _ in previous():
+                                plgpu.wgmma(acc_refs[k], a.value, b_ref)
+                            # the scores' groups done; the previous tile's products may run on
+                            s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=grad_groups)
+                            return s_t, plgpu.wgmma_accumulator_load(dp_ref, wait_n=None)
+
+                        s_t, dp_t = pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+                    p16, ds16 = probabilities(s_t, dp_t, local, slot, masked)
+                    if not interpret:
+                        plgpu.wgmma_wait(0)  # the previous tile's products: its slot may be refilled
+                    pl.when(prev >= 0)(lambda: release(prev))
+                    return p16, ds16, i, values
+
+                zeros16 = _layout(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA, interpret)
+                carry = (zeros16, zeros16, jnp.int32(-1), accs if interpret else ())
+                p_prev, ds_prev, prev, values = walk(overlapped_step, carry)
+                last = lax.rem(prev, jnp.int32(stages))
+                if interpret:
+                    values = _mma(values, lambda: grads(last, _Reg(p_prev), _Reg(ds_prev)), interpret)
+                else:
+                    for k, a, b_ref, _ in grads(last, _Reg(p_prev), _Reg(ds_prev)):
+                        plgpu.wgmma(acc_refs[k], a.value, b_ref)
+                    values = tuple(acc_ref[...] for acc_ref in acc_refs)  # (reading waits for the products)
+                release(prev)
+                return values
+
+            if not tuning.dkv_overlap:
+                accs = walk(step, accs)
+            elif interpret:
+                accs = overlapped()
+            else:
+                accs = pl.run_scoped(overlapped, *[plgpu.ACC((TILE, CHUNK), jnp.float32)] * (lat_chunks + rope_chunks))
             for c in range(lat_chunks):
                 klat_smem.at[wg, c][...] = accs[c].astype(dtype)
             for c in range(rope_chunks):
@@ -262,14 +407,15 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, interpret: bool):
     )(ql, qr, lat, kr, do, lse2, delta)
 
 
-def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, interpret: bool):
-    """d q_latent [B, T, n, H, R] and the per-block d q_rope [B, n, T, H, Dr] (to be summed over n)."""
+def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTuning, interpret: bool):
+    """d q_latent [B, T, n, H, R] and the per-block d q_rope [B, n, T, H, Dr] (to be summed over n). lse2: the
+    log2-domain logsumexp, less log2(scale) under tuning.prescale."""
     b, t, n, h, r = ql.shape
     dr, dtype = kr.shape[-1], lat.dtype
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
     q_tiles = t // (COMPUTE_WGS * TILE)
     size = jnp.dtype(dtype).itemsize
-    stages = _stages(COMPUTE_WGS * TILE * ((2 * r + dr) * size + 8), TILE * (r + dr) * size)
+    stages = _stages(COMPUTE_WGS * TILE * ((2 * r + dr) * size + 8), TILE * (r + dr) * size, tuning.dq_stages)
     scale_log2, transforms = scale * LOG2E, _transforms(dtype)
     shape = (TILE, TILE)
 
@@ -300,36 +446,96 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, interpret: bool):
             lse, d = _vector(lse_smem.at[wg], 1, interpret), _vector(delta_smem.at[wg], 1, interpret)
             steps = q0 // TILE + 1  # key tiles these rows read: the last on the diagonal
 
-            def step(i, carry, masked):
-                slot = lax.rem(i, jnp.int32(stages))
-                plgpu.barrier_wait(kv_barriers.at[slot])
+            def scores(slot):  # S = [q_latent || q_rope] [latent || k_rope]^T, dP = dO latent^T
+                return (
+                    [(0, ql_smem.at[wg, c], lat_smem.at[slot, c], True) for c in range(lat_chunks)]
+                    + [(0, qr_smem.at[wg, c], kr_smem.at[slot, c], True) for c in range(rope_chunks)]
+                    + [(1, do_smem.at[wg, c], lat_smem.at[slot, c], True) for c in range(lat_chunks)]
+                )
 
-                def scores():  # S = [q_latent || q_rope] [latent || k_rope]^T, dP = dO latent^T
-                    return (
-                        [(0, ql_smem.at[wg, c], lat_smem.at[slot, c], True) for c in range(lat_chunks)]
-                        + [(0, qr_smem.at[wg, c], kr_smem.at[slot, c], True) for c in range(rope_chunks)]
-                        + [(1, do_smem.at[wg, c], lat_smem.at[slot, c], True) for c in range(lat_chunks)]
-                    )
+            def grads(slot, ds16):  # dS latent onto d q_latent, dS k_rope onto d q_rope
+                return [(c, ds16, lat_smem.at[slot, c], False) for c in range(lat_chunks)] + [
+                    (lat_chunks + c, ds16, kr_smem.at[slot, c], False) for c in range(rope_chunks)
+                ]
 
-                s, dp = _mma((_zeros(shape, interpret),) * 2, scores, interpret)
+            def gradient(s, dp, i, masked):
+                """dS of one key tile from S and dP, in the inputs' dtype (prescale: lse is less log2(scale), so
+                that exp2 gives scale P)."""
                 if masked:
                     keep = _iota(shape, 0, interpret) + q0 >= _iota(shape, 1, interpret) + i * TILE
                     s = jnp.where(keep, s, -jnp.inf)
                 p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(lse, shape, [0]))
-                ds16 = _Reg(((p * scale) * (dp - lax.broadcast_in_dim(d, shape, [0]))).astype(dtype))
+                d_rows = lax.broadcast_in_dim(d, shape, [0])
+                return (p * (dp - d_rows) if tuning.prescale else (p * scale) * (dp - d_rows)).astype(dtype)
 
-                def grads():
-                    return [(c, ds16, lat_smem.at[slot, c], False) for c in range(lat_chunks)] + [
-                        (lat_chunks + c, ds16, kr_smem.at[slot, c], False) for c in range(rope_chunks)
-                    ]
+            def release(i):
+                pl.when(i + stages < max_steps)(
+                    lambda: plgpu.barrier_arrive(consumed.at[lax.rem(i, jnp.int32(stages))])
+                )
 
-                carry = _mma(carry, grads, interpret)
-                pl.when(i + stages < max_steps)(lambda: plgpu.barrier_arrive(consumed.at[slot]))
+            def step(i, carry, masked):
+                slot = lax.rem(i, jnp.int32(stages))
+                plgpu.barrier_wait(kv_barriers.at[slot])
+                s, dp = _mma((_zeros(shape, interpret),) * 2, lambda: scores(slot), interpret)
+                ds16 = _Reg(gradient(s, dp, i, masked))
+                carry = _mma(carry, lambda: grads(slot, ds16), interpret)
+                release(i)
                 return carry
 
             accs = (_zeros((TILE, CHUNK), interpret),) * (lat_chunks + rope_chunks)
-            accs = lax.fori_loop(0, steps - 1, functools.partial(step, masked=False), accs)
-            accs = step(steps - 1, accs, masked=True)
+
+            def overlapped(*acc_refs):
+                """tuning.dq_overlap: key tile i's S and dP issued with tile i - 1's dS products, awaited alone;
+                the products run on through tile i's dS. acc_refs: d q_latent's and d q_rope's accumulators (GPU);
+                in interpret mode they are carried as values."""
+
+                def overlapped_step(i, carry, masked):
+                    ds_prev, values = carry
+                    slot = lax.rem(i, jnp.int32(stages))
+                    prev_slot = lax.rem(jnp.maximum(i - 1, 0), jnp.int32(stages))  # (the first: zeros)
+                    plgpu.barrier_wait(kv_barriers.at[slot])
+                    previous = lambda: grads(prev_slot, _Reg(ds_prev))  # noqa: E731
+                    if interpret:
+                        s, dp = _mma((_zeros(shape, interpret),) * 2, lambda: scores(slot), interpret)
+                        values = _mma(values, previous, interpret)
+                    else:
+
+                        def issue(s_ref, dp_ref):
+                            for k, a, b_ref, _ in scores(slot):
+                                plgpu.wgmma((s_ref, dp_ref)[k], a, plgpu.transpose_ref(b_ref, (1, 0)))
+                            for k, a, b_ref, _ in previous():
+                                plgpu.wgmma(acc_refs[k], a.value, b_ref)
+                            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=lat_chunks + rope_chunks)
+                            return s, plgpu.wgmma_accumulator_load(dp_ref, wait_n=None)
+
+                        s, dp = pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+                    ds16 = gradient(s, dp, i, masked)
+                    if not interpret:
+                        plgpu.wgmma_wait(0)  # the previous tile's products: its slot may be refilled
+                    pl.when(i > 0)(lambda: release(i - 1))
+                    return ds16, values
+
+                zeros16 = _layout(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA, interpret)
+                carry = (zeros16, accs if interpret else ())
+                carry = lax.fori_loop(0, steps - 1, functools.partial(overlapped_step, masked=False), carry)
+                ds_prev, values = overlapped_step(steps - 1, carry, masked=True)
+                last = lax.rem(steps - 1, jnp.int32(stages))
+                if interpret:
+                    values = _mma(values, lambda: grads(last, _Reg(ds_prev)), interpret)
+                else:
+                    for k, a, b_ref, _ in grads(last, _Reg(ds_prev)):
+                        plgpu.wgmma(acc_refs[k], a.value, b_ref)
+                    values = tuple(acc_ref[...] for acc_ref in acc_refs)  # (reading waits for the products)
+                release(steps - 1)
+                return values
+
+            if not tuning.dq_overlap:
+                accs = lax.fori_loop(0, steps - 1, functools.partial(step, masked=False), accs)
+                accs = step(steps - 1, accs, masked=True)
+            elif interpret:
+                accs = overlapped()
+            else:
+                accs = pl.run_scoped(overlapped, *[plgpu.ACC((TILE, CHUNK), jnp.float32)] * (lat_chunks + rope_chunks))
 
             @pl.loop(steps, max_steps)
             def _skipped(i):  # the first warpgroup's tile past its diagonal: observed and released
@@ -419,7 +625,7 @@ def check_backward_shapes(
         )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "tuning", "interpret"))
 def mlra_attention_backward(
     q_latent: jax.Array,
     q_rope: jax.Array,
@@ -430,38 +636,44 @@ def mlra_attention_backward(
     d_out: jax.Array,
     *,
     scale: float,
+    tuning: BackwardTuning = BackwardTuning(),
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The gradients (d q_latent, d q_rope, d latent, d k_rope) of the causal MLRA attention (mlra_attention_gpu's
     inputs, its output `out` and logsumexp `lse` [B, n, H, T]) for the output's cotangent d_out [B, T, n, H, R].
+    tuning: the kernels' optional schedules (BackwardTuning; the defaults: the measured baseline).
     Constraints (ValueError outside them): T == S a multiple of 128, R and Dr multiples of 64, R + Dr <= 192."""
     check_backward_shapes(q_latent, q_rope, latent, k_rope, interpret)
     f32 = jnp.float32
     d_out = d_out.astype(latent.dtype)
     delta = jnp.einsum("btnhr,btnhr->bnht", out.astype(f32), d_out.astype(f32))
     lse2 = lse.astype(f32) * LOG2E
-    args = (q_latent, q_rope, latent, k_rope, d_out, lse2, delta)
-    d_latent, d_k_rope = _dkv(*args, scale=scale, interpret=interpret)
-    d_q_latent, d_q_rope = _dq(*args, scale=scale, interpret=interpret)
+    args = (q_latent, q_rope, latent, k_rope, d_out)
+    if tuning.prescale:  # dK/dV: scale D; dQ: exp2 gives scale P
+        dkv_extra, dq_extra = (lse2, delta * scale), (lse2 - math.log2(scale), delta)
+    else:
+        dkv_extra = dq_extra = (lse2, delta)
+    d_latent, d_k_rope = _dkv(*args, *dkv_extra, scale=scale, tuning=tuning, interpret=interpret)
+    d_q_latent, d_q_rope = _dq(*args, *dq_extra, scale=scale, tuning=tuning, interpret=interpret)
     d_q_rope = d_q_rope.astype(f32).sum(axis=1).astype(q_rope.dtype)
     d_k_rope = d_k_rope.astype(f32).sum(axis=1).astype(k_rope.dtype)
     return d_q_latent, d_q_rope, d_latent, d_k_rope
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _attention(scale, block_kv, interpret, q_latent, q_rope, latent, k_rope):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _attention(scale, block_kv, tuning, interpret, q_latent, q_rope, latent, k_rope):
     out, _ = mlra_attention_gpu(q_latent, q_rope, latent, k_rope, scale=scale, block_kv=block_kv, interpret=interpret)
     return out
 
 
-def _attention_fwd(scale, block_kv, interpret, q_latent, q_rope, latent, k_rope):
+def _attention_fwd(scale, block_kv, tuning, interpret, q_latent, q_rope, latent, k_rope):
     check_backward_shapes(q_latent, q_rope, latent, k_rope, interpret)
     out, lse = mlra_attention_gpu(q_latent, q_rope, latent, k_rope, scale=scale, block_kv=block_kv, interpret=interpret)
     return out, (q_latent, q_rope, latent, k_rope, out, lse)
 
 
-def _attention_bwd(scale, block_kv, interpret, residuals, d_out):
-    return mlra_attention_backward(*residuals, d_out, scale=scale, interpret=interpret)
+def _attention_bwd(scale, block_kv, tuning, interpret, residuals, d_out):
+    return mlra_attention_backward(*residuals, d_out, scale=scale, tuning=tuning, interpret=interpret)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -475,8 +687,12 @@ def mlra_attention(
     *,
     scale: float,
     block_kv: int = BLOCK_KV,
+    tuning: BackwardTuning | str = BackwardTuning(),
     interpret: bool = False,
 ) -> jax.Array:
     """Causal MLRA attention out [B, T, n, H, R] (mlra_attention_gpu's forward with its defaults) with its
-    gradients by mlra_attention_backward's kernels: jax.grad and jax.vjp run through both."""
-    return _attention(scale, block_kv, interpret, q_latent, q_rope, latent, k_rope)
+    gradients by mlra_attention_backward's kernels: jax.grad and jax.vjp run through both. tuning: the backward's
+    optional schedules (a BackwardTuning or its BackwardTuning.parse spelling)."""
+    if isinstance(tuning, str):
+        tuning = BackwardTuning.parse(tuning)
+    return _attention(scale, block_kv, tuning, interpret, q_latent, q_rope, latent, k_rope)

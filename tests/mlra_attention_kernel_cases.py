@@ -4,14 +4,21 @@ jax.vjp of the reference) and against the library's training path (latent_heads_
 MLRA-4 layer's own tensors; the backward also lowers for the GPU on the CPU; a one-layer model trains through the
 kernel (attention_impl="mlra_kernel") with the XLA attention's loss and gradients."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import on_gpu
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.pallas_kernels.mlra_attention_gpu import mlra_attention_gpu, mlra_attention_reference, plan
-from mlra_jax.pallas_kernels.mlra_attention_gpu_backward import mlra_attention, mlra_attention_backward
+from mlra_jax.pallas_kernels.mlra_attention_gpu_backward import (
+    BackwardTuning,
+    mlra_attention,
+    mlra_attention_backward,
+)
 
 from mlra_jax.attention.fused import kernels_chosen
 from mlra_jax.attention.latent import LatentAttention
@@ -103,13 +110,14 @@ def reference_gradients(args, d_out, scale):
     return vjp(d_out)
 
 
-def check_backward(shape, dtype, tolerance, seed=0):
-    """mlra_attention_backward on the forward kernel's output and logsumexp against jax.vjp of the reference."""
+def check_backward(shape, dtype, tolerance, seed=0, tuning=BackwardTuning()):
+    """mlra_attention_backward (with `tuning`) on the forward kernel's output and logsumexp against jax.vjp of the
+    reference."""
     args = inputs(*shape, dtype, seed=seed)
     d_out = jax.random.normal(jax.random.key(seed + 7), shape[:5], dtype)
     scale = (shape[4] + shape[5]) ** -0.5
     out, lse = mlra_attention_gpu(*args, scale=scale, interpret=True)
-    got = mlra_attention_backward(*args, out, lse, d_out, scale=scale, interpret=True)
+    got = mlra_attention_backward(*args, out, lse, d_out, scale=scale, tuning=tuning, interpret=True)
     for g, w, x in zip(got, reference_gradients(args, d_out, scale), args):
         assert g.shape == x.shape and g.dtype == dtype
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), **tolerance)
@@ -119,6 +127,35 @@ def test_backward_float32_one_branch():
     """Two CTAs of 128 keys (dK/dV: the second starts at its diagonal, skipping the first query tiles) and of 128
     queries (dQ: four key tiles through three stages, one slot refilled; the first warpgroup's skipped tile)."""
     check_backward((1, 256, 1, 1, 64, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "overlap",  # both kernels' overlap, the first two query tiles masked for both dK/dV warpgroups
+        "overlap+skip+prescale",  # the overlap over the second warpgroup's skipped tiles; the scale folded in
+        "skip+prescale+stages2",  # without the overlap; two slots in both kernels (every slot refilled)
+    ],
+)
+def test_backward_float32_tunings(spec):
+    """The backward's optional schedules (BackwardTuning) against the reference on
+    test_backward_float32_one_branch's shape (float32 has 3 stages to offer here; bf16 on the GPU 4 and 5)."""
+    check_backward((1, 256, 1, 1, 64, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5), tuning=BackwardTuning.parse(spec))
+
+
+def test_backward_tunings_parse_and_name_their_limits():
+    assert BackwardTuning.parse("default") == BackwardTuning()
+    assert BackwardTuning.parse("overlap+skip+dq_stages5") == BackwardTuning(
+        dq_stages=5, dkv_overlap=True, dq_overlap=True, skip_masked=True
+    )
+    assert BackwardTuning.parse("stages3+prescale") == BackwardTuning(dkv_stages=3, dq_stages=3, prescale=True)
+    with pytest.raises(ValueError, match="'pingpong' is none of"):
+        BackwardTuning.parse("overlap+pingpong")
+    args = inputs(1, 128, 1, 1, 64, 64, jnp.float32)
+    rest = (args[0], jnp.zeros((1, 1, 1, 128)), args[0])
+    for spec, message in (("dq_stages4", "2 to 3 slots"), ("dkv_overlap+skip+stages2", "at least 3 stages")):
+        with pytest.raises(ValueError, match=message):
+            mlra_attention_backward(*args, *rest, scale=1.0, tuning=BackwardTuning.parse(spec), interpret=True)
 
 
 def test_grad_through_the_public_entry_point():
@@ -149,6 +186,62 @@ def test_the_backward_lowers_for_the_gpu():
     rest = (spec((b, t, n, h, r), bf16), spec((b, n, h, t), f32), spec((b, t, n, h, r), bf16))
     lowered = mlra_attention_backward.trace(*q, *rest, scale=0.07).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("mosaic_gpu") >= 2
+
+
+# the backward tunings that `.device/lease_bwd.sh` times and checks on the GPU, and the deepest and shallowest stages
+GPU_TUNINGS = ("default", "skip+prescale", "dkv_overlap", "dq_overlap", "overlap+skip+prescale", "dq_stages5")
+LOWERED_TUNINGS = (*GPU_TUNINGS, "prescale", "skip", "stages2", "stages3", "overlap+stages2")
+
+
+@pytest.mark.parametrize("spec", LOWERED_TUNINGS)
+def test_the_backward_tunings_lower_for_the_gpu(spec):
+    """Every backward tuning lowers to Mosaic GPU on the CPU at MLRA-4 2.9B's layer (bf16, T = 2048, 4 blocks, 24
+    heads, R = 128, Dr = 64; dq_stages5: the most slots SMEM takes there), through mlra_attention's custom_vjp
+    (jax.grad of a loss: the forward and both backward kernels) as the benchmark calls it."""
+    b, t, n, h, r, dr = 1, 2048, 4, 24, 128, 64
+    bf16 = jnp.bfloat16
+    spec_ = jax.ShapeDtypeStruct
+    q = (spec_((b, t, n, h, r), bf16), spec_((b, t, h, dr), bf16), spec_((b, t, n, r), bf16), spec_((b, t, dr), bf16))
+
+    def loss(*x):
+        out = mlra_attention(*x[:4], scale=192**-0.5, tuning=spec)
+        return jnp.sum(out.astype(jnp.float32) * x[4].astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    lowered = grad.trace(*q, spec_((b, t, n, h, r), bf16)).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("mosaic_gpu") >= 3
+
+
+def _grads(attend, *x):
+    loss = lambda *y: jnp.sum(attend(*y[:4]).astype(jnp.float32) * y[4].astype(jnp.float32))  # noqa: E731
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*x)
+
+
+@functools.cache
+def _gpu_case():
+    """The GPU tests' inputs (bf16, MLRA-4 2.9B's widths, two sequences of 512, 4 heads), the default tuning's
+    gradients and the float32 reference's: computed once for all tunings."""
+    shape = (2, 512, 4, 4, 128, 64)
+    args = (*inputs(*shape, jnp.bfloat16, seed=11), jax.random.normal(jax.random.key(12), shape[:5], jnp.bfloat16))
+    scale = (shape[4] + shape[5]) ** -0.5
+    default = _grads(lambda *x: mlra_attention(*x, scale=scale), *args)
+    with jax.default_matmul_precision("highest"):
+        want = _grads(lambda *x: mlra_attention_reference(*x, scale=scale)[0], *(x.astype(jnp.float32) for x in args))
+    return args, scale, default, want
+
+
+@on_gpu
+@pytest.mark.parametrize("spec", GPU_TUNINGS)
+def test_the_backward_tunings_on_the_gpu(spec):
+    """bf16 on the GPU: each tuning's gradients against the float32 reference's (relative L2 error under 1e-2, as
+    the default's) and within bf16 rounding of the default's."""
+    args, scale, default, want = _gpu_case()
+    got = _grads(lambda *x: mlra_attention(*x, scale=scale, tuning=spec), *args)
+    for g, d, w in zip(got, default, want):
+        g, d, w = (np.asarray(x, np.float32) for x in (g, d, w))
+        assert np.isfinite(g).all()
+        assert np.linalg.norm(g - w) / np.linalg.norm(w) < 1e-2
+        np.testing.assert_allclose(g, d, atol=0.05 * np.abs(w).max(), rtol=0.05)
 
 
 @pytest.mark.parametrize(
@@ -263,7 +356,7 @@ def test_the_benchmark_times_forward_and_backward_beside_cudnn(monkeypatch):
     from mlra_jax.attention.core import attention
     from mlra_jax.benchmarks import attention_kernels as bench
 
-    times = iter([12e-3, 8e-3])
+    times = iter([12e-3, 8e-3, 6e-3, 11e-3])  # cuDNN, ours with two backward tunings, cuDNN again
 
     def timed(fn, repeats):
         jax.block_until_ready(fn())
@@ -272,16 +365,31 @@ def test_the_benchmark_times_forward_and_backward_beside_cudnn(monkeypatch):
     monkeypatch.setattr(bench, "profiled_time", timed)
     monkeypatch.setattr(bench, "cudnn_attention", lambda q, k, v, scale: attention(q, k, v, scale=scale, impl="xla"))
     args = inputs(1, 128, 2, 1, 64, 64, jnp.bfloat16)
-    rows = bench.mlra_backward_rows(args, 0.1, 3e9, 1, {"passes": "forward"}, interpret=True)
-    assert [(r["kernel"], r["passes"], r.get("tiling")) for r in rows] == [
-        ("cudnn", "forward+backward", None),
-        ("mlra_mosaic_gpu", "forward+backward", {"backward_tile": 64}),
+    rows = bench.mlra_backward_rows(
+        args, 0.1, 3e9, 1, {"passes": "forward"}, interpret=True, tunings=("default", "overlap+skip")
+    )
+    assert [(r["kernel"], r["passes"], r.get("tiling"), r.get("repeat")) for r in rows] == [
+        ("cudnn", "forward+backward", None, None),
+        ("mlra_mosaic_gpu", "forward+backward", {"backward_tile": 64, "backward": "default"}, None),
+        ("mlra_mosaic_gpu", "forward+backward", {"backward_tile": 64, "backward": "overlap+skip"}, None),
+        ("cudnn", "forward+backward", None, "after the backward tunings"),
     ]
-    base, ours = rows
+    base, *ours, again = rows
     assert base["model_tflops_per_s"] == pytest.approx(3e9 / 12e-3 / 1e12) and base["time_s"] == 12e-3
-    assert ours["finite"] and ours["speedup_vs_cudnn"] == pytest.approx(1.5) and ours["cudnn_time_s"] == 12e-3
-    for name in ("d_q_latent", "d_q_rope", "d_latent", "d_k_rope"):  # bf16 gradients
-        assert ours[f"relative_error_{name}_vs_reference"] < 2e-2 and ours[f"relative_error_{name}_vs_cudnn"] < 2e-2
+    assert again["time_s"] == 11e-3
+    for row, speedup in zip(ours, (1.5, 2.0)):
+        assert row["finite"] and row["speedup_vs_cudnn"] == pytest.approx(speedup) and row["cudnn_time_s"] == 12e-3
+        for name in ("d_q_latent", "d_q_rope", "d_latent", "d_k_rope"):  # bf16 gradients
+            assert row[f"relative_error_{name}_vs_reference"] < 2e-2
+            assert row[f"relative_error_{name}_vs_cudnn"] < 2e-2
+
+
+def test_the_benchmark_names_a_misspelt_backward_tuning(capsys):
+    from mlra_jax.benchmarks import attention_kernels as bench
+
+    with pytest.raises(SystemExit):
+        bench.main(["--kernels=mlra", "--mlra_backward=default,overlapp"])
+    assert "'overlapp' is none of" in capsys.readouterr().err
 
 
 def model_loss_and_grads(cfg, tokens):

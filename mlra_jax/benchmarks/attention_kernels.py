@@ -15,7 +15,10 @@ For each experiment's attention layer (its heads and key / value widths, sequenc
   backward, ours (`mlra_attention_gpu_backward.mlra_attention`: the default forward and the backward kernels)
   beside cuDNN's on the same inputs and cotangent; each of our rows holds its errors (output, or the four inputs'
   gradients) against cuDNN's (every sequence) and against the float32 `jnp` reference (the first), and its
-  speed-up over that cuDNN call.
+  speed-up over that cuDNN call. `--mlra_backward` times several of the backward's schedules side by side
+  (`BackwardTuning.parse` spellings, e.g. `--mlra_backward=default,overlap,skip+prescale`; each row's tiling names
+  its own), cuDNN's forward + backward timed again after them to bracket drift; `--mlra_forward=default` keeps the
+  forward's default tiling only.
 
 Keys and values have as many heads as the queries, except in the `mlra` rows (`layout`). Each time is the
 profiler's GPU span of one call, median of `--repeats`; the rate counts model FLOPs (2 (d_qk + d_v) per head per
@@ -39,7 +42,7 @@ from mlra_jax.benchmarks.common import experiment_list, profiled_time, save
 from mlra_jax.config import Experiment, ModelConfig
 from mlra_jax.experiments import get_experiment
 from mlra_jax.pallas_kernels.mlra_attention_gpu import mlra_attention_gpu, mlra_attention_reference, plan
-from mlra_jax.pallas_kernels.mlra_attention_gpu_backward import mlra_attention
+from mlra_jax.pallas_kernels.mlra_attention_gpu_backward import BackwardTuning, mlra_attention
 
 TRITON_TILINGS = ((128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3))  # block_q, block_k, warps, stages
 MOSAIC_TILINGS = ((64, 128, 2), (64, 64, 2))  # block_q, block_kv, concurrent steps
@@ -86,8 +89,16 @@ def measure(fn: Callable[..., Any], args: tuple, flops: float, repeats: int, **r
     return {**row, "time_s": seconds, "model_tflops_per_s": flops / seconds / 1e12}
 
 
-def case_rows(name: str, batch: int, repeats: int, kernels: tuple[str, ...] = KERNELS) -> list[dict[str, Any]]:
-    """The rows of `kernels` (of KERNELS) for one experiment's attention layer."""
+def case_rows(
+    name: str,
+    batch: int,
+    repeats: int,
+    kernels: tuple[str, ...] = KERNELS,
+    mlra_backward: tuple[str, ...] = ("default",),
+    mlra_forward: str = "all",
+) -> list[dict[str, Any]]:
+    """The rows of `kernels` (of KERNELS) for one experiment's attention layer; mlra_backward, mlra_forward: see
+    mlra_rows (`tunings`, `forward_tilings`)."""
     experiment = get_experiment(name)
     heads, dk, dv = attention_class(experiment.model.variant).core_shape(experiment.model)
     length, scale = experiment.train.seq_len, dk**-0.5
@@ -107,7 +118,7 @@ def case_rows(name: str, batch: int, repeats: int, kernels: tuple[str, ...] = KE
         rows.append(row("cudnn", jax.jit(cudnn), (q, k, v), True, dtype="bfloat16"))
         rows.append(row("cudnn", with_backward(cudnn), (q, k, v, do), True, dtype="bfloat16"))
     if "mlra" in kernels:
-        rows += mlra_rows(experiment, batch, repeats)
+        rows += mlra_rows(experiment, batch, repeats, tunings=mlra_backward, forward_tilings=mlra_forward)
     if "pallas_triton" not in kernels and "mosaic_gpu" not in kernels:
         return rows
     from jax.experimental.pallas.ops.gpu import attention as triton_attention
@@ -174,12 +185,18 @@ def errors(out: jax.Array, want: jax.Array, suffix: str) -> dict[str, float]:
 
 
 def mlra_rows(
-    experiment: Experiment, batch: int, repeats: int, interpret: bool = False, backward: bool = True
+    experiment: Experiment,
+    batch: int,
+    repeats: int,
+    interpret: bool = False,
+    backward: bool = True,
+    tunings: tuple[str, ...] = ("default",),
+    forward_tilings: str = "all",
 ) -> list[dict[str, Any]]:
-    """Our MLRA kernel's causal forward (bf16, each tiling of MLRA_TILINGS) beside cuDNN's forward on the
-    same inputs and layout, then (`backward`) both forward + backward (mlra_backward_rows); no rows for a layer
-    that mlra_layout does not take. interpret=True runs our kernels in Pallas's GPU interpreter (the tests, on
-    CPU)."""
+    """Our MLRA kernel's causal forward (bf16, each tiling of MLRA_TILINGS, or its first, the default, where
+    forward_tilings is "default") beside cuDNN's forward on the same inputs and layout, then (`backward`) both
+    forward + backward (mlra_backward_rows, one row of ours per backward tuning); no rows for a layer that
+    mlra_layout does not take. interpret=True runs our kernels in Pallas's GPU interpreter (the tests, on CPU)."""
     model = experiment.model
     layout = mlra_layout(model)
     if layout is None:
@@ -211,7 +228,7 @@ def mlra_rows(
         theirs = cudnn(q, k, v).reshape(args[0].shape)
         base.update(errors(theirs[:1], want, "vs_reference"))
     rows, tried = [base], set()
-    for branches, block_kv, pingpong, overlap in MLRA_TILINGS:
+    for branches, block_kv, pingpong, overlap in MLRA_TILINGS[:1] if forward_tilings == "default" else MLRA_TILINGS:
         try:
             per_cta, stages = plan(layout["blocks"], layout["rank"], layout["rope"], branches, block_kv)
         except ValueError as error:
@@ -245,28 +262,31 @@ def mlra_rows(
         rows.append(row)
     if not backward:
         return rows
-    return rows + mlra_backward_rows(args, scale, flops * 3, repeats, labels, interpret)
+    return rows + mlra_backward_rows(args, scale, flops * 3, repeats, labels, interpret, tunings)
 
 
 def mlra_backward_rows(
-    args: tuple[jax.Array, ...], scale: float, flops: float, repeats: int, labels: dict[str, Any], interpret: bool
+    args: tuple[jax.Array, ...],
+    scale: float,
+    flops: float,
+    repeats: int,
+    labels: dict[str, Any],
+    interpret: bool,
+    tunings: tuple[str, ...] = ("default",),
 ) -> list[dict[str, Any]]:
     """Forward + backward (the gradients of sum(out * do) for every input) of cuDNN on the absorbed layout and of
-    ours (`mlra_attention`: the default forward and the backward kernels) on the same inputs and cotangent; our
-    row holds its gradients' errors against cuDNN's (mapped back to the kernel's four inputs through
-    absorbed_qkv) and against the float32 `jnp` reference's (the first sequence)."""
+    ours (`mlra_attention`: the default forward and the backward kernels, one row per backward tuning, a
+    BackwardTuning.parse spelling) on the same inputs and cotangent; each of our rows holds its gradients' errors
+    against cuDNN's (mapped back to the kernel's four inputs through absorbed_qkv) and against the float32 `jnp`
+    reference's (the first sequence). With several tunings cuDNN's row is timed again after ours (drift)."""
     do = jax.random.normal(jax.random.key(2), args[0].shape, args[0].dtype)
     labels = {**labels, "passes": "forward+backward"}
     q, k, v = absorbed_qkv(*args)
     cudnn = lambda q, k, v: cudnn_attention(q, k, v, scale=scale)  # noqa: E731
-    base = measure(
-        with_backward(cudnn),
-        (q, k, v, do.reshape(q.shape[:3] + do.shape[-1:])),
-        flops,
-        repeats,
-        kernel="cudnn",
-        **labels,
-    )
+
+    def cudnn_row(**extra: Any) -> dict[str, Any]:
+        cotangent = do.reshape(q.shape[:3] + do.shape[-1:])
+        return measure(with_backward(cudnn), (q, k, v, cotangent), flops, repeats, kernel="cudnn", **labels, **extra)
 
     def gradients(attend):
         def loss(*inputs):
@@ -274,25 +294,34 @@ def mlra_backward_rows(
 
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
 
-    ours = gradients(functools.partial(mlra_attention, scale=scale, interpret=interpret))
-    row = measure(ours, (*args, do), flops, repeats, kernel="mlra_mosaic_gpu", tiling={"backward_tile": 64}, **labels)
-    if "time_s" not in row:
-        return [base, row]
-    got = ours(*args, do)
     names = ("d_q_latent", "d_q_rope", "d_latent", "d_k_rope")
-    with jax.default_matmul_precision("highest"):
-        reference = lambda *x: mlra_attention_reference(*x, scale=scale)[0]  # noqa: E731
-        want = gradients(reference)(*(x[:1].astype(jnp.float32) for x in (*args, do)))
-    row["finite"] = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in got)
-    for name, g, w in zip(names, got, want):
-        row.update(errors(g[:1], w, f"{name}_vs_reference"))
-    if "time_s" in base:
-        cudnn_absorbed = gradients(lambda *x: cudnn(*absorbed_qkv(*x)).reshape(x[0].shape))
-        for name, g, w in zip(names, got, cudnn_absorbed(*args, do)):
-            row.update(errors(g, w, f"{name}_vs_cudnn"))
-        row["cudnn_time_s"] = base["time_s"]
-        row["speedup_vs_cudnn"] = base["time_s"] / row["time_s"]
-    return [base, row]
+    base, rows, want, theirs = cudnn_row(), [], None, None
+    for spec in tunings:
+        tuning = BackwardTuning.parse(spec)  # (a misspelt tuning fails before anything runs)
+        tiling = {"backward_tile": 64, "backward": spec}
+        ours = gradients(functools.partial(mlra_attention, scale=scale, tuning=tuning, interpret=interpret))
+        row = measure(ours, (*args, do), flops, repeats, kernel="mlra_mosaic_gpu", tiling=tiling, **labels)
+        rows.append(row)
+        if "time_s" not in row:
+            continue
+        got = ours(*args, do)
+        if want is None:
+            with jax.default_matmul_precision("highest"):
+                reference = lambda *x: mlra_attention_reference(*x, scale=scale)[0]  # noqa: E731
+                want = gradients(reference)(*(x[:1].astype(jnp.float32) for x in (*args, do)))
+        row["finite"] = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in got)
+        for name, g, w in zip(names, got, want):
+            row.update(errors(g[:1], w, f"{name}_vs_reference"))
+        if "time_s" in base:
+            if theirs is None:
+                theirs = gradients(lambda *x: cudnn(*absorbed_qkv(*x)).reshape(x[0].shape))(*args, do)
+            for name, g, w in zip(names, got, theirs):
+                row.update(errors(g, w, f"{name}_vs_cudnn"))
+            row["cudnn_time_s"] = base["time_s"]
+            row["speedup_vs_cudnn"] = base["time_s"] / row["time_s"]
+    if len(tunings) > 1:  # cuDNN again: the drift over our rows
+        rows.append(cudnn_row(repeat="after the backward tunings"))
+    return [base, *rows]
 
 
 def mosaic_rows(row: Callable[..., dict[str, Any]], inputs: list[jax.Array], padded_from: int | None) -> list[dict]:
@@ -329,6 +358,19 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(KERNELS),
         help=f"comma-separated kernels to time, of {', '.join(KERNELS)} (mlra: ours beside cuDNN, MLRA layers only)",
     )
+    parser.add_argument(
+        "--mlra_backward",
+        default="default",
+        help="comma-separated schedules of our backward kernels to time side by side (mlra), each words of "
+        "default, overlap, dkv_overlap, dq_overlap, skip, prescale, stagesN, dkv_stagesN, dq_stagesN joined by '+' "
+        "(BackwardTuning.parse)",
+    )
+    parser.add_argument(
+        "--mlra_forward",
+        choices=("all", "default"),
+        default="all",
+        help="our forward's tilings to time (mlra): all of MLRA_TILINGS, or the default only",
+    )
     parser.add_argument("--batch", type=int, default=8, help="sequences per call")
     parser.add_argument("--repeats", type=int, default=10, help="profiled calls per row (the median is kept)")
     parser.add_argument(
@@ -341,20 +383,27 @@ def main(argv: list[str] | None = None) -> int:
     kernels = tuple(k for k in args.kernels.split(",") if k)
     if not kernels or set(kernels) - set(KERNELS):
         parser.error(f"--kernels={args.kernels!r}: name some of {', '.join(KERNELS)}")
+    mlra_backward = tuple(spec for spec in args.mlra_backward.split(",") if spec)
+    try:
+        for spec in mlra_backward or ("",):
+            BackwardTuning.parse(spec)
+    except ValueError as error:
+        parser.error(f"--mlra_backward: {error}")
     if jax.default_backend() != "gpu":
         parser.error(
             f"cuDNN and the Pallas GPU kernels need an NVIDIA GPU; this machine's backend is {jax.default_backend()!r}"
         )
     results = []
     for name in names:
-        for row in case_rows(name, args.batch, args.repeats, kernels):
+        for row in case_rows(name, args.batch, args.repeats, kernels, mlra_backward, args.mlra_forward):
             results.append(row)
             rate = f"{row['model_tflops_per_s']:6.1f} TFLOP/s" if "time_s" in row else row["error"][:90]
             if "speedup_vs_cudnn" in row:
                 error = max(v for key, v in row.items() if key.startswith("max_abs_error") and key.endswith("cudnn"))
                 rate += f" {row['speedup_vs_cudnn']:.2f}x cuDNN, max error {error:.3g}"
+            label = row.get("tiling", row.get("repeat", ""))
             print(
-                f"{name:11} {row['kernel']:13} {row['mask']:6} {row['passes']:16} {row.get('tiling', '')!s:60} {rate}",
+                f"{name:11} {row['kernel']:13} {row['mask']:6} {row['passes']:16} {label!s:60} {rate}",
                 flush=True,
             )
             save(args.out, "attention_kernels", results)
