@@ -17,26 +17,24 @@ Design (FlashAttention-2's backward, as jax.experimental.pallas.ops.gpu.attentio
     memory warpgroup streams, for every query head of the block, the query tiles of 64 rows from the CTA's
     diagonal on (causal tile skipping: the tiles above it are never loaded) through `stages` SMEM slots: q_latent,
     q_rope, dO, the logsumexp and D. Per tile: S^T and dP^T (wgmma, B transposed, one wait), P^T, dS^T, then
-    P^T dO, dS^T q_latent (both onto d latent) and dS^T q_rope (A from registers). The first two query tiles of
-    each head are masked (the diagonal of one warpgroup or the other; the second warpgroup's first tile is all
-    masked and adds zeros). d k_rope leaves per block and is summed over the blocks in XLA.
+    P^T dO, dS^T q_latent (both onto d latent) and dS^T q_rope (A from registers). Each warpgroup starts each
+    head at its own diagonal tile, the one tile it masks: the second warpgroup only observes and releases the
+    first tile (wholly above its keys). d k_rope leaves per block and is summed over the blocks in XLA.
   * dQ kernel: a CTA takes one (latent block, query head, 128 queries, sequence): the compute warpgroups hold
     their rows' q_latent, q_rope, dO, logsumexp and D, the memory warpgroup streams key tiles of 64 up to the
     diagonal (the forward's walk: the first warpgroup observes and releases the tile past its diagonal). Per tile:
     S and dP (one wait), P, dS, then dS latent and dS k_rope. d q_rope leaves per block and is summed in XLA.
   Every warpgroup's accumulators: 64 + 64 + R + Dr float32 columns (BACKWARD_COLUMNS bounds R + Dr). The per-block
   RoPE gradients are written in the inputs' dtype and summed in float32.
-  * Optional schedules (`BackwardTuning`, `tuning=`; the defaults are the above): either kernel's pipeline depth,
-    FA3's intra-warpgroup overlap in either kernel (tile i's scores issued with tile i - 1's gradient products,
-    `wgmma_accumulator_load(..., wait_n=...)` awaiting the scores only; the gradient accumulators stay in a
-    `pl.run_scoped` across the walk; with the overlap a warpgroup also holds the previous tile's P^T and dS^T in
-    registers while they run), dK/dV warpgroups starting each head at their own diagonal tile (`skip_masked`),
-    and the scale folded into D and the logsumexp (`prescale`). Not timed on a GPU yet; the benchmark's
-    `--mlra_backward` compares them.
+  * The scale is folded into the inputs computed in XLA: the dK/dV kernel takes scale * D, the dQ kernel the
+    logsumexp less log2(scale) (exp2 gives scale * P).
+  * `BackwardTuning` (`tuning=`): either kernel's pipeline depth, and the older schedule (every warpgroup masking
+    the first two tiles of each head, the scale applied in the kernels) for A/Bs; the benchmark's
+    `--mlra_backward` times them side by side.
 
-On an H100 (jax 0.11; experiments/results/attention_kernels_mlra_h100_backward.json) MLRA-4 2.9B's layer ran
-forward (the default tiling) + backward 1.28x cuDNN's forward + backward on the same inputs; ptxas spills 12 and
-16 bytes a thread in the two kernels at R = 128.
+On an H100 (jax 0.11; experiments/results/attention_kernels_mlra_h100_backward_tunings.json) MLRA-4 2.9B's layer
+ran forward (the default tiling) + backward 1.29x cuDNN's forward + backward on the same inputs (the older
+schedule: 1.28x); ptxas spilled 12 and 16 bytes a thread in the two kernels at R = 128 (the older schedule).
 
 Interpret mode (`interpret=True`, on CPU) runs it as the forward's docstring describes, the products as float32
 dots of the same SMEM operands (`_mma`). Float32 inputs run only in interpret mode; the GPU takes bf16 or f16.
@@ -72,52 +70,45 @@ MAX_STAGES = 4
 
 
 class BackwardTuning(NamedTuple):
-    """Optional schedules of the two backward kernels; the defaults are the measured baseline's.
+    """Schedules of the two backward kernels; the defaults are the fastest measured (the module's docstring).
 
     dkv_stages, dq_stages: pipeline slots of the streamed tiles (None: as many as fit SMEM, at most MAX_STAGES;
       a number: that many, at least 2, ValueError where they do not fit).
-    dkv_overlap: the dK/dV kernel issues query tile i's S^T and dP^T with tile i - 1's gradient products (P^T dO,
-      dS^T q_latent, dS^T q_rope; FA3's intra-warpgroup overlap, as the forward's `overlap`), waits for the
-      scores only and runs tile i's P^T and dS^T while tile i - 1's products run; d latent and d k_rope stay in
-      accumulators across the whole query walk. The first tile's "previous" products are zeros (one tile's extra
-      products per warpgroup).
-    dq_overlap: the same in the dQ kernel: key tile i's S and dP issued with tile i - 1's dS latent and dS k_rope.
     skip_masked: the dK/dV kernel's warpgroups start each head's query walk at their own diagonal tile: the second
-      warpgroup only observes and releases the first tile (wholly above its keys: it added zeros) and the first
-      warpgroup's second tile runs unmasked (it is wholly below its keys).
+      warpgroup only observes and releases the first tile (wholly above its keys) and the first warpgroup's second
+      tile runs unmasked (wholly below its keys). False: both warpgroups run the first two tiles masked (the
+      second's first tile adds zeros).
     prescale: the scale folded into the inputs computed in XLA: the dK/dV kernel takes scale * D and computes
-      dS^T = P^T (scale dP^T - scale D) (a multiply-add and a multiply, instead of three operations); the dQ kernel
-      takes the logsumexp less log2(scale), so that exp2 gives scale * P and dS = (scale P) (dP - D).
+      dS^T = P^T (scale dP^T - scale D); the dQ kernel takes the logsumexp less log2(scale), so that exp2 gives
+      scale * P and dS = (scale P) (dP - D). False: the kernels compute dS = (P scale) (dP - D).
     """
 
     dkv_stages: int | None = None
     dq_stages: int | None = None
-    dkv_overlap: bool = False
-    dq_overlap: bool = False
-    skip_masked: bool = False
-    prescale: bool = False
+    skip_masked: bool = True
+    prescale: bool = True
 
     @classmethod
     def parse(cls, spec: str) -> "BackwardTuning":
-        """A tuning from words joined by '+': default, overlap (both kernels), dkv_overlap, dq_overlap, skip,
-        prescale, stagesN (both kernels), dkv_stagesN, dq_stagesN; e.g. 'overlap+skip+dq_stages5'."""
+        """A tuning from words joined by '+': default, noskip, noprescale (the older schedule's halves), skip,
+        prescale (the defaults, explicitly), stagesN (both kernels), dkv_stagesN, dq_stagesN; e.g.
+        'noskip+noprescale' or 'dq_stages3'."""
         fields: dict = {}
+        switches = {"skip": ("skip_masked", True), "noskip": ("skip_masked", False)}
+        switches |= {"prescale": ("prescale", True), "noprescale": ("prescale", False)}
         for word in spec.split("+"):
             if word == "default":
                 continue
-            if word == "overlap":
-                fields.update(dkv_overlap=True, dq_overlap=True)
-            elif word in ("dkv_overlap", "dq_overlap", "prescale"):
-                fields[word] = True
-            elif word == "skip":
-                fields["skip_masked"] = True
+            if word in switches:
+                field, value = switches[word]
+                fields[field] = value
             elif (match := re.fullmatch(r"(dkv_|dq_)?stages(\d+)", word)) is not None:
                 for kernel in (match.group(1),) if match.group(1) else ("dkv_", "dq_"):
                     fields[f"{kernel}stages"] = int(match.group(2))
             else:
                 raise ValueError(
-                    f"backward tuning {spec!r}: {word!r} is none of default, overlap, dkv_overlap, dq_overlap, skip, "
-                    "prescale, stagesN, dkv_stagesN, dq_stagesN"
+                    f"backward tuning {spec!r}: {word!r} is none of default, skip, noskip, prescale, noprescale, "
+                    "stagesN, dkv_stagesN, dq_stagesN"
                 )
         return cls(**fields)
 
@@ -197,12 +188,8 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTuni
     kv_tiles = t // (COMPUTE_WGS * TILE)
     size = jnp.dtype(dtype).itemsize
     stages = _stages(COMPUTE_WGS * TILE * (r + dr) * size, TILE * ((2 * r + dr) * size + 8), tuning.dkv_stages)
-    if tuning.dkv_overlap and tuning.skip_masked and stages < 3:
-        # the second warpgroup releases its skipped tile while the tile before it waits for its products
-        raise ValueError("dkv_overlap with skip_masked takes at least 3 stages")
     scale_log2, transforms = scale * LOG2E, _transforms(dtype)
     shape = (TILE, TILE)
-    grad_groups = 2 * lat_chunks + rope_chunks  # wgmma groups of one tile's gradient products
 
     def kernel(ql_ref, qr_ref, lat_ref, kr_ref, do_ref, lse_ref, delta_ref, dlat_ref, dkr_ref, scoped):
         (klat_smem, kkr_smem, ql_smem, qr_smem, do_smem, lse_smem, delta_smem), barriers = scoped
@@ -270,80 +257,22 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTuni
                 release(i)
                 return carry
 
-            def walk(step, carry):
-                """step(i, local, carry, masked) over every head's query tiles from the CTA's diagonal on."""
+            def head(hi, carry):  # the head's query tiles from the CTA's diagonal on
+                base = hi * per_head
+                unmasked = functools.partial(step, masked=False)
+                if not tuning.skip_masked:  # the first two tiles masked for both warpgroups
+                    masked = functools.partial(step, masked=True)
+                    carry = lax.fori_loop(0, COMPUTE_WGS, lambda m, c: masked(base + m, m, c), carry)
+                    return lax.fori_loop(COMPUTE_WGS, per_head, lambda m, c: unmasked(base + m, m, c), carry)
 
-                def head(hi, carry):
-                    base = hi * per_head
-                    unmasked = functools.partial(step, masked=False)
-                    if not tuning.skip_masked:  # the first two tiles masked for both warpgroups
-                        masked = functools.partial(step, masked=True)
-                        carry = lax.fori_loop(0, COMPUTE_WGS, lambda m, c: masked(base + m, m, c), carry)
-                        return lax.fori_loop(COMPUTE_WGS, per_head, lambda m, c: unmasked(base + m, m, c), carry)
+                @pl.loop(0, wg)
+                def _above(m):
+                    skipped(base + m)
 
-                    @pl.loop(0, wg)
-                    def _above(m):
-                        skipped(base + m)
+                carry = step(base + wg, wg, carry, masked=True)  # the warpgroup's diagonal tile
+                return lax.fori_loop(wg + 1, per_head, lambda m, c: unmasked(base + m, m, c), carry)
 
-                    carry = step(base + wg, wg, carry, masked=True)  # the warpgroup's diagonal tile
-                    return lax.fori_loop(wg + 1, per_head, lambda m, c: unmasked(base + m, m, c), carry)
-
-                return lax.fori_loop(0, h, head, carry)
-
-            accs = (_zeros((TILE, CHUNK), interpret),) * (lat_chunks + rope_chunks)
-
-            def overlapped(*acc_refs):
-                """tuning.dkv_overlap: tile i's S^T and dP^T issued with tile i - 1's gradient products, awaited
-                alone (the products stay in flight through tile i's P^T and dS^T). acc_refs: d latent's and d
-                k_rope's accumulators (GPU); in interpret mode they are carried as values, the same arithmetic in
-                the same order."""
-
-                def overlapped_step(i, local, carry, masked):
-                    p_prev, ds_prev, prev, values = carry
-                    slot = lax.rem(i, jnp.int32(stages))
-                    prev_slot = lax.rem(jnp.where(prev < 0, i, prev), jnp.int32(stages))  # (the first: zeros)
-                    plgpu.barrier_wait(q_barriers.at[slot])
-                    previous = lambda: grads(prev_slot, _Reg(p_prev), _Reg(ds_prev))  # noqa: E731
-                    if interpret:
-                        s_t, dp_t = _mma((_zeros(shape, interpret),) * 2, lambda: scores(slot), interpret)
-                        values = _mma(values, previous, interpret)
-                    else:
-
-                        def issue(s_ref, dp_ref):
-                            for k, a, b_ref, _ in scores(slot):
-                                plgpu.wgmma((s_ref, dp_ref)[k], a, plgpu.transpose_ref(b_ref, (1, 0)))
-                            for k, a, b_ref, _ in previous():
-                                plgpu.wgmma(acc_refs[k], a.value, b_ref)
-                            # the scores' groups done; the previous tile's products may run on
-                            s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=grad_groups)
-                            return s_t, plgpu.wgmma_accumulator_load(dp_ref, wait_n=None)
-
-                        s_t, dp_t = pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
-                    p16, ds16 = probabilities(s_t, dp_t, local, slot, masked)
-                    if not interpret:
-                        plgpu.wgmma_wait(0)  # the previous tile's products: its slot may be refilled
-                    pl.when(prev >= 0)(lambda: release(prev))
-                    return p16, ds16, i, values
-
-                zeros16 = _layout(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA, interpret)
-                carry = (zeros16, zeros16, jnp.int32(-1), accs if interpret else ())
-                p_prev, ds_prev, prev, values = walk(overlapped_step, carry)
-                last = lax.rem(prev, jnp.int32(stages))
-                if interpret:
-                    values = _mma(values, lambda: grads(last, _Reg(p_prev), _Reg(ds_prev)), interpret)
-                else:
-                    for k, a, b_ref, _ in grads(last, _Reg(p_prev), _Reg(ds_prev)):
-                        plgpu.wgmma(acc_refs[k], a.value, b_ref)
-                    values = tuple(acc_ref[...] for acc_ref in acc_refs)  # (reading waits for the products)
-                release(prev)
-                return values
-
-            if not tuning.dkv_overlap:
-                accs = walk(step, accs)
-            elif interpret:
-                accs = overlapped()
-            else:
-                accs = pl.run_scoped(overlapped, *[plgpu.ACC((TILE, CHUNK), jnp.float32)] * (lat_chunks + rope_chunks))
+            accs = lax.fori_loop(0, h, head, (_zeros((TILE, CHUNK), interpret),) * (lat_chunks + rope_chunks))
             for c in range(lat_chunks):
                 klat_smem.at[wg, c][...] = accs[c].astype(dtype)
             for c in range(rope_chunks):
@@ -483,59 +412,8 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTunin
                 return carry
 
             accs = (_zeros((TILE, CHUNK), interpret),) * (lat_chunks + rope_chunks)
-
-            def overlapped(*acc_refs):
-                """tuning.dq_overlap: key tile i's S and dP issued with tile i - 1's dS products, awaited alone;
-                the products run on through tile i's dS. acc_refs: d q_latent's and d q_rope's accumulators (GPU);
-                in interpret mode they are carried as values."""
-
-                def overlapped_step(i, carry, masked):
-                    ds_prev, values = carry
-                    slot = lax.rem(i, jnp.int32(stages))
-                    prev_slot = lax.rem(jnp.maximum(i - 1, 0), jnp.int32(stages))  # (the first: zeros)
-                    plgpu.barrier_wait(kv_barriers.at[slot])
-                    previous = lambda: grads(prev_slot, _Reg(ds_prev))  # noqa: E731
-                    if interpret:
-                        s, dp = _mma((_zeros(shape, interpret),) * 2, lambda: scores(slot), interpret)
-                        values = _mma(values, previous, interpret)
-                    else:
-
-                        def issue(s_ref, dp_ref):
-                            for k, a, b_ref, _ in scores(slot):
-                                plgpu.wgmma((s_ref, dp_ref)[k], a, plgpu.transpose_ref(b_ref, (1, 0)))
-                            for k, a, b_ref, _ in previous():
-                                plgpu.wgmma(acc_refs[k], a.value, b_ref)
-                            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=lat_chunks + rope_chunks)
-                            return s, plgpu.wgmma_accumulator_load(dp_ref, wait_n=None)
-
-                        s, dp = pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
-                    ds16 = gradient(s, dp, i, masked)
-                    if not interpret:
-                        plgpu.wgmma_wait(0)  # the previous tile's products: its slot may be refilled
-                    pl.when(i > 0)(lambda: release(i - 1))
-                    return ds16, values
-
-                zeros16 = _layout(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA, interpret)
-                carry = (zeros16, accs if interpret else ())
-                carry = lax.fori_loop(0, steps - 1, functools.partial(overlapped_step, masked=False), carry)
-                ds_prev, values = overlapped_step(steps - 1, carry, masked=True)
-                last = lax.rem(steps - 1, jnp.int32(stages))
-                if interpret:
-                    values = _mma(values, lambda: grads(last, _Reg(ds_prev)), interpret)
-                else:
-                    for k, a, b_ref, _ in grads(last, _Reg(ds_prev)):
-                        plgpu.wgmma(acc_refs[k], a.value, b_ref)
-                    values = tuple(acc_ref[...] for acc_ref in acc_refs)  # (reading waits for the products)
-                release(steps - 1)
-                return values
-
-            if not tuning.dq_overlap:
-                accs = lax.fori_loop(0, steps - 1, functools.partial(step, masked=False), accs)
-                accs = step(steps - 1, accs, masked=True)
-            elif interpret:
-                accs = overlapped()
-            else:
-                accs = pl.run_scoped(overlapped, *[plgpu.ACC((TILE, CHUNK), jnp.float32)] * (lat_chunks + rope_chunks))
+            accs = lax.fori_loop(0, steps - 1, functools.partial(step, masked=False), accs)
+            accs = step(steps - 1, accs, masked=True)
 
             @pl.loop(steps, max_steps)
             def _skipped(i):  # the first warpgroup's tile past its diagonal: observed and released
@@ -641,7 +519,7 @@ def mlra_attention_backward(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The gradients (d q_latent, d q_rope, d latent, d k_rope) of the causal MLRA attention (mlra_attention_gpu's
     inputs, its output `out` and logsumexp `lse` [B, n, H, T]) for the output's cotangent d_out [B, T, n, H, R].
-    tuning: the kernels' optional schedules (BackwardTuning; the defaults: the measured baseline).
+    tuning: the kernels' schedules (BackwardTuning; the defaults: the fastest measured).
     Constraints (ValueError outside them): T == S a multiple of 128, R and Dr multiples of 64, R + Dr <= 192."""
     check_backward_shapes(q_latent, q_rope, latent, k_rope, interpret)
     f32 = jnp.float32
@@ -692,7 +570,7 @@ def mlra_attention(
 ) -> jax.Array:
     """Causal MLRA attention out [B, T, n, H, R] (mlra_attention_gpu's forward with its defaults) with its
     gradients by mlra_attention_backward's kernels: jax.grad and jax.vjp run through both. tuning: the backward's
-    optional schedules (a BackwardTuning or its BackwardTuning.parse spelling)."""
+    schedules (a BackwardTuning or its BackwardTuning.parse spelling)."""
     if isinstance(tuning, str):
         tuning = BackwardTuning.parse(tuning)
     return _attention(scale, block_kv, tuning, interpret, q_latent, q_rope, latent, k_rope)

@@ -124,36 +124,35 @@ def check_backward(shape, dtype, tolerance, seed=0, tuning=BackwardTuning()):
 
 
 def test_backward_float32_one_branch():
-    """Two CTAs of 128 keys (dK/dV: the second starts at its diagonal, skipping the first query tiles) and of 128
-    queries (dQ: four key tiles through three stages, one slot refilled; the first warpgroup's skipped tile)."""
+    """The default schedule (skip_masked, prescale): two CTAs of 128 keys (dK/dV: the second starts at its
+    diagonal, skipping the first query tiles; each head's first tile only observed by the second warpgroup) and of
+    128 queries (dQ: four key tiles through three stages, one slot refilled; the first warpgroup's skipped tile)."""
     check_backward((1, 256, 1, 1, 64, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5))
 
 
 @pytest.mark.parametrize(
     "spec",
     [
-        "overlap",  # both kernels' overlap, the first two query tiles masked for both dK/dV warpgroups
-        "overlap+skip+prescale",  # the overlap over the second warpgroup's skipped tiles; the scale folded in
-        "skip+prescale+stages2",  # without the overlap; two slots in both kernels (every slot refilled)
+        "noskip+noprescale",  # the older schedule: the first two query tiles masked for both dK/dV warpgroups
+        "stages2",  # two slots in both kernels (every slot refilled)
     ],
 )
 def test_backward_float32_tunings(spec):
-    """The backward's optional schedules (BackwardTuning) against the reference on
-    test_backward_float32_one_branch's shape (float32 has 3 stages to offer here; bf16 on the GPU 4 and 5)."""
+    """The backward's other schedules (BackwardTuning) against the reference on test_backward_float32_one_branch's
+    shape (float32 has 3 stages to offer here; bf16 on the GPU 4 and 5)."""
     check_backward((1, 256, 1, 1, 64, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5), tuning=BackwardTuning.parse(spec))
 
 
 def test_backward_tunings_parse_and_name_their_limits():
-    assert BackwardTuning.parse("default") == BackwardTuning()
-    assert BackwardTuning.parse("overlap+skip+dq_stages5") == BackwardTuning(
-        dq_stages=5, dkv_overlap=True, dq_overlap=True, skip_masked=True
-    )
-    assert BackwardTuning.parse("stages3+prescale") == BackwardTuning(dkv_stages=3, dq_stages=3, prescale=True)
+    assert BackwardTuning() == BackwardTuning(skip_masked=True, prescale=True)
+    assert BackwardTuning.parse("default") == BackwardTuning.parse("skip+prescale") == BackwardTuning()
+    assert BackwardTuning.parse("noskip+dq_stages5") == BackwardTuning(dq_stages=5, skip_masked=False)
+    assert BackwardTuning.parse("stages3+noprescale") == BackwardTuning(dkv_stages=3, dq_stages=3, prescale=False)
     with pytest.raises(ValueError, match="'pingpong' is none of"):
-        BackwardTuning.parse("overlap+pingpong")
+        BackwardTuning.parse("noskip+pingpong")
     args = inputs(1, 128, 1, 1, 64, 64, jnp.float32)
     rest = (args[0], jnp.zeros((1, 1, 1, 128)), args[0])
-    for spec, message in (("dq_stages4", "2 to 3 slots"), ("dkv_overlap+skip+stages2", "at least 3 stages")):
+    for spec, message in (("dq_stages4", "2 to 3 slots"), ("dkv_stages1", "stages=1: ")):
         with pytest.raises(ValueError, match=message):
             mlra_attention_backward(*args, *rest, scale=1.0, tuning=BackwardTuning.parse(spec), interpret=True)
 
@@ -188,9 +187,10 @@ def test_the_backward_lowers_for_the_gpu():
     assert lowered.as_text().count("mosaic_gpu") >= 2
 
 
-# the backward tunings that `.device/lease_bwd.sh` times and checks on the GPU, and the deepest and shallowest stages
-GPU_TUNINGS = ("default", "skip+prescale", "dkv_overlap", "dq_overlap", "overlap+skip+prescale", "dq_stages5")
-LOWERED_TUNINGS = (*GPU_TUNINGS, "prescale", "skip", "stages2", "stages3", "overlap+stages2")
+# the backward tunings checked on the GPU (the default, the older schedule, the dQ kernel's most slots), and the
+# rest lowered on the CPU: each half of the older schedule and the fewest stages
+GPU_TUNINGS = ("default", "noskip+noprescale", "dq_stages5")
+LOWERED_TUNINGS = (*GPU_TUNINGS, "noskip", "noprescale", "stages2", "stages3")
 
 
 @pytest.mark.parametrize("spec", LOWERED_TUNINGS)
@@ -366,12 +366,12 @@ def test_the_benchmark_times_forward_and_backward_beside_cudnn(monkeypatch):
     monkeypatch.setattr(bench, "cudnn_attention", lambda q, k, v, scale: attention(q, k, v, scale=scale, impl="xla"))
     args = inputs(1, 128, 2, 1, 64, 64, jnp.bfloat16)
     rows = bench.mlra_backward_rows(
-        args, 0.1, 3e9, 1, {"passes": "forward"}, interpret=True, tunings=("default", "overlap+skip")
+        args, 0.1, 3e9, 1, {"passes": "forward"}, interpret=True, tunings=("default", "noskip+noprescale")
     )
     assert [(r["kernel"], r["passes"], r.get("tiling"), r.get("repeat")) for r in rows] == [
         ("cudnn", "forward+backward", None, None),
         ("mlra_mosaic_gpu", "forward+backward", {"backward_tile": 64, "backward": "default"}, None),
-        ("mlra_mosaic_gpu", "forward+backward", {"backward_tile": 64, "backward": "overlap+skip"}, None),
+        ("mlra_mosaic_gpu", "forward+backward", {"backward_tile": 64, "backward": "noskip+noprescale"}, None),
         ("cudnn", "forward+backward", None, "after the backward tunings"),
     ]
     base, *ours, again = rows

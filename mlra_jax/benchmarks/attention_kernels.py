@@ -16,9 +16,9 @@ For each experiment's attention layer (its heads and key / value widths, sequenc
   beside cuDNN's on the same inputs and cotangent; each of our rows holds its errors (output, or the four inputs'
   gradients) against cuDNN's (every sequence) and against the float32 `jnp` reference (the first), and its
   speed-up over that cuDNN call. `--mlra_backward` times several of the backward's schedules side by side
-  (`BackwardTuning.parse` spellings, e.g. `--mlra_backward=default,overlap,skip+prescale`; each row's tiling names
-  its own), cuDNN's forward + backward timed again after them to bracket drift; `--mlra_forward=default` keeps the
-  forward's default tiling only.
+  (`BackwardTuning.parse` spellings, e.g. `--mlra_backward=default,noskip+noprescale,dq_stages5`; each row's
+  tiling names its own), cuDNN's forward + backward timed again after them to bracket drift;
+  `--mlra_forward=default` keeps the forward's default tiling only.
 
 Keys and values have as many heads as the queries, except in the `mlra` rows (`layout`). Each time is the
 profiler's GPU span of one call, median of `--repeats`; the rate counts model FLOPs (2 (d_qk + d_v) per head per
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         "--mlra_backward",
         default="default",
         help="comma-separated schedules of our backward kernels to time side by side (mlra), each words of "
-        "default, overlap, dkv_overlap, dq_overlap, skip, prescale, stagesN, dkv_stagesN, dq_stagesN joined by '+' "
+        "default, noskip, noprescale, skip, prescale, stagesN, dkv_stagesN, dq_stagesN joined by '+' "
         "(BackwardTuning.parse)",
     )
     parser.add_argument(
