@@ -40,6 +40,17 @@ def small_throughput_models(monkeypatch):
     monkeypatch.setattr(decode_throughput, "whole_model", lambda v: tiny_model(v, n_layer=1, n_head=8, vocab_size=128))
 
 
+@pytest.fixture
+def tiny_vocabulary(monkeypatch):
+    """mlra4_tiny with 512 tokens for the benchmarks that train or decode it: they feed random tokens, and GPT-2's
+    50,304-row output layer was most of the work of each step they time."""
+    from mlra_jax.experiments import registry
+
+    experiment = registry.get_experiment("mlra4_tiny")
+    small = dataclasses.replace(experiment, model=dataclasses.replace(experiment.model, vocab_size=512))
+    monkeypatch.setitem(registry._EXPERIMENTS, "mlra4_tiny", small)
+
+
 def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monkeypatch):
     """Both scopes (one attention layer, a whole model on the serving path) on the 8 CPU devices, and the
     4-device deployment of the study on the first four."""
@@ -164,7 +175,7 @@ def test_decode_throughput_measures_each_setting_in_a_process_of_its_own(tmp_pat
     assert "exited with 3" in record["results"][1]["error"] and record["device"] == "cpu"
 
 
-def test_decode_attention_and_model_modes(tmp_path):
+def test_decode_attention_and_model_modes(tmp_path, tiny_vocabulary):
     out = tmp_path / "attention.json"
     decode.main(
         [
@@ -237,7 +248,7 @@ def test_profiled_calls_are_split_at_idle_gaps_and_the_median_call_gives_the_tim
         split_calls(events, repeats=2)
 
 
-def test_train_benchmark_settings(tmp_path):
+def test_train_benchmark_settings(tmp_path, tiny_vocabulary):
     """TP over the 8 devices, FSDP with accumulation to a global batch, and a setting that fails is recorded."""
     out = tmp_path / "train.json"
     common = ["--experiments=mlra4_tiny", "--n_layer=1", "--seq_len=16", "--steps=1", "--warmup=0", f"--out={out}"]
@@ -394,7 +405,7 @@ def test_attention_kernels_benchmark_refuses_a_cpu_and_bad_options(tmp_path, cap
     assert not (tmp_path / "attention.json").exists()
 
 
-def test_train_benchmark_puts_the_official_codes_best_batch_beside_ours(tmp_path, monkeypatch, capsys):
+def test_train_benchmark_puts_the_official_codes_best_batch_beside_ours(tmp_path, tiny_vocabulary, monkeypatch, capsys):
     """--reference: the anchor script's JSON lines (other output skipped); REF's best batch of the same variant and
     layer count, every batch it tried, and our tokens/s over its best. A file without such lines exits 2."""
     from mlra_jax.experiments import registry
@@ -508,7 +519,7 @@ def test_refilled_writes_into_the_donated_buffers_in_their_shardings():
     assert np.all(values == values[:1, :1, :1]) and np.any(values != 0)
 
 
-def test_interleaved_benchmark_alternates_two_settings_on_one_state(tmp_path):
+def test_interleaved_benchmark_alternates_two_settings_on_one_state(tmp_path, tiny_vocabulary):
     out = tmp_path / "ab.json"
     interleaved.main(
         ["--experiment=mlra4_tiny", "--n_layer=1", "--seq_len=16", "--batch_per_device=1", "--pairs=3", "--warmup=1"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import micro_experiment
+from helpers import GPT2, micro_experiment
 
 from mlra_jax import convert, guards
 from mlra_jax.data.builtin import builtin_shards
@@ -67,6 +67,7 @@ def run(tmp_path_factory) -> Path:
     train(
         micro_experiment(
             "mlra4_tiny",
+            *GPT2,
             "--train.total_steps=2",
             "--train.warmup_steps=1",
             "--train.eval_every=0",
@@ -490,7 +491,7 @@ def test_a_killed_export_is_refused_by_init_from_and_removed_by_the_next_convert
     partial = tmp_path / f".hf.partial-{socket.gethostname()}-{_dead_pid()}-0123abcd"
     shutil.copytree(hf_export, partial, ignore=shutil.ignore_patterns("tokenizer*"))
     experiment = micro_experiment(
-        "mlra4_tiny", "--train.total_steps=1", "--train.warmup_steps=0", "--train.eval_every=0"
+        "mlra4_tiny", *GPT2, "--train.total_steps=1", "--train.warmup_steps=0", "--train.eval_every=0"
     )
     with pytest.raises(
         ConfigError,
@@ -541,6 +542,6 @@ def test_init_from_names_hf_config_fields_of_the_wrong_type(hf_export, tmp_path,
     shutil.copytree(hf_export, folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(dict(config, **{field: value})))
-    experiment = micro_experiment("mlra4_tiny")
+    experiment = micro_experiment("mlra4_tiny", *GPT2)
     with pytest.raises(ConfigError, match=f"{folder}/config.json.*{message}".replace("(", r"\(").replace(")", r"\)")):
         source_params(folder, flat_params(abstract_model(experiment.model)))

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from helpers import first_batch_loss, losses, micro_experiment  # noqa: E402
+from helpers import GPT2, first_batch_loss, losses, micro_experiment  # noqa: E402
 
 from mlra_jax import convert, generate  # noqa: E402
 from mlra_jax.generate import load_model  # noqa: E402
@@ -25,6 +25,7 @@ from mlra_jax.training.loop import train  # noqa: E402
 pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
 
 SMALL = (
+    *GPT2,
     "--model.n_layer=2",
     "--train.total_steps=2",
     "--train.warmup_steps=1",

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import first_batch_loss, losses, micro_experiment  # noqa: E402
+from helpers import GPT2, first_batch_loss, losses, micro_experiment  # noqa: E402
 from mlra_jax.experiments.tiny import tiny_model  # noqa: E402
 
 from mlra_jax import convert  # noqa: E402
@@ -137,7 +137,12 @@ def one_folder(tmp_path_factory):
     """An MLRA-4 run of the micro experiment (GPT-2's vocabulary) and its default export."""
     root = tmp_path_factory.mktemp("hf_one")
     experiment = micro_experiment(
-        "mlra4_tiny", "--model.n_layer=2", "--train.total_steps=1", "--train.warmup_steps=0", "--train.eval_every=0"
+        "mlra4_tiny",
+        *GPT2,
+        "--model.n_layer=2",
+        "--train.total_steps=1",
+        "--train.warmup_steps=0",
+        "--train.eval_every=0",
     )
     convert.write_run(root / "run", experiment, random_params(experiment.model), "test")
     assert convert.main(["to-hf", "--checkpoint", str(root / "run"), "--out", str(root / "hf")]) == 0
@@ -217,7 +222,7 @@ def test_train_init_from_the_hf_folder(one_folder, tmp_path):
     assert result.step == 1
     expected = first_batch_loss(root / "run", experiment)
     assert losses(tmp_path / "new")[1] == pytest.approx(expected, rel=1e-5)
-    other = micro_experiment("mlra4_tiny", "--model.n_layer=2", "--model.gated=true")
+    other = micro_experiment("mlra4_tiny", *GPT2, "--model.n_layer=2", "--model.gated=true")
     with pytest.raises(Exception, match="model.gated is False there, True here"):
         train(other, tmp_path / "other", devices=jax.devices()[:1], init_from=root / "hf")
     assert not (tmp_path / "other").exists()

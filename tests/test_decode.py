@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import micro_experiment
+from helpers import GPT2, micro_experiment
 from mlra_jax.experiments.paper_tables import TABLE_VARIANTS, analysis_config
 from mlra_jax.experiments.tiny import tiny_model
 from test_info import TABLE1
@@ -131,7 +131,7 @@ def test_generation_stops_at_eos_and_errors():
 
 @pytest.mark.slow
 def test_generate_command_from_a_training_run(tmp_path, capsys):
-    experiment = micro_experiment("mlra4_tiny", "--train.total_steps=4", "--train.eval_every=0")
+    experiment = micro_experiment("mlra4_tiny", *GPT2, "--train.total_steps=4", "--train.eval_every=0")
     train(experiment, tmp_path, devices=jax.devices()[:1])
     assert (
         generate_main(

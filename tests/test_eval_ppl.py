@@ -8,7 +8,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from helpers import ROOT, micro_experiment, records, subprocess_env
+from helpers import GPT2, ROOT, micro_experiment, records, subprocess_env
 from xla_test_flags import SUBPROCESS
 
 from mlra_jax.data.builtin import builtin_shards
@@ -26,7 +26,7 @@ SEQ, BATCH = 32, 8
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("run")
-    train(micro_experiment("mlra4_tiny", "--train.eval_every=6"), workdir, devices=jax.devices()[:1])
+    train(micro_experiment("mlra4_tiny", *GPT2, "--train.eval_every=6"), workdir, devices=jax.devices()[:1])
     return workdir
 
 
@@ -179,7 +179,7 @@ def test_ppl_over_two_processes_equals_one(run, tmp_path):
 
 def test_held_out_sets_are_evaluated_during_training(tmp_path):
     val = find_shards(builtin_shards(), "*_val_*.bin")[0]  # the run's own validation file: the same windows
-    experiment = micro_experiment("mlra4_tiny", "--train.total_steps=6", f"--train.eval_sets=held={val}")
+    experiment = micro_experiment("mlra4_tiny", *GPT2, "--train.total_steps=6", f"--train.eval_sets=held={val}")
     train(experiment, tmp_path, devices=jax.devices()[:1])
     logged = records(tmp_path)[6]
     assert logged["val/held/loss"] == pytest.approx(logged["val_loss"], abs=1e-6)
@@ -190,4 +190,4 @@ def test_a_malformed_eval_sets_value_is_refused():
     from mlra_jax.config import ConfigError
 
     with pytest.raises(ConfigError, match="eval_sets item 'c4' is not NAME=PATH"):
-        micro_experiment("mlra4_tiny", "--train.eval_sets=c4")
+        micro_experiment("mlra4_tiny", *GPT2, "--train.eval_sets=c4")

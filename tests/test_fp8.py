@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import SMALL_VOCAB
 from mlra_jax.experiments import get_experiment
 
 from mlra_jax import fp8
@@ -204,8 +205,12 @@ def test_which_products_take_the_fp8_path(spec, taken):
 
 
 def _tiny(matmul_dtype: str):
+    """mlra4_tiny's model with 512 tokens (the products in question are the layers'; GPT-2's 50,304-row output
+    layer was most of the work)."""
     experiment = get_experiment("mlra4_tiny")
-    model = dataclasses.replace(experiment.model, compute_dtype="bfloat16", matmul_dtype=matmul_dtype)
+    model = dataclasses.replace(
+        experiment.model, compute_dtype="bfloat16", matmul_dtype=matmul_dtype, vocab_size=SMALL_VOCAB
+    )
     graphdef, state = nnx.split(init_model(model, seed=0))
     tokens = jax.random.randint(jax.random.key(3), (2, 33), 0, model.vocab_size)
     return graphdef, nnx.to_pure_dict(state), tokens
@@ -311,7 +316,7 @@ def test_gradient_accumulation_in_fp8(monkeypatch):
 
     monkeypatch.setattr(fp8, "supported", lambda device=None: True)
     graphdef, params, _ = _tiny("float8")
-    tokens = jax.random.randint(jax.random.key(4), (4, 33), 0, 50304)
+    tokens = jax.random.randint(jax.random.key(4), (4, 33), 0, SMALL_VOCAB)
     whole = make_train_step(graphdef, optax.sgd(0.0), accumulation_steps=1)
     split = make_train_step(graphdef, optax.sgd(0.0), accumulation_steps=2)
     whole_metrics = jax.jit(whole)(params, optax.sgd(0.0).init(params), {}, tokens)[3]

@@ -15,7 +15,7 @@ import lm_eval
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import micro_experiment
+from helpers import GPT2, micro_experiment
 from lm_eval.api.instance import Instance
 
 from mlra_jax import convert
@@ -40,7 +40,7 @@ TOKENIZER = gpt2_tokenizer()
 def run(tmp_path_factory) -> Path:
     """A run of a tiny model with random weights (step 0)."""
     run_dir = tmp_path_factory.mktemp("lm_eval") / "run"
-    experiment = micro_experiment("mlra4_tiny", f"--model.max_seq_len={MAX_LEN}")
+    experiment = micro_experiment("mlra4_tiny", *GPT2, f"--model.max_seq_len={MAX_LEN}")
     rng = np.random.default_rng(0)
     flat = {
         k: rng.normal(0, 0.05, v.shape).astype(np.float32)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import MICRO, micro_experiment
+from helpers import GPT2, MICRO, micro_experiment
 from test_run_safety import listing
 
 from mlra_jax.checkpoint import Checkpointer
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast s
 def poisoned_run(tmp_path_factory):
     """A run of 8 steps whose newest checkpoint (8) has NaN in one weight."""
     workdir = tmp_path_factory.mktemp("run")
-    experiment = micro_experiment("mlra4_tiny", "--train.total_steps=8", "--train.eval_every=0")
+    experiment = micro_experiment("mlra4_tiny", *GPT2, "--train.total_steps=8", "--train.eval_every=0")
     train(experiment, workdir, devices=jax.devices()[:1])
     setup = build_setup(experiment, jax.devices()[:1])
     checkpointer = Checkpointer(workdir / "checkpoints", CheckpointConfig())
@@ -75,7 +75,7 @@ def test_read_only_commands_refuse_nan_weights_naming_tensor_and_step(poisoned_r
 
 def test_init_from_nan_weights_is_refused(poisoned_run, tmp_path, capsys):
     code = train_main(
-        ["--experiment=mlra4_tiny", f"--workdir={tmp_path / 'new'}", *MICRO, f"--init_from={poisoned_run}"]
+        ["--experiment=mlra4_tiny", f"--workdir={tmp_path / 'new'}", *MICRO, *GPT2, f"--init_from={poisoned_run}"]
     )
     err = capsys.readouterr().err
     assert code == 2 and f"--init_from={poisoned_run}, step 8 are not finite: blocks.attn.kv_up" in err
@@ -87,7 +87,7 @@ def test_a_resumed_run_sets_a_nan_checkpoint_aside_and_continues_from_the_one_be
 
     workdir = tmp_path / "copy"
     shutil.copytree(poisoned_run, workdir)
-    experiment = micro_experiment("mlra4_tiny", "--train.total_steps=8", "--train.eval_every=0")
+    experiment = micro_experiment("mlra4_tiny", *GPT2, "--train.total_steps=8", "--train.eval_every=0")
     with caplog.at_level("WARNING"):
         assert train(experiment, workdir, devices=jax.devices()[:1]).step == 8
     assert "the weights of checkpoint 8 are not finite: blocks.attn.kv_up" in caplog.text

@@ -14,7 +14,7 @@ import termios
 from pathlib import Path
 
 import pytest
-from helpers import MICRO
+from helpers import GPT2, MICRO
 
 ROOT = Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", ROOT / "docs" / "getting-started.md"]
@@ -86,7 +86,7 @@ def test_the_commands_after_the_quick_start_run_as_printed(tmp_path):
     env["PYTHONPATH"] = str(ROOT)  # this checkout's code, whichever checkout the venv was installed from
 
     # the quick start's training as printed, on a terminal, made tiny by overrides
-    training = f"{quick_start_training(PAGES[0])} {shlex.join(MICRO)}"
+    training = f"{quick_start_training(PAGES[0])} {shlex.join(MICRO + GPT2)}"
     code, shown = on_a_terminal(training, tmp_path, env)
     assert code == 0, shown[-3000:]
     assert "compiling the train step..." in shown and "training: 100%" in shown

@@ -12,7 +12,7 @@ import pytest
 from etils import epath
 from fake_bucket import fake_gcs
 from fsspec.implementations.local import LocalFileSystem
-from helpers import MICRO, losses, micro_experiment
+from helpers import GPT2, MICRO, losses, micro_experiment
 
 from mlra_jax import paths
 from mlra_jax.data.builtin import read_corpus
@@ -44,7 +44,7 @@ def test_a_run_on_a_bucket_trains_resumes_and_writes_nothing_locally(tmp_path, m
     cwd.mkdir()
     monkeypatch.chdir(cwd)  # a gs:// URL taken for a local path would appear here as ./gs:/bucket/...
     source = _corpus_files(tmp_path / "text")
-    data = ["--data.dataset=gs://bucket/data"]
+    data = [*GPT2, "--data.dataset=gs://bucket/data"]  # GPT-2 tokens
     with fake_gcs(tmp_path / "bucket_root"), caplog.at_level(logging.INFO, logger="mlra_jax"):
         prepare(str(source), "gs://bucket/data", "corpus", val_documents=40, shard_tokens=20_000)
         first = train(
@@ -72,7 +72,7 @@ def test_a_run_on_a_bucket_trains_resumes_and_writes_nothing_locally(tmp_path, m
 
     # the same steps on the local copy of the data: the byte-range reads fed the same batches
     local = train(
-        micro_experiment("mlra4_tiny", "--train.total_steps=8", f"--data.dataset={bucket / 'data'}"),
+        micro_experiment("mlra4_tiny", *GPT2, "--train.total_steps=8", f"--data.dataset={bucket / 'data'}"),
         tmp_path / "local_run",
         devices=ONE_DEVICE,
     )

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import losses, micro_experiment
+from helpers import SMALL_VOCAB, losses, micro_experiment
 
 from mlra_jax.checkpoint import Checkpointer
 from mlra_jax.train import main as train_main
@@ -27,7 +27,8 @@ def test_each_family_trains_on_the_builtin_corpus(tmp_path, name):
     logged = losses(tmp_path)
     assert result.step == 20 and sorted(logged) == list(range(1, 21))
     first, last = np.mean([logged[s] for s in range(1, 5)]), np.mean([logged[s] for s in range(17, 21)])
-    assert first > 10 and last < first - 1.5, (first, last)
+    # from about the uniform loss, log(512) = 6.24 (the built-in corpus's token ids modulo 512), down by 0.8-0.9
+    assert first > np.log(SMALL_VOCAB) - 0.5 and last < first - 0.5, (first, last)
     assert Checkpointer(tmp_path / "checkpoints", experiment.checkpoint).steps() == [12, 16, 20]  # the last 3 kept
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     if evaluate:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import micro_experiment
+from helpers import GPT2, micro_experiment
 from mlra_jax.experiments import get_experiment
 from mlra_jax.experiments.tiny import tiny_model
 
@@ -148,6 +148,7 @@ def test_the_paper_runs_take_the_fast_path_without_flags():
 def remat_inputs(**train_changes):
     experiment = micro_experiment(
         "mlra4_tiny",
+        *GPT2,  # the sizes that the remat choices below are estimated for
         "--model.remat=auto",
         "--train.seq_len=128",
         "--model.compute_dtype=bfloat16",
