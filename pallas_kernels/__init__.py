@@ -7,6 +7,10 @@ Latent decode attention (MLA, GLA, MLRA), each module importing only those above
   * latent_decode_gpu        Pallas Mosaic GPU for Hopper, whose split-KV merge is a kernel too.
 The library chooses among them by backend and mesh (mlra_jax.attention.latent_kernels).
 
+GQA decode attention (MHA, MQA, GQA):
+  * gqa_decode_gpu           Pallas Triton flash-decoding over the cache as stored, with its jnp reference; run by
+                             attention_impl="pallas" on NVIDIA GPUs (mlra_jax.attention.gqa_kernel).
+
 Training attention:
   * mlra_attention_gpu       MLRA's causal forward in Pallas Mosaic GPU (the RoPE scores shared by the branches),
                              with its jnp reference; tested in GPU interpret mode on CPU, timed on an H100 by

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from mlra_jax.attention import gqa_kernel
 from mlra_jax.attention.base import Attention, CacheComponent, DecodeShape, KVCache, store_entry
 from mlra_jax.attention.core import MASKED, attention
 from mlra_jax.attention.rope import apply_rope
@@ -63,8 +64,15 @@ class GroupedQueryAttention(Attention):
         absorbed: bool,
     ) -> tuple[jax.Array, KVCache]:
         """Attention.write_and_attend; under TP, where each device stores the KV heads its query heads read
-        (reads_cache_as_stored), each device attends over the KV heads it stores (aligned_attention)."""
+        (reads_cache_as_stored), each device attends over the KV heads it stores (aligned_attention). Decode
+        steps that take the Pallas kernel (attention_impl "pallas" on NVIDIA GPUs: attention.gqa_kernel) run it
+        over the cache as stored, under TP each device over its own KV heads."""
         plan = plans["k"]
+        q_shape = jax.ShapeDtypeStruct((*x.shape[:2], self.n_head, cache["k"].shape[-1]), self.dtype)
+        if gqa_kernel.use_kernel(self.impl, q_shape, cache["k"], plan):
+            cache = store_entry(cache, self.cache_entry(x, positions), index, plans)
+            q = self.queries(x, positions)
+            return gqa_kernel.gqa_decode_attention(q, cache["k"], cache["v"], mask, plan, self.scale), cache
         if not reads_cache_as_stored(plan, x.shape[1]):
             return super().write_and_attend(x, positions, cache, mask, index, plans, absorbed)
         cache = store_entry(cache, self.cache_entry(x, positions), index, plans)
@@ -99,20 +107,28 @@ def aligned_attention(
     reads = jnp.asarray(plan.local_heads_slot)  # [tp, h / tp]
 
     def on_device(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-        (b, t, h, d), (s, slots) = q.shape, k.shape[1:3]
-        paired = reads[jax.lax.axis_index(TENSOR)][:, None] == jnp.arange(slots)[None, :]  # [h / tp, k]
-        # (query, head) rows against (slot, KV head) rows: batched products of the cache as stored (a KV head axis
-        # between the slots and the width would otherwise be transposed out of the whole cache)
-        rows = (b, t * h, d)
-        keys = k.reshape(b, s * slots, d)
-        logits = einsum("bqd,bnd->bqn", q.reshape(rows), keys, preferred_element_type=jnp.float32)
-        logits = logits.reshape(b, t, h, s, slots) * scale
-        logits = jnp.where(paired[None, None, :, None, :] & mask[:, :, None, :, None], logits, MASKED)
-        probs = jax.nn.softmax(logits.reshape(b, t * h, s * slots), axis=-1).astype(v.dtype)
-        out = einsum("bqn,bnd->bqd", probs, v.reshape(b, s * slots, d), preferred_element_type=jnp.float32)
-        return out.reshape(b, t, h, d).astype(v.dtype)
+        paired = reads[jax.lax.axis_index(TENSOR)][:, None] == jnp.arange(k.shape[2])[None, :]  # [h / tp, k]
+        return attend_as_stored(q, k, v, mask, paired, scale)
 
     heads = P(None, None, TENSOR, None)
     return jax.shard_map(
         on_device, in_specs=(heads, heads, heads, P()), out_specs=heads, axis_names={TENSOR}, check_vma=False
     )(q, k, v, mask)
+
+
+def attend_as_stored(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, paired: jax.Array, scale: float
+) -> jax.Array:
+    """One device's part of aligned_attention (XLA): q [B, T, h, D], k and v [B, S, slots, D], mask [B, T, S],
+    paired [h, slots] (which stored KV head each query head reads) -> [B, T, h, D]."""
+    (b, t, h, d), (s, slots) = q.shape, k.shape[1:3]
+    # (query, head) rows against (slot, KV head) rows: batched products of the cache as stored (a KV head axis
+    # between the slots and the width would otherwise be transposed out of the whole cache)
+    rows = (b, t * h, d)
+    keys = k.reshape(b, s * slots, d)
+    logits = einsum("bqd,bnd->bqn", q.reshape(rows), keys, preferred_element_type=jnp.float32)
+    logits = logits.reshape(b, t, h, s, slots) * scale
+    logits = jnp.where(paired[None, None, :, None, :] & mask[:, :, None, :, None], logits, MASKED)
+    probs = jax.nn.softmax(logits.reshape(b, t * h, s * slots), axis=-1).astype(v.dtype)
+    out = einsum("bqn,bnd->bqd", probs, v.reshape(b, s * slots, d), preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(v.dtype)

@@ -16,6 +16,16 @@ share (common.device_time). A jitted fori_loop is not used: XLA's GPU while loop
 host round trip per iteration (about 25 us here). The wall time of single calls, which
 adds the host's dispatch, is recorded too.
 
+GQA (TP=4), `gqa4`, is the per-device shape of DeepSeek-V3's GQA layer at TP=4 (32 query heads on 4 KV heads of
+128): impl `xla_as_stored` is the model's XLA path there (attention.gqa.attend_as_stored: the (query, head) rows
+against the cache's (slot, KV head) rows as stored, masked to GQA's pairs), `gqa_kernel` our Pallas Triton decode
+kernel as the model runs it (attention.gqa_kernel: the ranges from the mask, then the kernel), optionally with its
+tiling as `gqa_kernel:BLOCK_S:WARPS:STAGES:SPLITS` (SPLITS 0: chosen for the GPU); `pallas` is JAX's kernel. --batch
+sets the batch of the --batch128_contexts settings:
+
+    mlra bench decode attention --variants=gqa4 --impls=xla_as_stored,xla,gqa_kernel --batch=64 \
+        --batch1_contexts= --batch128_contexts=1024,8192,16384 --out=decode_attention_gqa_kernel.json
+
 `model`: whole-model decode steps on the serving path (decode.serving: bf16 weights split
 per layer, per-layer caches updated in place) for experiments, attention implementations,
 batch sizes and contexts: time per step (on GPUs the profiler's span, with the top kernels),
@@ -76,7 +86,22 @@ CASES = {
     "gla2": AttentionCase("GLA-2 (TP=2)", heads=32, latent=256, rope=64),
     "mla": AttentionCase("MLA", heads=64, latent=512, rope=64),
     "gqa": AttentionCase("GQA (TP=8)", heads=8, latent=0, rope=0, kv_heads=1, head_dim=128),
+    "gqa4": AttentionCase("GQA (TP=4)", heads=32, latent=0, rope=0, kv_heads=4, head_dim=128),
 }
+GQA_IMPLS = ("xla_as_stored", "gqa_kernel")  # GQA only: the model's TP path on XLA, and our kernel
+
+
+def gqa_kernel_tiling(impl: str):
+    """The tiling of impl `gqa_kernel[:BLOCK_S:WARPS:STAGES:SPLITS]` (the kernel's default without fields)."""
+    from mlra_jax.pallas_kernels.gqa_decode_gpu import DEFAULT_TILING, Tiling
+
+    fields = impl.split(":")[1:]
+    if not fields:
+        return DEFAULT_TILING
+    if len(fields) != 4:
+        raise ValueError(f"{impl!r}: write gqa_kernel:BLOCK_S:WARPS:STAGES:SPLITS")
+    block_s, warps, stages, splits = map(int, fields)
+    return Tiling(block_s=block_s, num_warps=warps, num_stages=stages, splits=splits)
 
 
 def _length_mask(lengths: jax.Array, context: int) -> jax.Array:
@@ -111,6 +136,8 @@ def attention_fn(case: AttentionCase, impl: str, batch: int, context: int) -> tu
     k = jax.random.normal(keys[1], (batch, context, case.kv_heads, case.head_dim), jnp.bfloat16)
     v = jax.random.normal(keys[2], (batch, context, case.kv_heads, case.head_dim), jnp.bfloat16)
     scale = case.head_dim**-0.5
+    if impl.split(":")[0] in GQA_IMPLS:
+        return _gqa_fn(q, k, v, lengths, impl, scale)
     if impl == "pallas":  # JAX's split-K GQA decode kernel (pallas/ops/gpu/decode_attention.py)
         from jax.experimental.pallas.ops.gpu.decode_attention import gqa
 
@@ -134,6 +161,30 @@ def attention_fn(case: AttentionCase, impl: str, batch: int, context: int) -> tu
         return attention(q, k, v, scale=scale, impl="xla", mask=_length_mask(lengths, context))
 
     return jax.jit(run), (q, k, v, lengths)
+
+
+def _gqa_fn(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, impl: str, scale: float):
+    """GQA's decode attention on one device as the model runs it under TP, each device over the KV heads it stores:
+    on XLA (impl xla_as_stored) or on our kernel (gqa_kernel[:tiling])."""
+    from mlra_jax.attention import gqa_kernel
+    from mlra_jax.attention.gqa import attend_as_stored
+    from mlra_jax.tensor_parallel import UnitPlan
+
+    context, kv, heads = k.shape[1], k.shape[2], q.shape[2]
+    if impl == "xla_as_stored":
+        paired = (jnp.arange(heads) // (heads // kv))[:, None] == jnp.arange(kv)[None, :]
+
+        def as_stored(q, k, v, lengths):
+            return attend_as_stored(q, k, v, _length_mask(lengths, context), paired, scale)
+
+        return jax.jit(as_stored), (q, k, v, lengths)
+    tiling = gqa_kernel_tiling(impl)
+
+    def on_kernel(q, k, v, lengths):
+        mask = _length_mask(lengths, context)
+        return gqa_kernel.gqa_decode_attention(q, k, v, mask, UnitPlan(kv, 1, heads), scale, tiling=tiling)
+
+    return jax.jit(on_kernel), (q, k, v, lengths)
 
 
 def _paged_latent_fn(
@@ -171,7 +222,7 @@ def bench_attention(args: argparse.Namespace) -> tuple[list[dict], dict]:
     ceilings = roofline.measured_ceilings(args.copy_gb)
     bandwidth = ceilings["copy_bandwidth_bytes_per_s"]
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s", flush=True)
-    settings = [(1, c) for c in args.batch1_contexts] + [(128, c) for c in args.batch128_contexts]
+    settings = [(1, c) for c in args.batch1_contexts] + [(args.batch, c) for c in args.batch128_contexts]
     kept, runs = _earlier_results(args, settings)
     extra = {
         "copy_bandwidth_bytes_per_s": bandwidth,
@@ -183,8 +234,10 @@ def bench_attention(args: argparse.Namespace) -> tuple[list[dict], dict]:
         case = CASES[variant]
         for batch, context in settings:
             for impl in args.impls.split(","):
-                if case.latent and impl == "cudnn" or not case.latent and impl == "pallas_paged":
-                    continue  # cuDNN has no latent decode (MQA over a latent plus a RoPE key); GQA no paged kernel
+                if case.latent and (impl == "cudnn" or impl.split(":")[0] in GQA_IMPLS):
+                    continue  # cuDNN has no latent decode (MQA over a latent plus a RoPE key), nor the GQA impls
+                if not case.latent and impl == "pallas_paged":
+                    continue  # GQA has no paged kernel
                 try:
                     fn, inputs = attention_fn(case, impl, batch, context)
                     wall = median_time(lambda: fn(*inputs), repeats=args.repeats)
@@ -428,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     attention.add_argument(
         "--impls",
         default="xla",
-        help="comma-separated: xla, pallas, pallas_paged (the latent kernel over a paged cache), cudnn",
+        help="comma-separated: xla, pallas, pallas_paged (the latent kernel over a paged cache), cudnn; GQA also "
+        "xla_as_stored and gqa_kernel[:BLOCK_S:WARPS:STAGES:SPLITS]",
     )
     attention.add_argument(
         "--batch1_contexts", type=lambda s: [int(x) for x in s.split(",") if x], default=list(BATCH1_CONTEXTS)
@@ -436,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     attention.add_argument(
         "--batch128_contexts", type=lambda s: [int(x) for x in s.split(",") if x], default=list(BATCH128_CONTEXTS)
     )
+    attention.add_argument("--batch", type=int, default=128, help="the batch of the --batch128_contexts settings")
     attention.add_argument("--repeats", type=int, default=20)
     attention.add_argument("--copy_gb", type=float, default=4.0, help="size of the bandwidth-reference copy")
     attention.add_argument("--out", type=Path, default=Path("experiments/results/decode_attention.json"))

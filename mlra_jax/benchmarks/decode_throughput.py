@@ -14,7 +14,8 @@ length, and times one decode step for the whole batch (tokens/s = batch / step t
   split per layer, per-layer caches updated in place), embedding to logits.
 
 --attention_impl auto (default) takes the Pallas kernels for the latent family's decode where they run
-(Hopper GPUs, TPUs) and XLA elsewhere (GQA always). On GPUs the step time is the profiler's span on
+(Hopper GPUs, TPUs) and XLA elsewhere (GQA too, until its kernel is timed: attention.gqa_kernel); pallas takes
+GQA's decode kernel as well (NVIDIA GPUs). On GPUs the step time is the profiler's span on
 device 0 (the wall time, the sum of all kernels and the top kernels are recorded too); elsewhere the median
 wall time.
 
@@ -81,8 +82,10 @@ def whole_model(variant: str) -> ModelConfig:
 
 
 def with_impl(cfg: ModelConfig, impl: str) -> ModelConfig:
-    """The latent family decodes with `impl`; the others keep XLA (no decode kernel of ours covers them)."""
-    return dataclasses.replace(cfg, attention_impl=impl if cfg.spec.latent_layout else "xla")
+    """The latent family and GQA (attention.gqa_kernel) decode with `impl`; the others keep XLA (no decode kernel
+    of ours covers them)."""
+    kernel = cfg.spec.latent_layout or cfg.spec.attention.startswith("gqa.")
+    return dataclasses.replace(cfg, attention_impl=impl if kernel else "xla")
 
 
 def pipelined_time(run: Callable[[], Any], steps: int) -> float:
@@ -316,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention_impl",
         default="auto",
         choices=("auto", "xla", "pallas"),
-        help="the latent family's decode attention (GQA stays on XLA)",
+        help="the latent family's and GQA's decode attention (auto: GQA on XLA)",
     )
     parser.add_argument(
         "--tp_reduce",
