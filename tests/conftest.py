@@ -44,6 +44,9 @@ SHARED_FIXTURE_MODULES = {
     "test_nonfinite_weights.py",
     "test_compilation_cache.py",
 }
+# Tests that share a module fixture with each other only (the module's other tests go one by one): module ->
+# the names' beginnings
+SHARED_FIXTURE_TESTS = {"test_resume.py": ("test_six_kills", "test_sigterm")}  # the uninterrupted run
 # Handed out first, longest first (the tests of half a minute or more, by their durations on 2 cores), so that no
 # long test starts near the end of the run while the other worker runs out of work
 LONG_FIRST = [
@@ -70,8 +73,12 @@ def pytest_xdist_make_scheduler(config, log):
 
     class Scheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::")[0]
-            return module if Path(module).name in SHARED_FIXTURE_MODULES else nodeid
+            module, name = nodeid.split("::")[0], nodeid.split("::")[-1]
+            if Path(module).name in SHARED_FIXTURE_MODULES:
+                return module
+            if name.startswith(SHARED_FIXTURE_TESTS.get(Path(module).name, ())):
+                return f"{module}::shared fixtures"
+            return nodeid
 
     return Scheduling(config, log)
 
