@@ -30,9 +30,9 @@ def pytest_unconfigure(config) -> None:
         shutil.rmtree(config.compile_cache, ignore_errors=True)
 
 
-# Modules whose module fixtures train or export a model: xdist gives each of them whole to one worker, so
+# Modules whose module fixtures train, export or fill a cache: xdist gives each of them whole to one worker, so
 # that the fixture runs once. (--dist loadgroup would do it, but its xdist_group marks are ignored under
-# pytest 9.2: pytest-xdist issue 1386.)
+# pytest 9.2: pytest-xdist issue 1386; --dist worksteal splits modules between the workers.)
 SHARED_FIXTURE_MODULES = {
     "test_convert.py",
     "test_convert_hf.py",
@@ -42,28 +42,54 @@ SHARED_FIXTURE_MODULES = {
     "test_watching_a_run.py",
     "test_command_faults.py",
     "test_nonfinite_weights.py",
+    "test_compilation_cache.py",
 }
-# Handed out first (after those modules), so that no test of a minute or more starts at the end of the run
-LONG_FIRST = ["test_resume.py"]
+# Tests that share a module fixture with each other only (the module's other tests go one by one): module ->
+# the names' beginnings
+SHARED_FIXTURE_TESTS = {"test_resume.py": ("test_six_kills", "test_sigterm")}  # the uninterrupted run
+# Handed out first, longest first (the tests of half a minute or more, by their durations on 2 cores), so that no
+# long test starts near the end of the run while the other worker runs out of work
+LONG_FIRST = [
+    "test_mlra_attention_kernel.py",
+    "test_readme.py::test_the_commands_after_the_quick_start_run_as_printed",
+    "test_resume.py::test_six_kills",
+    "test_launch_slurm.py",
+    "test_notebooks.py::test_runs_top_to_bottom_on_a_cpu",
+    "test_benchmarks.py::test_decode_throughput_on_8_devices",
+    "test_resume.py",
+    "test_compilation_cache.py",
+]
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's default (--dist load) with the SHARED_FIXTURE_MODULES each in one piece."""
+    """xdist's --dist load (what -n gives) with each of the SHARED_FIXTURE_MODULES in one piece, in the order of
+    pytest_collection_modifyitems: a worker takes the next test (or shared module) as it runs out of work."""
     if config.getvalue("dist") != "load":
         return None  # another --dist asked for
     from xdist.scheduler import LoadScopeScheduling
 
-    class Scheduling(LoadScopeScheduling):  # scopes of several tests go first, then single tests in order
+    config.option.loadscopereorder = False  # the collection's order (LONG_FIRST first), not the largest piece first
+
+    class Scheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::")[0]
-            return module if Path(module).name in SHARED_FIXTURE_MODULES else nodeid
+            module, name = nodeid.split("::")[0], nodeid.split("::")[-1]
+            if Path(module).name in SHARED_FIXTURE_MODULES:
+                return module
+            if name.startswith(SHARED_FIXTURE_TESTS.get(Path(module).name, ())):
+                return f"{module}::shared fixtures"
+            return nodeid
 
     return Scheduling(config, log)
 
 
+def _first(item) -> int:
+    nodeid = item.nodeid.split("/")[-1]
+    return next((i for i, prefix in enumerate(LONG_FIRST) if nodeid.startswith(prefix)), len(LONG_FIRST))
+
+
 def pytest_collection_modifyitems(items: list) -> None:
-    items.sort(key=lambda item: item.path.name not in LONG_FIRST)  # stable: the rest keep their order
+    items.sort(key=_first)  # stable: the rest keep their order
 
 
 GOLDEN_DIR = Path(__file__).parent / "golden"

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,24 +23,45 @@ def test_the_directory_is_the_users_cache_unless_jax_has_one_or_it_is_off(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_second_run_loads_its_train_step_from_the_cache_and_trains_the_same(tmp_path):
+def test_a_second_run_loads_its_train_step_from_the_cache_and_swapped_entries_exit_2_then_the_next_start_trains(
+    tmp_path,
+):
+    """One run fills the default cache; a second loads its train step from it and trains the same. With the cache
+    named by MLRA_JAX_COMPILATION_CACHE holding its init and step programs swapped, train exits 2 naming
+    the cache, and the next start trains the same again (four starts: the first run is both tests' first)."""
     env = {key: value for key, value in subprocess_env().items() if key not in (JAX_VARIABLE, VARIABLE)}
-    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), JAX_DEBUG_LOG_MODULES="jax._src.compiler")
 
-    def run(name: str) -> str:
+    def run(name: str, env: dict[str, str]) -> subprocess.CompletedProcess:
         command = train_command(tmp_path / name, "--train.total_steps=4", "--train.eval_every=0")
-        result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+    def trained(name: str, env: dict[str, str]) -> str:
+        result = run(name, env)
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout + result.stderr
 
-    first = run("first")
+    default = dict(env, XDG_CACHE_HOME=str(tmp_path / "cache"), JAX_DEBUG_LOG_MODULES="jax._src.compiler")
+    first = trained("first", default)
     directory = Path(tmp_path / "cache" / "mlra_jax" / "xla")
     assert f"compiled steps are cached in {directory}" in first
     assert "Persistent compilation cache hit for 'jit_step'" not in first
     assert any(entry.name.startswith("jit_step-") for entry in directory.iterdir())
-    second = run("second")
+    second = trained("second", default)
     assert "Persistent compilation cache hit for 'jit_step'" in second
     assert losses(tmp_path / "second") == losses(tmp_path / "first")
+
+    # the same cache named by the variable, the default moved elsewhere (entries are found only where they were
+    # written, and JAX's debug log is part of their key: the same environment otherwise)
+    named = dict(default, XDG_CACHE_HOME=str(tmp_path / "elsewhere"), **{VARIABLE: str(directory)})
+    init, step = entry(directory, "jit_init"), entry(directory, "jit_step")
+    contents = init.read_bytes(), step.read_bytes()
+    init.write_bytes(contents[1])
+    step.write_bytes(contents[0])
+    refused = run("third", named)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert str(directory) in refused.stderr and f"{VARIABLE}=0" in refused.stderr
+    trained("third", named)
+    assert losses(tmp_path / "third") == losses(tmp_path / "first")
 
 
 # Two jitted programs with 3 and 1 outputs, compiled under `repairing` with the cache in argv[1] (every compile kept)
@@ -90,10 +112,29 @@ def entry(cache: Path, module: str) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def programs_cache(tmp_path_factory) -> tuple[Path, Path]:
+    """(the cache of one start of PROGRAMS, a copy of it to restore from)."""
+    cache = tmp_path_factory.mktemp("programs") / "xla"
+    first = run_programs(cache)
+    assert first.returncode == 0 and "sums 12.0 36.0" in first.stdout, first.stderr[-3000:]
+    shutil.copytree(cache, cache.with_name("pristine"))
+    return cache, cache.with_name("pristine")
+
+
+@pytest.fixture
+def filled_cache(programs_cache) -> Path:
+    """The cache of one start of PROGRAMS, as that start left it, for a test to damage: restored in place (JAX finds
+    an entry only in the folder that it wrote it to)."""
+    cache, pristine = programs_cache
+    shutil.rmtree(cache)
+    shutil.copytree(pristine, cache)
+    return cache
+
+
 @pytest.mark.parametrize("damage", ["truncated", "empty"])
-def test_an_entry_that_cannot_be_read_is_replaced_with_one_warning_line(tmp_path, damage):
-    cache = tmp_path / "xla"
-    assert run_programs(cache).returncode == 0
+def test_an_entry_that_cannot_be_read_is_replaced_with_one_warning_line(filled_cache, damage):
+    cache = filled_cache
     damaged = entry(cache, "jit_three")
     good = damaged.read_bytes()
     damaged.write_bytes(good[: len(good) // 2] if damage == "truncated" else b"")
@@ -109,9 +150,8 @@ def test_an_entry_that_cannot_be_read_is_replaced_with_one_warning_line(tmp_path
     assert third.returncode == 0 and "compilation cache" not in third.stdout + third.stderr
 
 
-def test_swapped_entries_fail_one_start_naming_the_cache_which_is_emptied_so_the_next_start_compiles(tmp_path):
-    cache = tmp_path / "xla"
-    assert run_programs(cache).returncode == 0
+def test_swapped_entries_fail_one_start_naming_the_cache_which_is_emptied_so_the_next_start_compiles(filled_cache):
+    cache = filled_cache
     three, one = entry(cache, "jit_three"), entry(cache, "jit_one")
     contents = three.read_bytes(), one.read_bytes()
     three.write_bytes(contents[1])
@@ -144,25 +184,3 @@ def test_an_entry_a_full_disk_left_truncated_is_removed(tmp_path, caplog):
     (line,) = caplog.messages
     assert f"{key} in {tmp_path} could not be written" in line and "No space left" in line and f"{VARIABLE}=0" in line
     assert not repair.show(UserWarning("something else"))  # shown as before
-
-
-@pytest.mark.slow
-def test_train_with_swapped_cache_entries_exits_2_naming_the_cache_and_the_next_start_trains(tmp_path):
-    env = {key: value for key, value in subprocess_env().items() if key not in (JAX_VARIABLE, VARIABLE)}
-    env[VARIABLE] = str(tmp_path / "xla")
-
-    def run(name: str) -> subprocess.CompletedProcess:
-        command = train_command(tmp_path / name, "--train.total_steps=4", "--train.eval_every=0")
-        return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-
-    assert run("first").returncode == 0
-    init, step = entry(tmp_path / "xla", "jit_init"), entry(tmp_path / "xla", "jit_step")
-    contents = init.read_bytes(), step.read_bytes()
-    init.write_bytes(contents[1])
-    step.write_bytes(contents[0])
-    refused = run("second")
-    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
-    assert str(tmp_path / "xla") in refused.stderr and f"{VARIABLE}=0" in refused.stderr
-    again = run("second")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert losses(tmp_path / "second") == losses(tmp_path / "first")

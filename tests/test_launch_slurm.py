@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -53,7 +54,8 @@ done
 exit "$status"
 """
 FAKE_SCONTROL = '#!/usr/bin/env bash\necho "$*" >> "$FAKE_SCONTROL_LOG"\n'
-RUN = [*MICRO, "--train.total_steps=12", "--checkpoint.every=2", "--train.eval_every=0"]
+STEPS = 24  # at 20-50 ms a step, room for a signal to land before the end
+RUN = [*MICRO, f"--train.total_steps={STEPS}", "--checkpoint.every=2", "--train.eval_every=0"]
 
 
 def sbatch_env(tmp_path: Path, nodes: int = 2, per_node: int = 1) -> dict[str, str]:
@@ -94,14 +96,21 @@ def run_sbatch(workdir: Path, env: dict[str, str], *args: str) -> subprocess.Com
     return result
 
 
+def logged_step(workdir: Path) -> int:
+    metrics = workdir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
+
+
 def start_sbatch(workdir: Path, env: dict[str, str], min_step: int, *args: str) -> subprocess.Popen:
-    """Start the batch script and return it once training has logged `min_step` steps (still running)."""
+    """Start the batch script and return it once training has logged step `min_step` or a later one (still
+    running)."""
     process = subprocess.Popen(
         sbatch(workdir, *args), env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    metrics, deadline = workdir / "metrics.jsonl", time.time() + 240
+    deadline = time.time() + 240
     while time.time() < deadline and process.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= min_step:
+        if logged_step(workdir) >= min_step:
             return process
         time.sleep(0.01)
     process.kill()
@@ -126,7 +135,7 @@ def test_one_task_per_node_drives_every_local_device(uninterrupted):
     assert sorted(line[0] for line in lines) == ["0", "1"], output[-4000:]
     assert all(line[2:] == ("4", "all", "8") for line in lines), lines
     assert re.search(r"mesh \{.*\} over 8 devices", output), output[-4000:]
-    assert sorted(run_losses) == list(range(1, 13))
+    assert sorted(run_losses) == list(range(1, STEPS + 1))
 
 
 def test_one_task_per_gpu_gets_its_own_gpu(tmp_path):
@@ -139,32 +148,32 @@ def test_one_task_per_gpu_gets_its_own_gpu(tmp_path):
     assert visible == {"0": "0", "1": "1"}, result.stdout[-4000:]
 
 
-def test_a_killed_task_then_the_same_command_resumes_exactly(tmp_path, uninterrupted):
-    env = sbatch_env(tmp_path)
-    process = start_sbatch(tmp_path / "run", env, min_step=3)
+def test_a_killed_task_then_a_time_limit_notice_and_the_requeued_job_resume_exactly(tmp_path, uninterrupted):
+    """A task killed (node 2 dies) ends the job; the same command resumes, until a time-limit notice makes it
+    checkpoint (the only checkpoint it saves) and requeue; the requeued job resumes from that checkpoint; the losses
+    equal the uninterrupted run's, step for step. (One job per interruption: the second resumes the first's run.)"""
+    env, run = sbatch_env(tmp_path), tmp_path / "run"
+    process = start_sbatch(run, env, min_step=3)
     os.kill(int((tmp_path / "pids").read_text().split()[1]), signal.SIGKILL)  # node 2 dies
     output, _ = process.communicate(timeout=120)
     assert process.returncode != 0, output[-4000:]  # srun --kill-on-bad-exit ended the other task
-    killed_at = max(losses(tmp_path / "run"))
-    assert killed_at < 12
-    result = run_sbatch(tmp_path / "run", env)
-    assert re.search(r"resumed from .*checkpoints/\d+", result.stdout), result.stdout[-4000:]
-    assert losses(tmp_path / "run") == uninterrupted[1]  # float equality, step for step
+    killed_at = max(losses(run))
+    assert killed_at < STEPS
 
-
-def test_time_limit_notice_checkpoints_and_requeues(tmp_path, uninterrupted):
-    env, no_periodic_saves = sbatch_env(tmp_path), "--checkpoint.every=1000"  # the stop saves the only checkpoint
-    process = start_sbatch(tmp_path / "run", env, 3, no_periodic_saves)
+    no_periodic_saves = "--checkpoint.every=1000"  # the stop saves the only checkpoint of this job
+    process = start_sbatch(run, env, killed_at + 1, no_periodic_saves)
     process.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 sends before the time limit
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output[-4000:]
+    assert re.search(r"resumed from .*checkpoints/\d+", output), output[-4000:]
     stops = re.findall(r"stop signal received: saving a checkpoint at step (\d+)", output)
     assert len(stops) == 2 and stops[0] == stops[1], output[-4000:]
+    assert killed_at < int(stops[0]) < STEPS
     assert (tmp_path / "scontrol.log").read_text() == f"requeue {env['SLURM_JOB_ID']}\n"
-    assert (tmp_path / "run" / "checkpoints" / stops[0] / "state").is_dir()
-    result = run_sbatch(tmp_path / "run", env, no_periodic_saves)  # the requeued job runs the same script again
+    assert (run / "checkpoints" / stops[0] / "state").is_dir()
+    result = run_sbatch(run, env, no_periodic_saves)  # the requeued job runs the same script again
     assert f"checkpoints/{stops[0]}" in result.stdout
-    assert losses(tmp_path / "run") == uninterrupted[1]
+    assert losses(run) == uninterrupted[1]  # float equality, step for step
 
 
 def test_slurm_settings_from_the_environment():
