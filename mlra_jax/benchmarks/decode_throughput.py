@@ -14,10 +14,9 @@ length, and times one decode step for the whole batch (tokens/s = batch / step t
   split per layer, per-layer caches updated in place), embedding to logits.
 
 --attention_impl auto (default) takes the Pallas kernels for the latent family's decode where they run
-(Hopper GPUs, TPUs) and XLA elsewhere (GQA too, until its kernel is timed: attention.gqa_kernel); pallas takes
-GQA's decode kernel as well (NVIDIA GPUs). On GPUs the step time is the profiler's span on
-device 0 (the wall time, the sum of all kernels and the top kernels are recorded too); elsewhere the median
-wall time.
+(Hopper GPUs, TPUs) and GQA's decode kernel on NVIDIA GPUs (attention.gqa_kernel), XLA elsewhere. On GPUs
+the step time is the profiler's span on device 0 (the wall time, the sum of all kernels and the top kernels are
+recorded too); elsewhere the median wall time.
 
 Every row gives its roofline on one device (benchmarks.roofline): the weight and cache bytes the device must read,
 the FLOPs it must do, the floor at the copy bandwidth and bf16 matrix rate measured in the same process, the step
@@ -319,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention_impl",
         default="auto",
         choices=("auto", "xla", "pallas"),
-        help="the latent family's and GQA's decode attention (auto: GQA on XLA)",
+        help="the latent family's and GQA's decode attention (auto: the Pallas kernels where they run)",
     )
     parser.add_argument(
         "--tp_reduce",
