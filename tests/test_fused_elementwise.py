@@ -191,7 +191,11 @@ def interpreted(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "dtype,scan_layers,rtol", [("float32", True, 2e-6), ("bfloat16", False, 2e-2)], ids=["f32-scanned", "bf16-unrolled"]
+    "dtype,scan_layers,rtol",
+    [
+        pytest.param("float32", True, 2e-6, id="f32-scanned"),
+        pytest.param("bfloat16", False, 2e-2, id="bf16-unrolled", marks=pytest.mark.slow),
+    ],
 )
 def test_the_model_trains_the_same_with_the_kernels(interpreted, dtype, scan_layers, rtol):
     """fused_elementwise=on: the loss and every gradient of a 2-layer GQA model equal those of XLA's path (in
@@ -201,11 +205,12 @@ def test_the_model_trains_the_same_with_the_kernels(interpreted, dtype, scan_lay
 
 def test_the_kernels_under_a_data_fsdp_tensor_mesh(interpreted):
     """On a (data 2, fsdp 2, tensor 2) mesh of 8 CPU devices each kernel runs on its device's sequences (the
-    SwiGLU's columns split over tensor): the float32 loss and gradients equal the unsharded XLA path's."""
+    SwiGLU's columns split over tensor; unrolled layers: the first norm without a branch): the float32 loss and
+    gradients equal the unsharded XLA path's."""
     if jax.device_count() < 8 or jax.default_backend() != "cpu":
         pytest.skip("runs on the 8 virtual CPU devices of the test suite")
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2), jax.devices()[:8])
-    assert_same_training(tiny(output_init="normal"), "on", rtol=2e-6, mesh=mesh)
+    assert_same_training(tiny(output_init="normal", scan_layers=False), "on", rtol=2e-6, mesh=mesh)
 
 
 def test_the_setting_takes_the_kernels_on_gpus_only(interpreted, monkeypatch, caplog):
@@ -249,6 +254,7 @@ def test_remat_policies_recompute_the_kernels(interpreted, remat):
     assert saved["on"] == saved["off"]
 
 
+@pytest.mark.slow  # compiles two train steps
 def test_the_interleaved_benchmark_compares_the_option_off_and_on(tmp_path, interpreted, monkeypatch):
     """`mlra bench interleaved --a=--model.fused_elementwise=off --b=--model.fused_elementwise=on`: both train steps
     compile and run on one state, the second on the kernels (traced: 2 norms per layer and the final one)."""
@@ -272,6 +278,27 @@ def test_the_interleaved_benchmark_compares_the_option_off_and_on(tmp_path, inte
     (result,) = json.loads(out.read_text())["results"]
     assert result["overrides"]["b"] == ["--model.fused_elementwise=on"] and result["b_over_a"] > 0
     assert len(traced) >= 3
+
+
+def test_the_elementwise_benchmark_times_the_same_passes_and_refuses_a_cpu(tmp_path, capsys, monkeypatch):
+    """`mlra bench elementwise`: each kernel pass (here in interpret mode, one tiling each) computes what XLA's does;
+    the kernels run on GPUs only, so the benchmark exits 2 here with the reason."""
+    from mlra_jax.benchmarks import elementwise
+
+    monkeypatch.setattr(elementwise, "NORM_TILINGS", (norms.Tiling(block_rows=2, programs=2),))
+    monkeypatch.setattr(elementwise, "SWIGLU_TILINGS", (swiglu_gpu.Tiling(block=64),))
+    outputs = {}
+    for item in elementwise.passes(rows=12, d=48, f=40, interpret=True):
+        outputs.setdefault(item.name, {})[item.path] = jax.jit(item.fn)(*item.args)
+        assert item.floor_bytes(12) == elementwise.FLOOR_BYTES_PER_ELEMENT[item.name] * item.elements * 12
+    assert set(outputs) == {"norm_fwd", "norm_bwd", "swiglu_fwd", "swiglu_bwd"}
+    for name, paths in outputs.items():
+        for got, want in zip(jax.tree.leaves(paths["kernel"]), jax.tree.leaves(paths["xla"])):
+            assert_close(got, want, BF16 if BF16 in (got.dtype, want.dtype) or "swiglu" in name else F32)
+    with pytest.raises(SystemExit) as exit_info:
+        elementwise.main([f"--out={tmp_path / 'x.json'}"])
+    assert exit_info.value.code == 2 and "run on NVIDIA GPUs" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
 
 
 # ----------------------------------------------------------------------------- on a GPU

@@ -5,11 +5,11 @@
 
 For each experiment's widths (d, f) at --tokens rows (24,576: the 8-layer proxies' batch 12 x 2048), each pass
 as the training step runs it, timed apart: the residual add with the RMSNorm after it (a float32 stream, a bf16
-branch and bf16 normed rows), forward and backward, and the SwiGLU product's backward (bf16), on XLA (jnp, as
-the model computes it: the backward from jax.vjp's saved residuals) and on the kernel for each tiling of the
-sweep. Each pass's time is the profiler's device span (median of --repeats), with its bytes at the floor (every
-operand read once, every result written once) over that time and the time over the floor at the measured copy
-bandwidth.
+branch and bf16 normed rows), forward and backward, and the SwiGLU product (bf16), forward (the model leaves it to
+XLA) and backward, on XLA (jnp, as the model computes it: the backward from jax.vjp's saved residuals) and on
+the kernel for each tiling of the sweep. Each pass's time is the profiler's device span (median of --repeats),
+with its bytes at the floor (every operand read once, every result written once) over that time and the time
+over the floor at the measured copy bandwidth.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ SWIGLU_TILINGS = tuple(
 )
 # Bytes per row at the floor: the norm's forward reads x (f32) and the branch (bf16) and writes the stream (f32) and
 # the normed row (bf16); its backward reads the normed row's cotangent (bf16), the stream and its cotangent (f32)
-# and writes the stream's (f32) and the branch's (bf16). The SwiGLU's backward reads gate, up and the product's
-# cotangent and writes two (bf16).
-FLOOR_BYTES_PER_ELEMENT = {"norm_fwd": 12, "norm_bwd": 16, "swiglu_bwd": 10}
+# and writes the stream's (f32) and the branch's (bf16). The SwiGLU's forward reads gate and up and writes the
+# product, its backward reads gate, up and the product's cotangent and writes two (bf16).
+FLOOR_BYTES_PER_ELEMENT = {"norm_fwd": 12, "norm_bwd": 16, "swiglu_fwd": 6, "swiglu_bwd": 10}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +82,7 @@ def passes(rows: int, d: int, f: int, interpret: bool = False) -> list[Pass]:
     result = [
         Pass("norm_fwd", "xla", xla_add_norm, norm_args, d),
         Pass("norm_bwd", "xla", *_backward_of(xla_add_norm, norm_args, (d_stream, d_normed)), d),
+        Pass("swiglu_fwd", "xla", swiglu_gpu.swiglu_reference, (gate, up), f),
         Pass("swiglu_bwd", "xla", *_backward_of(swiglu_gpu.swiglu_reference, (gate, up), d_out), f),
     ]
     for tiling in NORM_TILINGS:
@@ -92,6 +93,8 @@ def passes(rows: int, d: int, f: int, interpret: bool = False) -> list[Pass]:
         result.append(Pass("norm_bwd", "kernel", *_backward_of(kernel, norm_args, (d_stream, d_normed)), d, tiling))
     for tiling in SWIGLU_TILINGS:
         kernel = lambda g, u, tiling=tiling: swiglu_gpu.swiglu(g, u, tiling=tiling, interpret=interpret)
+        forward = lambda g, u, tiling=tiling: swiglu_gpu.swiglu_forward(g, u, tiling=tiling, interpret=interpret)
+        result.append(Pass("swiglu_fwd", "kernel", forward, (gate, up), f, tiling))
         result.append(Pass("swiglu_bwd", "kernel", *_backward_of(kernel, (gate, up), d_out), f, tiling))
     return result
 
