@@ -203,6 +203,14 @@ def test_the_model_trains_the_same_with_the_kernels(interpreted, dtype, scan_lay
     assert_same_training(tiny(compute_dtype=dtype, scan_layers=scan_layers, output_init="normal"), "on", rtol=rtol)
 
 
+@pytest.mark.slow
+def test_mlra4_trains_the_same_with_the_kernels(interpreted):
+    """The latent family's attention reads the normed rows in the compute dtype as GQA's does: MLRA-4's float32 loss
+    and gradients with the kernels equal XLA's path's."""
+    cfg = tiny_model("mlra4", n_layer=2, n_head=8, n_embd=64, intermediate_size=96, vocab_size=64)
+    assert_same_training(dataclasses.replace(cfg, output_init="normal"), "on", rtol=2e-6)
+
+
 def test_the_kernels_under_a_data_fsdp_tensor_mesh(interpreted):
     """On a (data 2, fsdp 2, tensor 2) mesh of 8 CPU devices each kernel runs on its device's sequences (the
     SwiGLU's columns split over tensor; unrolled layers: the first norm without a branch): the float32 loss and
