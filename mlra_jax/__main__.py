@@ -36,6 +36,7 @@ BENCHMARKS: dict[str, str] = {
     "throughput_figure": "the decoding-throughput study's figure from a decode_throughput record",
     "latent_kernel": "the Mosaic GPU latent decode kernel: self-check, tuning, bound",
     "row_products": "the batch-1 row kernels against XLA's GEMMs",
+    "elementwise": "training's fused norm and SwiGLU kernels against XLA's fusions (model.fused_elementwise)",
 }
 
 

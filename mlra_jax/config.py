@@ -27,6 +27,7 @@ LATENT_KEYS = ("auto", "product", "concat")
 FSDP_GATHER = ("auto", "step", "micro_batch")
 MATMUL_DTYPES = ("compute", "float8")  # compute: the compute dtype
 FP8_SCALINGS = ("delayed", "dynamic")
+FUSED_ELEMENTWISE = ("off", "auto", "on", "norms", "swiglu")
 # Fields that choose how a model runs, not what it computes: a run may resume with other values.
 RUNTIME_FIELDS = (
     "attention_impl",
@@ -37,6 +38,7 @@ RUNTIME_FIELDS = (
     "latent_keys",
     "matmul_dtype",
     "fp8_scaling",
+    "fused_elementwise",
 )
 
 
@@ -141,6 +143,11 @@ class ModelConfig:
     # fp8.HISTORY steps, kept in the train state and checkpoints; one pass over each tensor); "dynamic" from each
     # tensor's own absolute maximum (two passes, no state)
     fp8_scaling: str = dataclasses.field(default="delayed", metadata={"choices": FP8_SCALINGS})
+    # Training's elementwise passes on single-pass Pallas Triton kernels (mlra_jax.fused_elementwise), NVIDIA GPUs:
+    # "norms" each residual add with the RMSNorm after it (one pass forward, one backward), "swiglu" the SwiGLU's
+    # backward, "on" both; "auto" those measured faster (none yet); "off" XLA's fusions. Elsewhere XLA's ("on",
+    # "norms" and "swiglu" log one line)
+    fused_elementwise: str = dataclasses.field(default="off", metadata={"choices": FUSED_ELEMENTWISE})
 
     def __post_init__(self) -> None:
         _check_choice("variant", self.variant, VARIANTS)
@@ -160,6 +167,7 @@ class ModelConfig:
         _check_choice("latent_keys", self.latent_keys, LATENT_KEYS)
         _check_choice("matmul_dtype", self.matmul_dtype, MATMUL_DTYPES)
         _check_choice("fp8_scaling", self.fp8_scaling, FP8_SCALINGS)
+        _check_choice("fused_elementwise", self.fused_elementwise, FUSED_ELEMENTWISE)
         _require(
             self.matmul_dtype != "float8" or self.compute_dtype == "bfloat16",
             f"matmul_dtype='float8' trains with compute_dtype='bfloat16' (now {self.compute_dtype!r}); set "

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mlra_jax import fp8
+from mlra_jax import fp8, fused_elementwise
 from mlra_jax.config import ModelConfig
 from mlra_jax.platform import target_platform
 
@@ -154,6 +154,7 @@ class MLP(nnx.Module):
         self.up_proj = make_param(rngs, (d, f), ("embed", "mlp"), dense_init(cfg), cfg)
         self.down_proj = make_param(rngs, (f, d), ("mlp", "embed"), output_init(cfg), cfg)
         self.dtype = cfg.dtype
+        self.fused = cfg.fused_elementwise
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B, T, d] -> [B, T, d]. On GPUs one row (B = T = 1) runs through both products as ROW_COPIES rows,
@@ -164,7 +165,11 @@ class MLP(nnx.Module):
         x = row_copies(x)
         gate = project(x, self.gate_proj, "btd,df->btf", self.dtype)
         up = project(x, self.up_proj, "btd,df->btf", self.dtype)
-        return project(jax.nn.silu(gate) * up, self.down_proj, "btf,fd->btd", self.dtype)[:rows]
+        if "swiglu" in fused_elementwise.kernels(self.fused):
+            product = fused_elementwise.swiglu(gate, up)  # its backward on the kernel
+        else:
+            product = jax.nn.silu(gate) * up
+        return project(product, self.down_proj, "btf,fd->btd", self.dtype)[:rows]
 
 
 class Embed(nnx.Module):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mlra_jax import fp8
+from mlra_jax import fp8, fused_elementwise
 from mlra_jax.attention import attention_class
 from mlra_jax.attention.core import ATTENTION_INPUTS
 from mlra_jax.attention.fused import KERNEL_PRIMITIVES
@@ -25,10 +25,10 @@ from mlra_jax.sharding import constrain_batch
 
 
 def _dots_and_attention(prim: Any, *args: Any, **params: Any) -> bool:
-    """Keep the projections and the fused attention kernels' results: the backward reruns no kernel."""
-    return (
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
-        or prim.name in KERNEL_PRIMITIVES
+    """Keep the projections and the fused attention kernels' results: the backward reruns no attention kernel (the
+    fused elementwise kernels are recomputed, as XLA's fusions are)."""
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params) or (
+        prim.name in KERNEL_PRIMITIVES and not fused_elementwise.is_elementwise_kernel(params)
     )
 
 
@@ -61,6 +61,20 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         x = x + self.attn(self.attn_norm(x), positions, mask)
         return x + self.mlp(self.mlp_norm(x))
+
+    def fused(
+        self, carry: tuple[jax.Array, jax.Array | None], positions: jax.Array, mask: jax.Array | None, dtype: Any
+    ) -> tuple[jax.Array, jax.Array]:
+        """The block with each residual add fused into the norm after it (fused_elementwise "norms"): carry is the
+        stream and the branch still to be added to it (the previous layer's MLP output; None or zeros before the
+        first layer); returns the stream after the attention's add and this layer's MLP output. The normed rows
+        come out in the compute dtype `dtype`, which every product casts them to."""
+        x, pending = carry
+        x, h = fused_elementwise.add_rms_norm(x, pending, self.attn_norm.scale[...], self.attn_norm.eps, dtype)
+        x, h = fused_elementwise.add_rms_norm(
+            x, self.attn(h, positions, mask), self.mlp_norm.scale[...], self.mlp_norm.eps, dtype
+        )
+        return x, self.mlp(h)
 
     def cached(
         self,
@@ -108,8 +122,21 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = default_positions(tokens)
         x = constrain_batch(self.embed(tokens))
+        if "norms" in fused_elementwise.kernels(self.config.fused_elementwise):
+            return self._fused_hidden(x, positions, mask)
         x, _ = self.run_layers(x, lambda block, h, _: (block(h, positions, mask), None))
         return self.final_norm(x)
+
+    def _fused_hidden(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None) -> jax.Array:
+        """hidden's layers with the residual adds fused into the norms (Block.fused): scanned layers carry a zero
+        branch into the first, unrolled ones none; the last layer's MLP output is added by the final norm."""
+        pending = jnp.zeros(x.shape, self.config.dtype) if self.config.scan_layers else None
+        dtype = self.config.dtype
+        (x, pending), _ = self.run_layers(
+            (x, pending), lambda block, carry, _: (block.fused(carry, positions, mask, dtype), None)
+        )
+        final = self.final_norm
+        return fused_elementwise.add_rms_norm(x, pending, final.scale[...], final.eps)[1]
 
     def forward_cached(
         self, tokens: jax.Array, state: DecodeState, absorbed: bool = True
@@ -130,10 +157,10 @@ class Transformer(nnx.Module):
         return logits, dataclasses.replace(state, kv=kv, index=state.index + tokens.shape[1])
 
     def run_layers(
-        self, x: jax.Array, apply: Callable[[Block, jax.Array, Any], tuple[jax.Array, Any]], xs: Any = None
-    ) -> tuple[jax.Array, Any]:
-        """Thread x through the layers, `(x, y) = apply(block, x, xs[layer])` at each, scanned or
-        unrolled; returns x and the ys stacked over layers."""
+        self, x: Any, apply: Callable[[Block, Any, Any], tuple[Any, Any]], xs: Any = None
+    ) -> tuple[Any, Any]:
+        """Thread x (an array, or a tuple of them) through the layers, `(x, y) = apply(block, x, xs[layer])` at
+        each, scanned or unrolled; returns x and the ys stacked over layers."""
         graphdef, state = nnx.split(self.blocks)
         histories = fp8.stacked_histories()  # FP8 amax histories of the blocks' projections (delayed scaling)
         histories = None if histories is None else histories["blocks"]
@@ -143,7 +170,7 @@ class Transformer(nnx.Module):
             block = nnx.merge(graphdef, layer_state)
             with fp8.block_histories(block, layer_histories):
                 h, ys = apply(block, h, layer_xs)
-            return constrain_batch(h), ys
+            return jax.tree.map(constrain_batch, h), ys
 
         if self.config.remat in REMAT_POLICIES:  # "auto" is resolved by the trainer (training.remat_choice)
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.config.remat])

@@ -11,6 +11,10 @@ GQA decode attention (MHA, MQA, GQA):
   * gqa_decode_gpu           Pallas Triton flash-decoding over the cache as stored, with its jnp reference; run by
                              attention_impl="pallas" on NVIDIA GPUs (mlra_jax.attention.gqa_kernel).
 
+Training's elementwise passes (run by model.fused_elementwise: mlra_jax.fused_elementwise), Pallas Triton:
+  * add_rms_norm_gpu         the residual add with the RMSNorm after it, one pass forward and one backward;
+  * swiglu_gpu               the SwiGLU product's backward (and forward) in one pass.
+
 Training attention:
   * mlra_attention_gpu       MLRA's causal forward in Pallas Mosaic GPU (the RoPE scores shared by the branches),
                              with its jnp reference; tested in GPU interpret mode on CPU, timed on an H100 by
