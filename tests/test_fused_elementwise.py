@@ -224,7 +224,8 @@ def test_the_kernels_under_a_data_fsdp_tensor_mesh(interpreted):
 def test_the_setting_takes_the_kernels_on_gpus_only(interpreted, monkeypatch, caplog):
     assert fused_elementwise.kernels("on") == {"norms", "swiglu"}
     assert fused_elementwise.kernels("swiglu") == {"swiglu"} and fused_elementwise.kernels("off") == set()
-    assert fused_elementwise.kernels("auto") == fused_elementwise.AUTO_KERNELS == set()  # until a GPU A/B
+    assert fused_elementwise.kernels("auto") == fused_elementwise.AUTO_KERNELS == {"norms", "swiglu"}  # H100 A/B
+    assert tiny().fused_elementwise == "auto"  # the default
     monkeypatch.setattr(fused_elementwise, "INTERPRET", False)  # this CPU as it is
     fused_elementwise.log_once.cache_clear()
     with caplog.at_level(logging.INFO, logger="mlra_jax.fused_elementwise"):
