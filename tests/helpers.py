@@ -161,3 +161,23 @@ def first_batch_loss(run_dir, experiment) -> float:
     )
     graphdef, params = nnx.split(model, nnx.Param)
     return float(jax.jit(loss_fn, static_argnums=0)(graphdef, nnx.to_pure_dict(params), first))
+
+
+def loss_and_grads(cfg, tokens, mesh=None):
+    """The training loss of a fresh model of `cfg` (seed 0) on `tokens` and its gradients, jitted; under `mesh` with
+    the parameters and tokens sharded as the trainer shards them."""
+    from flax import nnx
+
+    from mlra_jax.model import init_model
+    from mlra_jax.params import logical_axes
+    from mlra_jax.sharding import batch_sharding, tree_shardings
+    from mlra_jax.training.step import loss_fn
+
+    model = init_model(cfg, seed=0)
+    graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    value_and_grad = jax.jit(jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t)))
+    if mesh is None:
+        return value_and_grad(params, tokens)
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, tree_shardings(params, logical_axes(model), mesh))
+        return value_and_grad(params, jax.device_put(tokens, batch_sharding(mesh)))

@@ -7,17 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-from helpers import on_gpu
+from helpers import loss_and_grads, on_gpu
 from mlra_jax.experiments.tiny import tiny_model
 
 from mlra_jax.attention import fused
 from mlra_jax.attention.core import attention
 from mlra_jax.config import MeshConfig
-from mlra_jax.model import init_model
-from mlra_jax.params import logical_axes
-from mlra_jax.sharding import batch_sharding, make_mesh, tree_shardings
-from mlra_jax.training.step import loss_fn
+from mlra_jax.sharding import make_mesh
 from mlra_jax.variants import VARIANTS
 
 
@@ -93,14 +89,7 @@ def tiny(variant, **changes):
 
 
 def model_loss_and_grads(cfg, impl, tokens, mesh=None):
-    model = init_model(dataclasses.replace(cfg, attention_impl=impl), seed=0)
-    graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    value_and_grad = jax.jit(jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t)))
-    if mesh is None:
-        return value_and_grad(params, tokens)
-    with jax.set_mesh(mesh):
-        params = jax.device_put(params, tree_shardings(params, logical_axes(model), mesh))
-        return value_and_grad(params, jax.device_put(tokens, batch_sharding(mesh)))
+    return loss_and_grads(dataclasses.replace(cfg, attention_impl=impl), tokens, mesh)
 
 
 def assert_model_matches(cfg, impl, tokens, loss_rtol, grad_rtol, mesh=None):

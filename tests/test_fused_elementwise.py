@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import on_gpu
+from helpers import loss_and_grads, on_gpu
 from jax._src.ad_checkpoint import saved_residuals
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.pallas_kernels import add_rms_norm_gpu as norms
@@ -20,10 +20,8 @@ from mlra_jax.pallas_kernels import swiglu_gpu
 
 from mlra_jax import fused_elementwise
 from mlra_jax.config import ConfigError, MeshConfig
-from mlra_jax.model import REMAT_POLICIES, Block, default_positions, init_model
-from mlra_jax.params import logical_axes
-from mlra_jax.sharding import batch_sharding, make_mesh, tree_shardings
-from mlra_jax.training.step import loss_fn
+from mlra_jax.model import REMAT_POLICIES, Block, default_positions
+from mlra_jax.sharding import make_mesh
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 EPS = 1e-6
@@ -159,17 +157,6 @@ def tiny(**changes):
     return tiny_model(
         "gqa", **{"n_layer": 2, "n_head": 4, "n_embd": 64, "intermediate_size": 96, "vocab_size": 64, **changes}
     )
-
-
-def loss_and_grads(cfg, tokens, mesh=None):
-    model = init_model(cfg, seed=0)
-    graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    value_and_grad = jax.jit(jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t)))
-    if mesh is None:
-        return value_and_grad(params, tokens)
-    with jax.set_mesh(mesh):
-        params = jax.device_put(params, tree_shardings(params, logical_axes(model), mesh))
-        return value_and_grad(params, jax.device_put(tokens, batch_sharding(mesh)))
 
 
 def assert_same_training(cfg, setting, rtol, mesh=None):
