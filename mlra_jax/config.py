@@ -37,6 +37,7 @@ RUNTIME_FIELDS = (
     "latent_keys",
     "matmul_dtype",
     "fp8_scaling",
+    "fp8_attention",
 )
 
 
@@ -141,6 +142,11 @@ class ModelConfig:
     # fp8.HISTORY steps, kept in the train state and checkpoints; one pass over each tensor); "dynamic" from each
     # tensor's own absolute maximum (two passes, no state)
     fp8_scaling: str = dataclasses.field(default="delayed", metadata={"choices": FP8_SCALINGS})
+    # With float8 and delayed scaling, the training attention core of layers whose queries, keys and values are
+    # 128 wide runs on cuDNN's FP8 flash attention (mlra_jax.fp8_attention; Hopper GPUs, sequences of multiples
+    # of 128), with amax histories in the train state; false keeps it in the compute dtype (the projections
+    # stay FP8)
+    fp8_attention: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("variant", self.variant, VARIANTS)
