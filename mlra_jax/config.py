@@ -143,7 +143,7 @@ class ModelConfig:
     # tensor's own absolute maximum (two passes, no state)
     fp8_scaling: str = dataclasses.field(default="delayed", metadata={"choices": FP8_SCALINGS})
     # With float8 and delayed scaling, the training attention core of layers whose queries, keys and values are
-    # 128 wide runs on cuDNN's FP8 flash attention (mlra_jax.fp8_attention; Hopper GPUs, sequences of multiples
+    # 128 wide runs on cuDNN's FP8 flash attention (attention.fp8_attention; Hopper GPUs, sequences of multiples
     # of 128), with amax histories in the train state; false keeps it in the compute dtype (the projections
     # stay FP8)
     fp8_attention: bool = True

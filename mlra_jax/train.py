@@ -108,7 +108,8 @@ def initialize_distributed(args: argparse.Namespace) -> None:
 
 
 def dry_run(experiment: Experiment, compile_step: bool) -> None:
-    from mlra_jax import fp8, fp8_attention
+    from mlra_jax import fp8
+    from mlra_jax.attention import fp8_attention
     from mlra_jax.data.pipeline import check_data
     from mlra_jax.training.state import build_setup, compiled_memory, fsdp_gather, memory_estimate
 

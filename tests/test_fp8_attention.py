@@ -1,8 +1,9 @@
-"""FP8 training attention (mlra_jax.fp8_attention) on the CPU, where the jnp reference of cuDNN's FP8 graphs stands in
-for the kernels (INTERPRET): its output and gradients against float32 attention within FP8's rounding, the scales
-from the history and the history's update, the sharding around the kernels, a GQA train step with its attention
-in FP8 (histories in the train state, micro-batches merged, old checkpoints restored) and where the attention stays
-in the compute dtype. The GPU tests run cuDNN's FP8 attention against the reference and in a GQA train step."""
+"""FP8 training attention (mlra_jax.attention.fp8_attention) on the CPU, where the jnp reference of cuDNN's FP8
+graphs stands in for the kernels (INTERPRET): its output and gradients against float32 attention within FP8's
+rounding, the scales from the history and the history's update, the sharding around the kernels, a GQA train step
+with its attention in FP8 (histories in the train state, micro-batches merged, old checkpoints restored) and where
+the attention stays in the compute dtype. The GPU tests run cuDNN's FP8 attention against the reference and in a
+GQA train step."""
 
 import dataclasses
 import logging
@@ -16,7 +17,8 @@ from flax import nnx, traverse_util
 from helpers import SMALL_VOCAB, micro_experiment, on_gpu
 from mlra_jax.experiments.tiny import tiny_model
 
-from mlra_jax import fp8, fp8_attention
+from mlra_jax import fp8
+from mlra_jax.attention import fp8_attention
 from mlra_jax.attention.core import causal_mask, xla_attention
 from mlra_jax.attention.fused import kernels_chosen
 from mlra_jax.model import fp8_histories, init_model
@@ -297,7 +299,7 @@ def _fallback_logs(caplog, cfg, length: int, histories=True):
     graphdef, params = _split(cfg)
     tokens = jax.random.randint(jax.random.key(3), (2, length + 1), 0, cfg.vocab_size)
     grad = jax.grad(lambda p, h: loss_fn(graphdef, p, tokens, training=True, histories=h), argnums=1)
-    with caplog.at_level(logging.WARNING, logger="mlra_jax.fp8_attention"), kernels_chosen() as chosen:
+    with caplog.at_level(logging.WARNING, logger="mlra_jax.attention.fp8_attention"), kernels_chosen() as chosen:
         updated = grad(params, fp8_histories(cfg) if histories else {})
     return updated, chosen
 

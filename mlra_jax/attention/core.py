@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from mlra_jax import fp8_attention
+from mlra_jax.attention import fp8_attention
 from mlra_jax.attention.fused import choose, record
 from mlra_jax.attention.latent_kernels import latent_decode_attention, use_kernel
 from mlra_jax.layers import einsum
@@ -94,7 +94,7 @@ def attention(
     'cudnn' / 'splash' (that kernel or an error), 'pallas' (the decode kernels; full sequences as 'auto'),
     'mlra_kernel' (MLRA's absorbed training attention on our kernel, attention.mlra_kernel; here as 'auto').
     In an FP8 train step with delayed scaling, a call that cuDNN's FP8 attention can train runs on it
-    (mlra_jax.fp8_attention) under every impl but 'xla' and 'splash'.
+    (mlra_jax.attention.fp8_attention) under every impl but 'xla' and 'splash'.
     """
     # named for the remat policies that keep the kernel's inputs (dots_attn_kv, dots_attn_qkv: model.REMAT_POLICIES)
     q, k, v = (checkpoint_name(x, name) for x, name in zip((q, k, v), ATTENTION_INPUTS))

@@ -5,7 +5,7 @@
 For each experiment's attention layer (its heads and key / value widths, sequences of its length):
 
 * cuDNN's flash attention, causal, forward and forward + backward, bf16: what `attention_impl=auto` runs;
-* `cudnn_fp8`: cuDNN's FP8 flash attention as a float8 train step runs it (`mlra_jax.fp8_attention`: the e4m3
+* `cudnn_fp8`: cuDNN's FP8 flash attention as a float8 train step runs it (`mlra_jax.attention.fp8_attention`: the e4m3
   quantizing passes, delayed scaling from an amax history that a first call filled, the outputs dequantized),
   causal, forward and forward + backward, beside cuDNN's bf16 on the same call with the layer's own KV heads
   (GQA's groups); each FP8 row holds its errors against the bf16 call's output or gradients and its speed-up;
@@ -147,7 +147,7 @@ def fp8_rows(model: ModelConfig, row: Callable[..., dict[str, Any]], batch: int,
     """cuDNN's FP8 attention (fp8_attention.fp8_attention) and cuDNN's bf16 on the same causal call, forward and
     forward + backward, with the layer's KV heads; the FP8 rows hold their errors against bf16's and their
     speed-ups. The FP8 scales come from the history that one call on these inputs filled."""
-    from mlra_jax import fp8_attention
+    from mlra_jax.attention import fp8_attention
 
     heads, dk, dv = attention_class(model.variant).core_shape(model)
     kv_heads = model.n_kv_head if model.spec.kv_heads is not None else heads
