@@ -23,8 +23,8 @@ Micro-batches that started from the same history combine their updated histories
 The train state holds the histories of the stacked blocks' projections nested like their parameters
 (model.fp8_histories); the layer loop hands each block its layer's (block_histories), and a projection finds
 its history by its parameter, so the modules hold no FP8 state. Other FP8 sites of a block (the training
-attention, mlra_jax.attention.fp8_attention) keep a history of their own rows under their module's path and a name of
-their own (site_history).
+attention core, mlra_jax.attention.fp8_attention) keep a history of rows of their own under their module's
+path and a name of their own (module_site, site_history).
 
 Only training takes this path (the loss function turns it on); evaluation, decoding and export run in
 the compute dtype. A backend without FP8 GEMMs (a CPU, a GPU before compute capability 8.9) is reported

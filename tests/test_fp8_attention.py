@@ -445,6 +445,21 @@ def test_cudnn_fp8_attention_is_the_reference(kv_heads, monkeypatch):
 
 
 @on_gpu
+def test_cudnn_fp8_attention_saturates_values_above_the_historys_amaxes(monkeypatch):
+    """A history below this step's amaxes (they grow between steps) saturates O, dS, dQ, dK and dV at e4m3's
+    largest value inside the kernels, as the reference does, instead of overflowing to NaN."""
+    _needs_cudnn_fp8()
+    q, k, v, do = _inputs(2, batch=2, length=256, heads=8, seed=5)
+    low = _calibrated(q, k, v, do) * 0.5
+    got = jax.jit(_fp8_vjp)(q, k, v, do, low)
+    assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in got), "cuDNN's FP8 conversions overflowed"
+    monkeypatch.setattr(fp8_attention, "INTERPRET", True)
+    want = jax.jit(_fp8_vjp)(q, k, v, do, low)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got[:4], want[:4]):
+        assert relative(g, w.astype(jnp.float32)) < 0.1, name
+
+
+@on_gpu
 def test_a_gqa_step_runs_cudnn_fp8_attention():
     """On a Hopper GPU a GQA step's attention core is cuDNN's FP8 forward and backward custom calls; a step fills
     the site's history and the loss stays near bf16's."""
