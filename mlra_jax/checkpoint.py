@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 
 
 # Top-level state entries that are disposable: the FP8 amax histories. A checkpoint that lacks them (saved with
-# another model.matmul_dtype or fp8_scaling), or holds them in another layout (another history length, other
-# projections) or where the run now keeps none, restores without them: the caller starts them fresh.
+# another model.matmul_dtype or fp8_scaling), or where the run now keeps none, restores without them; one that
+# holds them in another layout (another history length, other sites) restores those of the same path and shape
+# (a state saved before the attention cores had histories: its projections'): the caller starts the rest fresh.
 OPTIONAL_ENTRIES = ("fp8",)
 
 
@@ -51,6 +52,20 @@ def saved_layout(state_dir: epath.Path) -> dict[str, dict[tuple[str, ...], tuple
 def _layout(tree: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {tuple(str(getattr(k, "key", k)) for k in path): tuple(getattr(leaf, "shape", ())) for path, leaf in leaves}
+
+
+def _matching(tree: dict[str, Any], saved: dict[tuple[str, ...], tuple[int, ...]], prefix: tuple = ()) -> dict:
+    """The nested dict `tree` (of arrays or ShapeDtypeStructs) with only the leaves that `saved` ({leaf path:
+    shape}) holds at the same path with the same shape."""
+    kept = {}
+    for key, value in tree.items():
+        path = (*prefix, str(key))
+        if isinstance(value, dict):
+            if inner := _matching(value, saved, path):
+                kept[key] = inner
+        elif saved.get(path) == tuple(value.shape):
+            kept[key] = value
+    return kept
 
 
 def params_mismatch(
@@ -178,9 +193,10 @@ class Checkpointer:
 
     def restore_step(self, step: int, abstract_state: dict[str, Any]) -> tuple[int, Any, dict[str, Any]]:
         """`abstract_state` may hold only some top-level entries ({"params": ...} for serving): only those
-        are read. Of them, an OPTIONAL entry that the checkpoint lacks or holds in another layout than
-        `abstract_state`'s (FP8 histories of another length or other projections, or where the run keeps none now)
-        is left out of the restored state (logged), for the caller to make fresh; any other is an error."""
+        are read. Of them, an OPTIONAL entry that the checkpoint lacks is left out of the restored state; one it
+        holds in another layout than `abstract_state`'s (FP8 histories of another length or of other sites, or
+        where the run keeps none now) holds only the arrays saved at the same path with the same shape, or is left
+        out where none is (logged): the caller makes the rest fresh. A missing entry of another kind is an error."""
         saved = saved_layout(self.directory / str(step) / "state")
         missing = sorted(set(abstract_state) - set(saved) - set(OPTIONAL_ENTRIES))
         if missing:
@@ -189,15 +205,18 @@ class Checkpointer:
         mismatch = params_mismatch(saved["params"], _layout(abstract_state["params"])) if both else None
         if mismatch:  # another model: refused before Orbax starts reading arrays
             raise ValueError(mismatch)
-        wanted, dropped = {}, []
+        wanted, dropped, partial = {}, [], []
         for name, tree in abstract_state.items():
             if name not in saved:
                 continue
             if name in OPTIONAL_ENTRIES and _layout(tree) != saved[name]:
-                dropped.append(name)
+                kept = _matching(tree, saved[name]) if isinstance(tree, dict) else {}
+                (partial if kept else dropped).append(name)
+                if kept:
+                    wanted[name] = kept
                 continue
             wanted[name] = tree
-        if set(wanted) == set(saved):
+        if set(wanted) == set(saved) and not partial:
             restored = self.manager.restore(
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(wanted), metadata=ocp.args.JsonRestore())
             )
@@ -219,6 +238,16 @@ class Checkpointer:
                 )
             finally:
                 handler.close()
+        for name in partial:
+            log.info(
+                "checkpoint %d holds %s of another layout than this run keeps (%d arrays, now %d): restored the %d "
+                "of the same path and shape; the others start fresh",
+                step,
+                name,
+                len(saved[name]),
+                len(_layout(abstract_state[name])),
+                len(_layout(wanted[name])),
+            )
         for name in dropped:
             log.info(
                 "checkpoint %d holds %s of another layout than this run keeps (%d arrays, now %d; a changed "

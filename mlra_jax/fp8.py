@@ -22,7 +22,9 @@ row 1 the weight w, row 2 the output gradient, newest amax first. The history is
 Micro-batches that started from the same history combine their updated histories with `merge_histories`.
 The train state holds the histories of the stacked blocks' projections nested like their parameters
 (model.fp8_histories); the layer loop hands each block its layer's (block_histories), and a projection finds
-its history by its parameter, so the modules hold no FP8 state.
+its history by its parameter, so the modules hold no FP8 state. Other FP8 sites of a block (the training
+attention core, mlra_jax.attention.fp8_attention) keep a history of rows of their own under their module's
+path and a name of their own (module_site, site_history).
 
 Only training takes this path (the loss function turns it on); evaluation, decoding and export run in
 the compute dtype. A backend without FP8 GEMMs (a CPU, a GPU before compute capability 8.9) is reported
@@ -52,6 +54,7 @@ _MAX = {E4M3: float(jnp.finfo(E4M3).max), E5M2: float(jnp.finfo(E5M2).max)}  # 4
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("mlra_jax_fp8_matmuls", default=False)
 _STACKED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("mlra_jax_fp8_histories", default=None)
 _SITES: contextvars.ContextVar[_Sites | None] = contextvars.ContextVar("mlra_jax_fp8_sites", default=None)
+_MODULE: contextvars.ContextVar[Any] = contextvars.ContextVar("mlra_jax_fp8_module", default=None)
 # "bt<contracted>,<contracted><out>->bt<out>": x's leading batch and time axes, its other axes contracted
 _PROJECTION = re.compile(r"^bt(\w+),(\w+)->bt(\w+)$")
 HISTORY = 1  # the amax history's length, in steps: the previous step's (docs/performance.md has the loss study)
@@ -64,9 +67,13 @@ def scale_of(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return jnp.where(amax > 0, amax / _MAX[dtype], 1.0)
 
 
-def new_history(length: int | None = None) -> jax.Array:
-    """A fresh amax history [3, length] (rows: x, w, the output gradient): zeros, so the first step's scale is 1."""
-    return jnp.zeros((3, length or HISTORY), jnp.float32)
+PROJECTION_ROWS = 3  # a projection's history rows: x, w, the output gradient
+
+
+def new_history(length: int | None = None, rows: int = PROJECTION_ROWS) -> jax.Array:
+    """A fresh amax history [rows, length] (a projection's rows: x, w, the output gradient): zeros, so the first
+    step's scale is 1."""
+    return jnp.zeros((rows, length or HISTORY), jnp.float32)
 
 
 def scale_from_history(history_row: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -199,26 +206,30 @@ def stacked_histories() -> dict[str, Any] | None:
 
 @dataclasses.dataclass
 class _Sites:
-    """One block's projection sites while it is traced: its parameters' paths by identity, their histories, and
-    the paths whose product took the FP8 path."""
+    """One block's FP8 sites while it is traced: its parameters' and modules' paths by identity, their
+    histories, and the rows of the history of each site that took the FP8 path, by path."""
 
     paths: dict[int, tuple[str, ...]]
     histories: dict[tuple[str, ...], jax.Array]
-    taken: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
+    taken: dict[tuple[str, ...], int] = dataclasses.field(default_factory=dict)
 
 
-def _param_paths(block: nnx.Module) -> dict[int, tuple[str, ...]]:
-    return {id(node): tuple(map(str, path)) for path, node in nnx.iter_graph(block) if isinstance(node, nnx.Param)}
+def _node_paths(block: nnx.Module) -> dict[int, tuple[str, ...]]:
+    return {
+        id(node): tuple(map(str, path))
+        for path, node in nnx.iter_graph(block)
+        if isinstance(node, (nnx.Param, nnx.Module))
+    }
 
 
 @contextlib.contextmanager
 def block_histories(block: nnx.Module, histories: dict[str, Any] | None) -> Iterator[None]:
-    """Inside: the projections of `block` (one layer) read their amax history from `histories` (nested like the
+    """Inside: the FP8 sites of `block` (one layer) read their amax history from `histories` (nested like the
     block's parameters; None: dynamic scaling)."""
     if histories is None:
         yield
         return
-    with _tracing(_Sites(_param_paths(block), traverse_util.flatten_dict(histories))):
+    with _tracing(_Sites(_node_paths(block), traverse_util.flatten_dict(histories))):
         yield
 
 
@@ -230,25 +241,62 @@ def project_param(x: jax.Array, kernel: nnx.Param, spec: str, dtype: jnp.dtype) 
     history = sites.histories.get(path) if path is not None else None
     product = fp8_project(x, kernel[...], spec, dtype, history)
     if product is not None and path is not None:
-        sites.taken.add(path)
+        sites.taken[path] = PROJECTION_ROWS
     return product
 
 
-def history_paths(block: nnx.Module, *inputs: Any) -> list[tuple[str, ...]]:
-    """The paths of the parameters of `block` (abstract or not) whose products take the FP8 path when it runs on
-    `inputs` (arrays or ShapeDtypeStructs; traced abstractly: nothing is computed)."""
+@contextlib.contextmanager
+def module_site(module: nnx.Module) -> Iterator[None]:
+    """Inside: FP8 sites that are not projections (site_history) belong to `module`."""
+    token = _MODULE.set(module)
+    try:
+        yield
+    finally:
+        _MODULE.reset(token)
+
+
+def site_module() -> nnx.Module | None:
+    """The module of the enclosing module_site (None outside one)."""
+    return _MODULE.get()
+
+
+def site_path(name: str) -> tuple[str, ...] | None:
+    """The path in its block's histories of the site `name` of the enclosing module_site's module: the module's
+    path, then `name` (which no parameter of the module has); None outside a block's sites."""
+    sites, module = _SITES.get(), _MODULE.get()
+    path = sites.paths.get(id(module)) if sites is not None and module is not None else None
+    return None if path is None else (*path, name)
+
+
+def site_history(name: str, rows: int) -> jax.Array | None:
+    """The amax history [rows, H] of the site `name` of the enclosing module_site's module, recorded as taking the
+    FP8 path (history_rows); None where its block has none (dynamic scaling, outside a block, a history that
+    history_rows did not make)."""
+    path = site_path(name)
+    if path is None:
+        return None
+    sites = _SITES.get()
+    sites.taken[path] = rows
+    history = sites.histories.get(path)
+    return history if history is not None and history.shape[0] == rows else None
+
+
+def history_rows(block: nnx.Module, *inputs: Any) -> dict[tuple[str, ...], int]:
+    """The FP8 sites of `block` (abstract or not) that take the FP8 path when it runs on `inputs` (arrays or
+    ShapeDtypeStructs; traced abstractly: nothing is computed): their paths (a projection's is its parameter's)
+    and their histories' rows."""
     graphdef, state = nnx.split(block)
-    taken: set[tuple[str, ...]] = set()
+    taken: dict[tuple[str, ...], int] = {}
 
     def run(state: Any, *inputs: Any) -> None:
         traced = nnx.merge(graphdef, state)
-        sites = _Sites(_param_paths(traced), {})
+        sites = _Sites(_node_paths(traced), {})
         with matmuls(True), _tracing(sites):
             traced(*inputs)
         taken.update(sites.taken)
 
     jax.eval_shape(run, state, *inputs)
-    return sorted(taken)
+    return dict(sorted(taken.items()))
 
 
 @contextlib.contextmanager
@@ -260,10 +308,12 @@ def _tracing(sites: _Sites) -> Iterator[None]:
         _SITES.reset(token)
 
 
-def fresh_histories(paths: list[tuple[str, ...]], layers: int, length: int | None = None) -> dict[str, Any]:
-    """Zero amax histories [layers, 3, length] for the projections at `paths`, nested like the parameters."""
-    shape = (layers, 3, length or HISTORY)
-    return traverse_util.unflatten_dict({path: jnp.zeros(shape, jnp.float32) for path in paths})
+def fresh_histories(rows: dict[tuple[str, ...], int], layers: int, length: int | None = None) -> dict[str, Any]:
+    """Zero amax histories [layers, rows, length] for the sites at the paths of `rows` (history_rows), nested like
+    the parameters."""
+    return traverse_util.unflatten_dict(
+        {path: jnp.zeros((layers, n, length or HISTORY), jnp.float32) for path, n in rows.items()}
+    )
 
 
 # An amax above this is no tensor's of a training run (the loss would have overflowed long before): a restored
@@ -272,7 +322,7 @@ AMAX_LIMIT = 2.0**64
 
 
 def damaged_histories(histories: dict[str, Any]) -> list[str]:
-    """The dotted names of the histories (arrays [layers, 3, H], nested) that hold a NaN, an inf, a negative value
+    """The dotted names of the histories (arrays [layers, rows, H], nested) that hold a NaN, an inf, a negative value
     or an amax above AMAX_LIMIT; only the verdicts come to the host."""
     flat = traverse_util.flatten_dict(histories)
     return [
@@ -280,6 +330,19 @@ def damaged_histories(histories: dict[str, Any]) -> list[str]:
         for path, history in flat.items()
         if not bool(jnp.all(jnp.isfinite(history) & (history >= 0) & (history <= AMAX_LIMIT)))
     ]
+
+
+def history_names(histories: dict[str, Any]) -> list[str]:
+    """The dotted names of the histories (nested), as damaged_histories gives them."""
+    return [".".join(map(str, path)) for path in traverse_util.flatten_dict(histories)]
+
+
+def completed_histories(restored: dict[str, Any], fresh: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """`fresh` (every site's, nested) with the histories that `restored` holds in their place, and the dotted names
+    of those that stay fresh."""
+    kept, flat = traverse_util.flatten_dict(restored), traverse_util.flatten_dict(fresh)
+    merged = {path: kept.get(path, history) for path, history in flat.items()}
+    return traverse_util.unflatten_dict(merged), [".".join(map(str, p)) for p in flat if p not in kept]
 
 
 def reset_histories(histories: dict[str, Any], names: list[str]) -> dict[str, Any]:
@@ -323,15 +386,17 @@ def training_matmuls(matmul_dtype: str, device: jax.Device | None = None) -> boo
 
 
 def describe_histories(histories: dict[str, Any]) -> str:
-    """One line on a train state's amax histories (arrays or ShapeDtypeStructs [layers, 3, H] per projection)."""
+    """One line on a train state's amax histories (arrays or ShapeDtypeStructs [layers, rows, H] per site)."""
     leaves = jax.tree.leaves(histories)
     if not leaves:
         return "FP8 amax histories: none"
     layers, _, length = leaves[0].shape
-    return (
-        f"FP8 amax histories: {len(leaves)} projections x {layers} layers x 3 tensors (x, w, gradient) x {length} "
-        "steps, in the train state and its checkpoints, replicated"
-    )
+    projections = sum(leaf.shape[1] == PROJECTION_ROWS for leaf in leaves)
+    others = [leaf.shape[1] for leaf in leaves if leaf.shape[1] != PROJECTION_ROWS]
+    sites = f"{projections} projections x {layers} layers x 3 tensors (x, w, gradient)"
+    if others:
+        sites += f" and {len(others)} attention cores x {layers} layers x {others[0]} tensors"
+    return f"FP8 amax histories: {sites} x {length} steps, in the train state and its checkpoints, replicated"
 
 
 def describe(matmul_dtype: str, device: jax.Device | None = None, *, scaling: str = "delayed") -> str:

@@ -162,7 +162,7 @@ class Transformer(nnx.Module):
         """Thread x (an array, or a tuple of them) through the layers, `(x, y) = apply(block, x, xs[layer])` at
         each, scanned or unrolled; returns x and the ys stacked over layers."""
         graphdef, state = nnx.split(self.blocks)
-        histories = fp8.stacked_histories()  # FP8 amax histories of the blocks' projections (delayed scaling)
+        histories = fp8.stacked_histories()  # FP8 amax histories of the blocks' sites (delayed scaling)
         histories = None if histories is None else histories["blocks"]
 
         def layer(h: jax.Array, inputs: Any) -> tuple[jax.Array, Any]:
@@ -203,14 +203,16 @@ def abstract_model(cfg: ModelConfig) -> Transformer:
 
 
 def fp8_histories(cfg: ModelConfig) -> dict[str, Any]:
-    """Fresh FP8 amax histories of the projections that take FP8 GEMMs, {"blocks": nested like the blocks'
-    parameters, [n_layer, 3, fp8.HISTORY] each}; empty unless cfg keeps them (delayed scaling)."""
+    """Fresh FP8 amax histories of the sites that take FP8 in training, {"blocks": nested like the blocks'
+    parameters}: each projection's [n_layer, 3, fp8.HISTORY] at its parameter's path, and each attention core's
+    that cuDNN's FP8 attention can train ([n_layer, 10, fp8.HISTORY] at the attention module's path, then
+    fp8_attention.SITE); empty unless cfg keeps them (delayed scaling)."""
     if not cfg.keeps_fp8_histories:
         return {}
     block = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0)))
     x = jax.ShapeDtypeStruct((1, 2, cfg.n_embd), jnp.float32)
-    paths = fp8.history_paths(block, x, jax.ShapeDtypeStruct((1, 2), jnp.int32))
-    return {"blocks": fp8.fresh_histories(paths, cfg.n_layer)}
+    rows = fp8.history_rows(block, x, jax.ShapeDtypeStruct((1, 2), jnp.int32))
+    return {"blocks": fp8.fresh_histories(rows, cfg.n_layer)}
 
 
 def count_params(model: nnx.Module) -> int:

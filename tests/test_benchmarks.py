@@ -397,7 +397,7 @@ def test_attention_kernels_benchmark_refuses_a_cpu_and_bad_options(tmp_path, cap
         ([], "need an NVIDIA GPU"),
         (["--experiments=gqa_2p9b,nope"], "unknown experiment 'nope'"),
         (["--batch=0"], "at least 1"),
-        (["--kernels=cudnn,nope"], "--kernels='cudnn,nope': name some of cudnn, pallas_triton, mosaic_gpu, mlra"),
+        (["--kernels=cudnn,nope"], "--kernels='cudnn,nope': name some of cudnn, cudnn_fp8, pallas_triton, mosaic_gpu"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             attention_kernels.main([*argv, f"--out={tmp_path / 'attention.json'}"])

@@ -11,12 +11,14 @@ that tensor parallelism may split across devices, and `unit_shape` elements each
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
 import jax
 from flax import nnx
 
+from mlra_jax import fp8
 from mlra_jax.config import ModelConfig
 from mlra_jax.layers import dense_init, make_param, output_init, project
 
@@ -76,6 +78,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.dtype = cfg.dtype
         self.impl = cfg.attention_impl
+        self.fp8_site = cfg.fp8_attention  # whether its attention core may train in FP8 (fp8_attention)
         self.theta = cfg.rope_theta
         self.n_head = cfg.n_head
         dv = cfg.value_head_dim
@@ -116,8 +119,11 @@ class Attention(nnx.Module):
 
     # -- shared --------------------------------------------------------------
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-        """Self-attention over the sequence x [B, T, d] (causal when mask is None)."""
-        return self.output(x, self.attend(x, positions, self.cache_entry(x, positions), mask))
+        """Self-attention over the sequence x [B, T, d] (causal when mask is None). In an FP8 train step its
+        attention core is this module's FP8 site (fp8_attention)."""
+        with fp8.module_site(self) if self.fp8_site else contextlib.nullcontext():
+            heads = self.attend(x, positions, self.cache_entry(x, positions), mask)
+        return self.output(x, heads)
 
     def write_and_attend(
         self,

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from mlra_jax.attention.fused import choose
+from mlra_jax.attention import fp8_attention
+from mlra_jax.attention.fused import choose, record
 from mlra_jax.attention.latent_kernels import latent_decode_attention, use_kernel
 from mlra_jax.layers import einsum
 
@@ -92,10 +93,17 @@ def attention(
     impl: 'xla' (einsum), 'auto' (the fastest fused kernel that covers the call, else XLA),
     'cudnn' / 'splash' (that kernel or an error), 'pallas' (the decode kernels; full sequences as 'auto'),
     'mlra_kernel' (MLRA's absorbed training attention on our kernel, attention.mlra_kernel; here as 'auto').
+    In an FP8 train step with delayed scaling, a call that cuDNN's FP8 attention can train runs on it
+    (mlra_jax.attention.fp8_attention) under every impl but 'xla' and 'splash'.
     """
-    kernel = choose("auto" if impl in ("pallas", "mlra_kernel") else impl, q, k, v, masked=mask is not None)
     # named for the remat policies that keep the kernel's inputs (dots_attn_kv, dots_attn_qkv: model.REMAT_POLICIES)
     q, k, v = (checkpoint_name(x, name) for x, name in zip((q, k, v), ATTENTION_INPUTS))
+    history = fp8_attention.history(q, k, v, impl=impl, masked=mask is not None)
+    if history is not None:  # an FP8 train step's attention core on cuDNN's FP8 kernel (delayed scaling)
+        _check_shapes(q, k, v)
+        record("cudnn_fp8")
+        return fp8_attention.fp8_attention(q, k, v, history, scale)
+    kernel = choose("auto" if impl in ("pallas", "mlra_kernel") else impl, q, k, v, masked=mask is not None)
     if kernel is not None:
         _check_shapes(q, k, v)
         return kernel(q, k, v, scale=scale)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import logging
 import math
@@ -42,7 +43,14 @@ _FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
 # The open kernels_chosen() records, innermost last.
 _RECORDS: contextvars.ContextVar[tuple[dict[str, int], ...]] = contextvars.ContextVar("kernels_chosen", default=())
 # Primitives whose outputs hold a fused kernel's forward result and softmax statistics (remat policies keep them).
-KERNEL_PRIMITIVES = frozenset({"dot_product_attention_fwd_wrapper", "dot_product_attention_fwd", "pallas_call"})
+KERNEL_PRIMITIVES = frozenset(
+    {
+        "dot_product_attention_fwd_wrapper",
+        "dot_product_attention_fwd",
+        "dot_product_attention_fp8_fwd_wrapper",  # cuDNN's FP8 attention (fp8_attention)
+        "pallas_call",
+    }
+)
 
 
 class KernelUnavailable(ValueError):
@@ -55,7 +63,7 @@ def log_once(message: str) -> None:
 
 
 # ----------------------------------------------------------------------------- cuDNN
-def _cudnn_module():
+def cudnn_module():
     """JAX's cuDNN attention module (private: the public jax.nn function wants equal q/k/v widths)."""
     from jax._src.cudnn import fused_attention_stablehlo
 
@@ -71,7 +79,7 @@ def cudnn_problem(q: jax.Array, k: jax.Array, v: jax.Array) -> str | None:
     if q.shape[1] != k.shape[1]:
         return f"cuDNN's causal mask here needs as many queries as keys ({q.shape[1]} vs {k.shape[1]})"
     try:
-        module = _cudnn_module()
+        module = cudnn_module()
         module.check_cudnn_version()
     except (ImportError, AttributeError, RuntimeError) as err:
         return f"JAX's cuDNN attention is unavailable ({err})"
@@ -95,14 +103,14 @@ def cudnn_native_widths(dk: int, dv: int) -> bool:
     """Whether cuDNN takes these widths as they are: equal, or a narrower value on Hopper with cuDNN >= 9.10."""
     if dk == dv:
         return True
-    module = _cudnn_module()
+    module = cudnn_module()
     return dk > dv and module.check_cudnn_version() >= 91000 and module.check_compute_capability("9.0")
 
 
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float) -> jax.Array:
     """Causal flash attention through cuDNN; unequal widths as they are where supported, else the narrower
     side zero-padded (which changes no dot product; the output is sliced back)."""
-    module = _cudnn_module()
+    module = cudnn_module()
     dv, width = v.shape[-1], max(q.shape[-1], v.shape[-1])
     if not cudnn_native_widths(q.shape[-1], dv):
         q, k, v = (jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])]) for x in (q, k, v))
@@ -169,29 +177,55 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float) 
     return per_shard(run, q, k, v)
 
 
-def per_shard(fn: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """fn on each device's shard under a mesh: one shard_map over every axis still automatic here, so
-    neither GSPMD nor a kernel's own partitioning rule (cuDNN's) ever sees the kernel. The batch splits
-    over the data axes and the heads over `tensor` where they divide; other axes compute redundantly."""
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """How a kernel call splits over the mesh's automatic axes (per_shard): one shard_map over all of them."""
+
+    axes: frozenset[str]  # the shard_map's axes: every automatic axis of the mesh
+    q: P  # q and the output [B, T, H, D]
+    kv: P  # k and v [B, S, H_kv, D]
+    stats: P  # per-query-head statistics [B, H, T]
+    # the axes over which each device's k / v gradient is a part of the sum (query heads split, one KV head kept)
+    kv_partial: tuple[str, ...]
+
+
+def shard_plan(q: jax.Array, k: jax.Array) -> ShardPlan | None:
+    """per_shard's split of a call with these q, k under the current mesh; None without a mesh or automatic
+    axes. The batch splits over the data axes and the heads over `tensor` where they divide; other axes
+    compute redundantly."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return fn(q, k, v)
+        return None
     auto = {
         name: size
         for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
         if kind != jax.sharding.AxisType.Manual
     }
     if not auto:
-        return fn(q, k, v)
+        return None
     batch = tuple(a for a in BATCH_AXES if auto.get(a, 1) > 1)
     if batch and q.shape[0] % math.prod(auto[a] for a in batch):
         batch = ()
     tensor = auto.get(HEAD_AXIS, 1)
     heads = tensor > 1 and q.shape[2] % tensor == 0 and (k.shape[2] % tensor == 0 or k.shape[2] == 1)
-    q_spec = P(batch or None, None, HEAD_AXIS if heads else None, None)
-    kv_spec = P(batch or None, None, HEAD_AXIS if heads and k.shape[2] > 1 else None, None)
+    kv_heads = heads and k.shape[2] > 1
+    return ShardPlan(
+        axes=frozenset(auto),
+        q=P(batch or None, None, HEAD_AXIS if heads else None, None),
+        kv=P(batch or None, None, HEAD_AXIS if kv_heads else None, None),
+        stats=P(batch or None, HEAD_AXIS if heads else None, None),
+        kv_partial=(HEAD_AXIS,) if heads and not kv_heads else (),
+    )
+
+
+def per_shard(fn: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """fn on each device's shard under a mesh: one shard_map over every axis still automatic here (shard_plan),
+    so neither GSPMD nor a kernel's own partitioning rule (cuDNN's) ever sees the kernel."""
+    plan = shard_plan(q, k)
+    if plan is None:
+        return fn(q, k, v)
     return jax.shard_map(
-        fn, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, axis_names=set(auto), check_vma=False
+        fn, in_specs=(plan.q, plan.kv, plan.kv), out_specs=plan.q, axis_names=set(plan.axes), check_vma=False
     )(q, k, v)
 
 

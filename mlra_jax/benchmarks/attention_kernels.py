@@ -5,6 +5,10 @@
 For each experiment's attention layer (its heads and key / value widths, sequences of its length):
 
 * cuDNN's flash attention, causal, forward and forward + backward, bf16: what `attention_impl=auto` runs;
+* `cudnn_fp8`: cuDNN's FP8 flash attention as a float8 train step runs it (`mlra_jax.attention.fp8_attention`: the e4m3
+  quantizing passes, delayed scaling from an amax history that a first call filled, the outputs dequantized),
+  causal, forward and forward + backward, beside cuDNN's bf16 on the same call with the layer's own KV heads
+  (GQA's groups); each FP8 row holds its errors against the bf16 call's output or gradients and its speed-up;
 * JAX's Pallas Triton flash attention (`jax.experimental.pallas.ops.gpu.attention`), causal, forward + backward,
   bf16, at a few tilings; it takes one head width, so the value is zero-padded to the key's;
 * JAX's Mosaic GPU attention (`...ops.gpu.attention_mgpu`, FlashAttention-3's design), float16 only: causal
@@ -49,7 +53,7 @@ MOSAIC_TILINGS = ((64, 128, 2), (64, 64, 2))  # block_q, block_kv, concurrent st
 # our kernel's tilings: branches per CTA (None: its plan's, sharing the RoPE scores; 1: none shared), keys per stage,
 # the two compute warpgroups' ping-pong, each warpgroup's overlap of P V with the next softmax; the default first
 MLRA_TILINGS = ((1, 128, False, True), (1, 128, True, False), (1, 128, False, False), (None, 64, True, False))
-KERNELS = ("cudnn", "pallas_triton", "mosaic_gpu", "mlra")
+KERNELS = ("cudnn", "cudnn_fp8", "pallas_triton", "mosaic_gpu", "mlra")
 
 
 def model_flops(batch: int, heads: int, length: int, dk: int, dv: int, causal: bool, backward: bool) -> float:
@@ -117,6 +121,8 @@ def case_rows(
     if "cudnn" in kernels:
         rows.append(row("cudnn", jax.jit(cudnn), (q, k, v), True, dtype="bfloat16"))
         rows.append(row("cudnn", with_backward(cudnn), (q, k, v, do), True, dtype="bfloat16"))
+    if "cudnn_fp8" in kernels:
+        rows += fp8_rows(experiment.model, row, batch, length, scale)
     if "mlra" in kernels:
         rows += mlra_rows(experiment, batch, repeats, tunings=mlra_backward, forward_tilings=mlra_forward)
     if "pallas_triton" not in kernels and "mosaic_gpu" not in kernels:
@@ -135,6 +141,45 @@ def case_rows(
     if "mosaic_gpu" not in kernels:
         return rows
     return rows + mosaic_rows(row, [x.astype(jnp.float16) for x in wide], padded_from=dv if dv < dk else None)
+
+
+def fp8_rows(model: ModelConfig, row: Callable[..., dict[str, Any]], batch: int, length: int, scale: float) -> list:
+    """cuDNN's FP8 attention (fp8_attention.fp8_attention) and cuDNN's bf16 on the same causal call, forward and
+    forward + backward, with the layer's KV heads; the FP8 rows hold their errors against bf16's and their
+    speed-ups. The FP8 scales come from the history that one call on these inputs filled."""
+    from mlra_jax.attention import fp8_attention
+
+    heads, dk, dv = attention_class(model.variant).core_shape(model)
+    kv_heads = model.n_kv_head if model.spec.kv_heads is not None else heads
+    q, k, v, do = layer_inputs(batch, heads, length, dk, dv, jnp.bfloat16)
+    k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
+    labels = {"dtype": "bfloat16", "layout": f"{heads} query heads over {kv_heads} KV heads"}
+    bf16 = lambda q, k, v: cudnn_attention(q, k, v, scale=scale)  # noqa: E731
+    rows = [row("cudnn", jax.jit(bf16), (q, k, v), True, **labels)]
+    rows.append(row("cudnn", with_backward(bf16), (q, k, v, do), True, **labels))
+    try:
+        fresh = fp8_attention.new_history()
+        history = jax.vjp(lambda *x: fp8_attention.fp8_attention(*x, scale), q, k, v, fresh)[1](do)[3]
+    except Exception as error:  # no FP8 attention here: recorded, the other kernels still run
+        failed = {key: value for key, value in rows[0].items() if key not in ("time_s", "model_tflops_per_s")}
+        return [*rows, {**failed, "kernel": "cudnn_fp8", "error": f"{type(error).__name__}: {str(error)[:300]}"}]
+    fp8 = lambda q, k, v: fp8_attention.fp8_attention(q, k, v, history, scale)  # noqa: E731
+    labels = {**labels, "dtype": "float8_e4m3fn", "history": [float(a) for a in history[:, 0]]}
+    for base, fn, args, want in (
+        (rows[0], jax.jit(fp8), (q, k, v), lambda: (jax.jit(bf16)(q, k, v),)),
+        (rows[1], with_backward(fp8), (q, k, v, do), lambda: with_backward(bf16)(q, k, v, do)),
+    ):
+        measured = row("cudnn_fp8", fn, args, True, **labels)
+        if "time_s" in measured:
+            got = fn(*args)
+            got = got if isinstance(got, tuple) else (got,)
+            for name, g, w in zip(("out",) if len(got) == 1 else ("dq", "dk", "dv"), got, want()):
+                measured.update(errors(g, w, f"{name}_vs_cudnn"))
+            if "time_s" in base:
+                measured["cudnn_time_s"] = base["time_s"]
+                measured["speedup_vs_cudnn"] = base["time_s"] / measured["time_s"]
+        rows.append(measured)
+    return rows
 
 
 def mlra_layout(model: ModelConfig) -> dict[str, int] | None:

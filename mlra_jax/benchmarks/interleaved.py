@@ -8,9 +8,12 @@ what two settings differ by. Here both steps are compiled first; then, on one st
 optimizer state each step returns feed the next, whichever setting runs it), --warmup untimed pairs and
 --pairs timed ones run A then B, B then A, and so on. The record gives each side's median step and tokens/s,
 the median over pairs of B's step over A's and how many pairs A won. --a and --b (repeatable) are experiment
-overrides that must leave the train state's shapes alone (remat, latent forms, kernels, XLA-visible
-choices); the rest of the setting is benchmarks.train's (one micro-batch per step, data parallel over the
-devices).
+overrides that must leave the weights' and the optimizer state's shapes alone (remat, latent forms, kernels,
+XLA-visible choices, FP8 attention on or off: each side keeps FP8 amax histories of its own); the rest of the
+setting is benchmarks.train's (one micro-batch per step, data parallel over the devices).
+
+    mlra bench interleaved --experiment=gqa_2p9b --n_layer=8 --batch_per_device=12 \
+        --a=--model.matmul_dtype=float8 --a=--model.fp8_attention=false --b=--model.matmul_dtype=float8
 """
 
 from __future__ import annotations
@@ -32,26 +35,31 @@ def measure(name: str, base: list[str], sides: dict[str, list[str]], pairs: int,
 
     from mlra_jax.cli import apply_overrides
     from mlra_jax.experiments import get_experiment
-    from mlra_jax.training.state import build_setup, init_state, jit_train_step
+    from mlra_jax.training.state import build_setup, fresh_fp8_histories, init_state, jit_train_step
 
     experiment = get_experiment(name)
     setups = {side: build_setup(apply_overrides(experiment, [*base, *extra])) for side, extra in sides.items()}
     first = setups["a"]
-    shapes = {side: jax.tree.map(lambda x: (x.shape, x.dtype), s.abstract_state) for side, s in setups.items()}
+    shapes = {
+        side: jax.tree.map(lambda x: (x.shape, x.dtype), {k: v for k, v in s.abstract_state.items() if k != "fp8"})
+        for side, s in setups.items()
+    }
     if shapes["a"] != shapes["b"]:
         raise ValueError("--a and --b give train states of different shapes; compare settings that keep the weights")
     train = first.experiment.train
     with jax.set_mesh(first.mesh):
         state = init_state(first)
+        histories = {side: fresh_fp8_histories(s) for side, s in setups.items()}  # each side's own FP8 scales
         tokens = random_tokens(first)
-        args = (state["params"], state["opt_state"], state["fp8"], tokens)
-        steps = {side: jit_train_step(s).lower(*args).compile() for side, s in setups.items()}
-        del args  # its weights are donated to the first step
+        steps = {
+            side: jit_train_step(s).lower(state["params"], state["opt_state"], histories[side], tokens).compile()
+            for side, s in setups.items()
+        }
 
         def run(side: str) -> float:
             start = time.perf_counter()
-            state["params"], state["opt_state"], state["fp8"], metrics = steps[side](
-                state["params"], state["opt_state"], state["fp8"], tokens
+            state["params"], state["opt_state"], histories[side], metrics = steps[side](
+                state["params"], state["opt_state"], histories[side], tokens
             )
             jax.block_until_ready(metrics["loss"])
             return time.perf_counter() - start

@@ -185,6 +185,10 @@ class TrainingLoop:
             self.state["fp8"] = fresh_fp8_histories(self.setup)
             if jax.tree.leaves(self.state["fp8"]):
                 log.info("model.matmul_dtype=float8 with delayed scaling: step %d starts fresh FP8 scales", self.step)
+        elif fp8.history_names(self.state["fp8"]) != fp8.history_names(self.setup.abstract_state["fp8"]):
+            # some sites' histories only (saved before others had one): the others start fresh
+            self.state["fp8"], fresh = fp8.completed_histories(self.state["fp8"], fresh_fp8_histories(self.setup))
+            log.info("step %d starts fresh FP8 scales for %s", self.step, ", ".join(fresh))
         damaged = fp8.damaged_histories(self.state["fp8"])
         if damaged:  # an infinite amax would give an infinite scale: those projections start fresh scales
             self.state["fp8"] = fp8.reset_histories(self.state["fp8"], damaged)
