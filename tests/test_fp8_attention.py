@@ -26,7 +26,7 @@ from mlra_jax.training.step import loss_fn, make_train_step
 
 SITE = fp8_attention.SITE
 ONE_DEVICE = jax.devices()[:1]
-FLOAT8 = ("--model.compute_dtype=bfloat16", "--model.matmul_dtype=float8")
+FLOAT8 = ("--model.compute_dtype=bfloat16", "--model.matmul_dtype=float8", "--model.fp8_attention=true")
 
 
 @pytest.fixture
@@ -172,7 +172,7 @@ def _gqa(**changes):
     """A tiny GQA whose heads cuDNN's FP8 attention trains (128 wide), FP8 matmuls with delayed scaling."""
     fields = dict(n_layer=2, head_dim=128, vocab_size=SMALL_VOCAB, output_init="normal")
     cfg = tiny_model("gqa", **{**fields, **changes})
-    return dataclasses.replace(cfg, compute_dtype="bfloat16", matmul_dtype="float8")
+    return dataclasses.replace(cfg, compute_dtype="bfloat16", matmul_dtype="float8", fp8_attention=True)
 
 
 def _split(cfg):
@@ -329,21 +329,22 @@ def _float8(cfg):
 @pytest.mark.parametrize(
     "cfg,sites",
     [
-        (tiny_model("mha", n_layer=1, head_dim=128), 1),
-        (tiny_model("mqa", n_layer=1, head_dim=128), 1),
-        (tiny_model("tpa", n_layer=1, head_dim=128), 1),
-        (tiny_model("gta", n_layer=1, head_dim=128), 1),
-        (tiny_model("gqa", n_layer=1), 0),  # 32 wide
-        (tiny_model("mlra4", n_layer=1), 0),  # the latent family: keys wider than values
-        (tiny_model("mfa", n_layer=1, head_dim=256), 0),
-        (tiny_model("gqa", n_layer=1, head_dim=128, attention_impl="xla"), 0),
-        (tiny_model("gqa", n_layer=1, head_dim=128, fp8_attention=False), 0),
+        (tiny_model("mha", n_layer=1, head_dim=128, fp8_attention=True), 1),
+        (tiny_model("mqa", n_layer=1, head_dim=128, fp8_attention=True), 1),
+        (tiny_model("tpa", n_layer=1, head_dim=128, fp8_attention=True), 1),
+        (tiny_model("gta", n_layer=1, head_dim=128, fp8_attention=True), 1),
+        (tiny_model("gqa", n_layer=1, fp8_attention=True), 0),  # 32 wide
+        (tiny_model("mlra4", n_layer=1, fp8_attention=True), 0),  # the latent family: keys wider than values
+        (tiny_model("mfa", n_layer=1, head_dim=256, fp8_attention=True), 0),
+        (tiny_model("gqa", n_layer=1, head_dim=128, attention_impl="xla", fp8_attention=True), 0),
+        (tiny_model("gqa", n_layer=1, head_dim=128), 0),  # the default
     ],
-    ids=["mha", "mqa", "tpa", "gta", "gqa_32", "mlra4", "mfa_256", "attention_impl_xla", "opted_out"],
+    ids=["mha", "mqa", "tpa", "gta", "gqa_32", "mlra4", "mfa_256", "attention_impl_xla", "default_off"],
 )
 def test_which_models_have_an_fp8_attention_site(cfg, sites):
     """Decided by the model alone (not the device, nor the sequence length): the train state's layout."""
     assert fp8_attention.sites(fp8_histories(_float8(cfg))) == sites
+    assert not tiny_model("gqa", n_layer=1, head_dim=128).fp8_attention  # off unless asked for
 
 
 def test_dry_run_says_how_the_attention_core_runs(capsys):
@@ -441,7 +442,7 @@ def test_cudnn_fp8_attention_is_the_reference(kv_heads, monkeypatch):
         assert relative(g, w.astype(jnp.float32)) < 0.05, name
     np.testing.assert_allclose(got[4], want[4], rtol=0.05)
     float32_out = _float32_vjp(q, k, v, do)[0]
-    assert relative(got[0], float32_out) < 0.05
+    assert relative(got[0], float32_out) < 0.08  # e4m3's rounding of q, k, v, P and O, as the reference's test allows
 
 
 @on_gpu

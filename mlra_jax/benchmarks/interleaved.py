@@ -13,7 +13,7 @@ XLA-visible choices, FP8 attention on or off: each side keeps FP8 amax histories
 setting is benchmarks.train's (one micro-batch per step, data parallel over the devices).
 
     mlra bench interleaved --experiment=gqa_2p9b --n_layer=8 --batch_per_device=12 \
-        --a=--model.matmul_dtype=float8 --a=--model.fp8_attention=false --b=--model.matmul_dtype=float8
+        --a=--model.matmul_dtype=float8 --b=--model.matmul_dtype=float8 --b=--model.fp8_attention=true
 """
 
 from __future__ import annotations
