@@ -151,8 +151,9 @@ class ModelConfig:
     fused_elementwise: str = dataclasses.field(default="auto", metadata={"choices": FUSED_ELEMENTWISE})
     # true: with float8 and delayed scaling, the training attention core of layers whose queries, keys and values
     # are 128 wide runs on cuDNN's FP8 flash attention (attention.fp8_attention; Hopper GPUs, sequences of
-    # multiples of 128), with amax histories in the train state. Off by default: on one H100 it runs forward +
-    # backward at 0.66x bf16 cuDNN's rate and the GQA proxy's FP8 step takes 3.8% longer with it
+    # multiples of 128), with amax histories in the train state. Experimental and off by default: on one H100 it
+    # runs forward + backward at 0.66x bf16 cuDNN's rate, the GQA proxy's FP8 step takes 3.8% longer with it, and
+    # its loss against bf16 has not been measured
     fp8_attention: bool = False
 
     def __post_init__(self) -> None:
