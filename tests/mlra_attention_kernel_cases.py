@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import on_gpu
+from interpret_compiles import reuse_thread_compiles
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.pallas_kernels.mlra_attention_gpu import mlra_attention_gpu, mlra_attention_reference, plan
 from mlra_jax.pallas_kernels.mlra_attention_gpu_backward import (
@@ -24,6 +25,8 @@ from mlra_jax.attention.fused import kernels_chosen
 from mlra_jax.attention.latent import LatentAttention
 from mlra_jax.model import init_model
 from mlra_jax.training.step import loss_fn
+
+reuse_thread_compiles()  # one compile per simulated warpgroup program, not one per thread per CTA per call
 
 
 def inputs(b, t, n, h, r, dr, dtype, seed=0):

@@ -56,7 +56,8 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
     4-device deployment of the study on the first four."""
     assert jax.device_count() == 8
     out = tmp_path / "throughput.json"
-    decode_throughput.main(["--cpu", "--contexts=64", "--repeats=1", f"--out={out}", "--no_isolate"])
+    # a bandwidth-reference copy of 10 MB, not the CPU cap of 64 MiB (a second of each call): it scales the floors only
+    decode_throughput.main(["--cpu", "--contexts=64", "--repeats=1", "--copy_gb=0.01", f"--out={out}", "--no_isolate"])
     record = json.loads(out.read_text())
     assert record["device_count"] == 8 and record["command"].startswith("python -m") and record["date"]
     assert all("error" not in r for r in record["results"]), record["results"]
@@ -92,6 +93,7 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
             "--variants=gla2",
             "--contexts=64",
             "--repeats=1",
+            "--copy_gb=0.01",
             f"--out={out}",
         ]
     )
@@ -116,6 +118,7 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
             "--variants=gla2",
             "--contexts=64,128",
             "--repeats=1",
+            "--copy_gb=0.01",
             f"--out={out}",
         ]
     )
@@ -130,6 +133,7 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
             "--variants=gla2",
             "--contexts=128",
             "--repeats=1",
+            "--copy_gb=0.01",
             f"--out={out}",
             "--merge",
         ]
