@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from mlra_jax.platform import target_platform
+from mlra_jax.platform import nvidia_gpu_problem
 from mlra_jax.sharding import LOGICAL_RULES
 
 log = logging.getLogger(__name__)
@@ -45,13 +45,7 @@ def log_once(message: str) -> None:
 
 def backend_problem() -> str | None:
     """Why this backend cannot run the kernels (Pallas Triton: NVIDIA GPUs), or None."""
-    if INTERPRET:
-        return None
-    if target_platform() != "gpu":
-        return f"the fused elementwise kernels run on NVIDIA GPUs; the backend is {target_platform()!r}"
-    if "rocm" in getattr(jax.devices()[0].client, "platform_version", "").lower():
-        return "the fused elementwise kernels run on NVIDIA GPUs, not ROCm"
-    return None
+    return None if INTERPRET else nvidia_gpu_problem("the fused elementwise kernels run")
 
 
 def kernels(setting: str) -> frozenset[str]:

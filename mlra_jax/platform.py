@@ -32,3 +32,13 @@ def compiling_for(platform: str) -> Iterator[None]:
         yield
     finally:
         _TARGET.reset(token)
+
+
+def nvidia_gpu_problem(runs: str) -> str | None:
+    """Why Pallas Triton kernels (NVIDIA GPUs only) cannot run on the target backend, or None; `runs` names them
+    with their verb ("the GQA decode kernel runs")."""
+    if target_platform() != "gpu":
+        return f"{runs} on NVIDIA GPUs; the backend is {target_platform()!r}"
+    if "rocm" in getattr(jax.devices()[0].client, "platform_version", "").lower():
+        return f"{runs} on NVIDIA GPUs, not ROCm"
+    return None

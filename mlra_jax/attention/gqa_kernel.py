@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from mlra_jax.attention.fused import BATCH_AXES, log_once
 from mlra_jax.attention.latent_kernels import automatic_axes, ranges_from_mask
-from mlra_jax.platform import target_platform
+from mlra_jax.platform import nvidia_gpu_problem
 from mlra_jax.tensor_parallel import TENSOR, UnitPlan, tensor_size
 
 # Whether attention_impl="auto" takes the kernel for GQA's decode steps on NVIDIA GPUs (timed against XLA's path
@@ -48,13 +48,7 @@ def kernel(tiling=None) -> Callable[..., jax.Array]:
 
 def backend_problem() -> str | None:
     """Why this backend cannot run the kernel (it is Pallas Triton: NVIDIA GPUs), or None."""
-    if INTERPRET:
-        return None
-    if target_platform() != "gpu":
-        return f"the GQA decode kernel runs on NVIDIA GPUs; the backend is {target_platform()!r}"
-    if "rocm" in getattr(jax.devices()[0].client, "platform_version", "").lower():
-        return "the GQA decode kernel runs on NVIDIA GPUs, not ROCm"
-    return None
+    return None if INTERPRET else nvidia_gpu_problem("the GQA decode kernel runs")
 
 
 def shape_problem(q: jax.Array, k: jax.Array) -> str | None:
