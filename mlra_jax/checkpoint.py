@@ -96,14 +96,32 @@ def _abandoned_read(unraisable: Any) -> bool:
     return asyncio.iscoroutine(origin) and "orbax" in getattr(getattr(origin, "cr_code", None), "co_filename", "")
 
 
+class _AbandonedTasks(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" records of Orbax's read tasks (an abandoned read's
+    task, collected after its restore failed), counting them in `echoes`."""
+
+    def __init__(self, echoes: list[None]):
+        super().__init__()
+        self.echoes = echoes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("Task exception was never retrieved") and "orbax" in message:
+            self.echoes.append(None)
+            return False
+        return True
+
+
 @contextlib.contextmanager
 def _quiet_abandoned_reads(failures: list[tuple[int, Exception]]) -> Iterator[None]:
-    """Within it, the echoes of abandoned reads (_abandoned_read) are dropped: each failed restore is reported once,
-    by restore_latest. On leaving after a failure, the errors in `failures` (reported by then) drop their
-    tracebacks, which hold the abandoned reads, and those are collected once none has echoed for 50 ms (at most
-    2 s), while echoes are still dropped, not later in the run or at exit. Every other unraisable exception is
-    shown as before."""
+    """Within it, the echoes of abandoned reads are dropped: unraisable exceptions (_abandoned_read) and asyncio's
+    records of their tasks (_AbandonedTasks), so that each failed restore is reported once, by restore_latest. On
+    leaving after a failure, the errors in `failures` (reported by then) drop their tracebacks, which hold the
+    abandoned reads, and those are collected once none has echoed for 50 ms (at most 2 s), while echoes are still
+    dropped, not later in the run or at exit. Every other unraisable exception and asyncio record is shown as
+    before."""
     previous, echoes = sys.unraisablehook, []
+    tasks = _AbandonedTasks(echoes)
 
     def hook(unraisable: Any) -> None:
         if _abandoned_read(unraisable):
@@ -112,6 +130,7 @@ def _quiet_abandoned_reads(failures: list[tuple[int, Exception]]) -> Iterator[No
             previous(unraisable)
 
     sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(tasks)
     try:
         yield
     finally:
@@ -123,6 +142,7 @@ def _quiet_abandoned_reads(failures: list[tuple[int, Exception]]) -> Iterator[No
                 seen = len(echoes)
                 time.sleep(0.05)  # TensorStore completes the reads in flight
                 gc.collect()
+        logging.getLogger("asyncio").removeFilter(tasks)
         sys.unraisablehook = previous
 
 

@@ -210,3 +210,24 @@ def test_a_truncated_newest_checkpoint_is_one_warning_line_and_the_run_resumes_f
     )
     assert "TensorStore details" not in warning  # TensorStore's own error, not Orbax's repr of the store
     assert (tmp_path / "checkpoints" / "8.damaged").is_dir() and "finished at step 8" in result.stdout
+
+
+def test_asyncio_records_of_abandoned_orbax_reads_are_dropped_only_while_a_restore_is_judged(caplog):
+    """An abandoned read's task, collected after its restore failed, makes asyncio log "Task exception was never
+    retrieved" (ERROR): inside the restore's window those records of Orbax's tasks are dropped; others, and any
+    after the window, are shown."""
+    import logging
+
+    from mlra_jax.checkpoint import _quiet_abandoned_reads
+
+    asyncio_log = logging.getLogger("asyncio")
+    orbax_task = (
+        "Task exception was never retrieved\nfuture: <Task finished coro=<_read_shard() defined at /x/orbax/s.py:1>>"
+    )
+    other_task = "Task exception was never retrieved\nfuture: <Task finished coro=<mine() defined at /x/app.py:1>>"
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        with _quiet_abandoned_reads([]):
+            asyncio_log.error(orbax_task)
+            asyncio_log.error(other_task)
+        asyncio_log.error(orbax_task)
+    assert [r.getMessage() for r in caplog.records] == [other_task, orbax_task]
