@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from mlra_jax.platform import nvidia_gpu_problem
-from mlra_jax.sharding import LOGICAL_RULES
+from mlra_jax.sharding import LOGICAL_RULES, automatic_axes, split_batch_axes
 
 log = logging.getLogger(__name__)
 
@@ -70,25 +68,6 @@ def is_elementwise_kernel(params: dict[str, Any]) -> bool:
     return str(params.get("name") or "").startswith(NAME_PREFIX)
 
 
-def _batch_axes(batch: int) -> tuple[tuple[str, ...], dict[str, int]]:
-    """(the automatic data axes that split `batch` evenly, every automatic axis: name -> size; empty outside a
-    mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    auto = (
-        {}
-        if mesh.empty
-        else {
-            name: size
-            for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
-            if kind != AxisType.Manual
-        }
-    )
-    axes = tuple(a for a in LOGICAL_RULES["batch"] if auto.get(a, 1) > 1)
-    if axes and batch % math.prod(auto[a] for a in axes):
-        axes = ()
-    return axes, auto
-
-
 def _on_devices(fn: Callable, in_specs: tuple, out_specs: Any, auto: dict[str, int]) -> Callable:
     """fn as it is outside a mesh, else in a shard_map making every automatic axis manual."""
     if not auto:
@@ -100,7 +79,7 @@ def _on_devices(fn: Callable, in_specs: tuple, out_specs: Any, auto: dict[str, i
 def _norm_forward(x, branch, scale, eps, out_dtype):
     from mlra_jax.pallas_kernels.add_rms_norm_gpu import add_rms_norm_forward
 
-    axes, auto = _batch_axes(x.shape[0])
+    axes, auto = split_batch_axes(x.shape[0]), automatic_axes()
     rows = P(axes or None)
 
     def run(x, branch, scale):
@@ -113,7 +92,7 @@ def _norm_forward(x, branch, scale, eps, out_dtype):
 def _norm_backward(d_normed, stream, d_stream, scale, rstd, x_dtype, branch_dtype):
     from mlra_jax.pallas_kernels.add_rms_norm_gpu import add_rms_norm_backward
 
-    axes, auto = _batch_axes(stream.shape[0])
+    axes, auto = split_batch_axes(stream.shape[0]), automatic_axes()
     rows = P(axes or None)
 
     def run(d_normed, stream, d_stream, scale, rstd):
@@ -176,7 +155,7 @@ def _swiglu_bwd(residuals, d_out):
     from mlra_jax.pallas_kernels.swiglu_gpu import swiglu_backward
 
     gate, up = residuals
-    axes, auto = _batch_axes(gate.shape[0])
+    axes, auto = split_batch_axes(gate.shape[0]), automatic_axes()
     (columns,) = LOGICAL_RULES["mlp"]  # the mesh axis the MLP's width splits over (tensor)
     tensor = auto.get(columns, 1)
     spec = P(axes or None, None, columns if tensor > 1 and gate.shape[-1] % tensor == 0 else None)

@@ -147,3 +147,23 @@ def bytes_per_device(tree: Any, shardings: Any) -> int:
         shard = sharding.shard_shape(leaf.shape)
         total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
     return total
+
+
+def automatic_axes() -> dict[str, int]:
+    """The mesh axes still under GSPMD here (name -> size); empty outside a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return {}
+    return {
+        name: size
+        for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+        if kind != AxisType.Manual
+    }
+
+
+def split_batch_axes(batch: int) -> tuple[str, ...]:
+    """The automatic data-parallel axes (size > 1) over which a batch of `batch` sequences splits evenly;
+    () when there are none or the batch does not divide."""
+    auto = automatic_axes()
+    axes = tuple(a for a in LOGICAL_RULES["batch"] if auto.get(a, 1) > 1)
+    return axes if axes and batch % math.prod(auto[a] for a in axes) == 0 else ()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Callable
 
 import jax
@@ -25,9 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from mlra_jax.attention.fused import BATCH_AXES, log_once
-from mlra_jax.attention.latent_kernels import automatic_axes, ranges_from_mask
+from mlra_jax.attention.fused import log_once
+from mlra_jax.attention.latent_kernels import ranges_from_mask
 from mlra_jax.platform import nvidia_gpu_problem
+from mlra_jax.sharding import automatic_axes, split_batch_axes
 from mlra_jax.tensor_parallel import TENSOR, UnitPlan, tensor_size
 
 # Whether attention_impl="auto" takes the kernel for GQA's decode steps on NVIDIA GPUs (timed against XLA's path
@@ -148,10 +148,7 @@ def gqa_decode_attention(
     auto = automatic_axes()
     if not auto:
         return on_device(q, k, v, starts, ends)
-    batch_axes = tuple(a for a in BATCH_AXES if auto.get(a, 1) > 1)
-    if batch_axes and q.shape[0] % math.prod(auto[a] for a in batch_axes):
-        batch_axes = ()  # a batch the data axes do not divide: every device attends for all sequences
-    batch = batch_axes or None
+    batch = split_batch_axes(q.shape[0]) or None  # undivided: every device attends for all sequences
     heads = TENSOR if TENSOR in auto and plan.tp > 1 else None
     spread = P(batch, None, heads, None)
     return jax.shard_map(

@@ -31,11 +31,11 @@ from jax.sharding import PartitionSpec as P
 
 from mlra_jax.attention.base import Attention, CacheComponent, DecodeShape, KVCache, store_entry
 from mlra_jax.attention.core import attention, latent_attention
-from mlra_jax.attention.latent_kernels import automatic_axes, split_batch_axes
 from mlra_jax.attention.mlra_kernel import MLRA_KERNEL, mlra_kernel_attention, tensor_parallel_error, use_kernel
 from mlra_jax.attention.rope import apply_rope
 from mlra_jax.config import ModelConfig
 from mlra_jax.layers import RMSNorm, dense_init, einsum, make_param, project, row_copies
+from mlra_jax.sharding import automatic_axes, split_batch_axes
 from mlra_jax.tensor_parallel import (
     TENSOR,
     LatentPlan,

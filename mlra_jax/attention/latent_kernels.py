@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from mlra_jax.attention.fused import BATCH_AXES, log_once
 from mlra_jax.platform import target_platform
+from mlra_jax.sharding import automatic_axes
 
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 KERNEL_CHUNK = 64  # the GPU kernel's tile width: RoPE and latent widths are multiples of it
@@ -86,23 +87,6 @@ def use_kernel(impl: str, q_rope: jax.Array, latent: jax.Array) -> bool:
     if problem is not None:
         log_once(f"attention_impl='auto': latent decode attention runs on XLA ({problem})")
     return problem is None
-
-
-def automatic_axes() -> dict[str, int]:
-    """The mesh axes still under GSPMD here (name -> size); empty outside a mesh."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return {}
-    manual = jax.sharding.AxisType.Manual
-    return {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types) if kind != manual}
-
-
-def split_batch_axes(batch: int) -> tuple[str, ...]:
-    """The automatic data-parallel axes (size > 1) over which a batch of `batch` sequences splits evenly;
-    () when there are none or the batch does not divide."""
-    auto = automatic_axes()
-    axes = tuple(a for a in BATCH_AXES if auto.get(a, 1) > 1)
-    return axes if axes and batch % math.prod(auto[a] for a in axes) == 0 else ()
 
 
 def latent_decode_attention(

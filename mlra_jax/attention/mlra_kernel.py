@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from mlra_jax.attention.fused import BATCH_AXES, KernelUnavailable, log_once, record
-from mlra_jax.attention.latent_kernels import automatic_axes
 from mlra_jax.platform import target_platform
+from mlra_jax.sharding import automatic_axes
 
 MLRA_KERNEL = "mlra_kernel"  # the attention_impl value
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
