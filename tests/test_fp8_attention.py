@@ -435,14 +435,22 @@ def test_cudnn_fp8_attention_is_the_reference(kv_heads, monkeypatch):
     q, k, v, do = _inputs(kv_heads, batch=2, length=256, heads=8, seed=4)
     history = _calibrated(q, k, v, do)
     got = jax.jit(_fp8_vjp)(q, k, v, do, history)
-    monkeypatch.setattr(fp8_attention, "INTERPRET", True)
-    want = jax.jit(_fp8_vjp)(q, k, v, do, history)
+    want = _on_the_reference(monkeypatch, q, k, v, do, history)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got[:4], want[:4]):
         assert g.dtype == jnp.bfloat16 and bool(jnp.isfinite(g.astype(jnp.float32)).all()), name
         assert relative(g, w.astype(jnp.float32)) < 0.05, name
     np.testing.assert_allclose(got[4], want[4], rtol=0.05)
-    float32_out = _float32_vjp(q, k, v, do)[0]
-    assert relative(got[0], float32_out) < 0.08  # e4m3's rounding of q, k, v, P and O, as the reference's test allows
+    float32_out, float32_grads, _ = _float32_vjp(q, k, v, do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got[:4], (float32_out, *float32_grads)):
+        assert relative(g, w) < (0.08 if name == "out" else 0.1), name  # e4m3: q, k, v, P, O; dO and dS too
+
+
+def _on_the_reference(monkeypatch, q, k, v, do, history):
+    """_fp8_vjp with the jnp reference in cuDNN's place, traced anew: jit's caches would otherwise hand back the
+    trace of the cuDNN kernels (the switch is a module attribute, not an argument)."""
+    monkeypatch.setattr(fp8_attention, "INTERPRET", True)
+    jax.clear_caches()
+    return jax.jit(_fp8_vjp)(q, k, v, do, history)
 
 
 @on_gpu
@@ -454,8 +462,7 @@ def test_cudnn_fp8_attention_saturates_values_above_the_historys_amaxes(monkeypa
     low = _calibrated(q, k, v, do) * 0.5
     got = jax.jit(_fp8_vjp)(q, k, v, do, low)
     assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in got), "cuDNN's FP8 conversions overflowed"
-    monkeypatch.setattr(fp8_attention, "INTERPRET", True)
-    want = jax.jit(_fp8_vjp)(q, k, v, do, low)
+    want = _on_the_reference(monkeypatch, q, k, v, do, low)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got[:4], want[:4]):
         assert relative(g, w.astype(jnp.float32)) < 0.1, name
 

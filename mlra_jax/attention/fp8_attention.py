@@ -168,11 +168,22 @@ def cudnn_forward(q8: jax.Array, k8: jax.Array, v8: jax.Array, params: dict[str,
     return out, amax_s, amax_o, residuals[3]  # JAX's residuals: q, k, v, statistics, output, backward scales
 
 
+# The order in which XLA's cuDNN FP8 backward reads its twelve scale operands. JAX's lowering passes them in the order
+# of its fp8_params_keys_bwd (descale_o, descale_dO, descale_s, ..., scale_dQ, scale_dK, scale_dV, scale_dP), so
+# that with scales other than 1 cuDNN took descale_o for descale_s, scale_dQ for scale_dP and so on (gradients
+# off by the ratios of the scales; measured on an H200 with jax 0.11, one scale at a time). JAX's own test runs
+# every scale at 1, where the order does not show. The operands go in this order instead.
+BACKWARD_SCALE_ORDER = (
+    "descale_q", "descale_k", "descale_v", "descale_s", "descale_o", "descale_dO", "descale_dP",
+    "scale_s", "scale_dP", "scale_dQ", "scale_dK", "scale_dV",
+)  # fmt: skip
+
+
 def cudnn_backward(q8, k8, v8, out8, do8, stats, params: dict[str, jax.Array], scale: float):
     """cuDNN's causal FP8 backward: (dQ, dK, dV in e4m3, amaxes of dQ, dK, dV and dS)."""
     module = cudnn_module()
     layout, version = module.AttentionLayout.BTNH.value, module.check_cudnn_version()
-    residuals = (q8, k8, v8, stats, out8, [params[name] for name in module.fp8_params_keys_bwd])
+    residuals = (q8, k8, v8, stats, out8, [params[name] for name in BACKWARD_SCALE_ORDER])
     dq, dk, dv, amaxes = module._dot_product_attention_fp8_bwd_rule(
         scale, True, layout, version, residuals, (do8, None, None)
     )
