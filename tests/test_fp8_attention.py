@@ -7,6 +7,7 @@ GQA train step."""
 
 import dataclasses
 import logging
+import types
 
 import jax
 import jax.numpy as jnp
@@ -302,6 +303,28 @@ def _fallback_logs(caplog, cfg, length: int, histories=True):
     with caplog.at_level(logging.WARNING, logger="mlra_jax.attention.fp8_attention"), kernels_chosen() as chosen:
         updated = grad(params, fp8_histories(cfg) if histories else {})
     return updated, chosen
+
+
+def test_a_hopper_gpu_runs_it_only_under_the_jax_whose_backward_order_was_checked(monkeypatch):
+    """The backward's scale operands go in the order XLA reads them (BACKWARD_SCALE_ORDER), checked against float32
+    attention on jax 0.11 (a GPU test): under another JAX the core stays in the compute dtype, saying why."""
+    hopper = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100", compute_capability="9.0")
+    cudnn = types.SimpleNamespace(
+        check_cudnn_version=lambda: 91400, _dot_product_attention_fp8_fwd_rule=None, fp8_params_keys_bwd=()
+    )
+    monkeypatch.setattr(fp8_attention, "target_platform", lambda: "gpu")
+    monkeypatch.setattr(fp8_attention, "cudnn_module", lambda: cudnn)
+    monkeypatch.setattr(jax, "__version__", "0.11.2")
+    assert fp8_attention.device_problem(hopper) is None
+    monkeypatch.setattr(jax, "__version__", "0.12.0")
+    reason = fp8_attention.device_problem(hopper)
+    assert "not checked against float32 attention on jax 0.12.0" in reason and "0.11.x" in reason
+    assert fp8_attention.BACKWARD_SCALE_ORDER[3:6] == ("descale_s", "descale_o", "descale_dO")
+    assert sorted(fp8_attention.BACKWARD_SCALE_ORDER) == sorted(
+        name
+        for name in fp8_attention.kernel_params({row: jnp.float32(1) for row in fp8_attention.ROWS})
+        if not name.startswith(("amax", "scale_o"))
+    )
 
 
 def test_where_fp8_attention_cannot_run_the_core_stays_in_bf16_and_says_why(caplog, monkeypatch):

@@ -25,9 +25,9 @@ The site is the attention module's: its history sits in the train state at the m
 What the backward keeps is q, k, v and O in FP8 and the softmax statistics: half the bf16 kernel's bytes.
 
 Where cuDNN's FP8 attention cannot run (no NVIDIA GPU of compute capability 9.0 or later, cuDNN before 9.1
-or 9.10.0, widths other than 128, sequences that are not multiples of 128, an explicit mask,
-`attention_impl` xla or splash, dynamic scaling, `model.fp8_attention=false`), the attention stays in the
-compute dtype; a float8 run says why once.
+or 9.10.0, a JAX other than VERIFIED_JAX, widths other than 128, sequences that are not multiples of 128, an
+explicit mask, `attention_impl` xla or splash, dynamic scaling, `model.fp8_attention=false`), the attention stays
+in the compute dtype; a float8 run says why once.
 
 INTERPRET: the tests' stand-in. `reference_forward` and `reference_backward`, jnp versions of cuDNN's FP8
 graphs as cuDNN's frontend documents them, run where cuDNN's kernels would, on any backend, so that the
@@ -57,6 +57,7 @@ SITE = "fp8_dot_product_attention"  # the attention core's site under its module
 ROWS = ("q", "k", "v", "s", "o", "do", "dp", "dq", "dk", "dv")  # the history's rows, one per scaled tensor
 WIDTH = 128  # the one head width cuDNN's FP8 attention trains
 BLOCK = 128  # the sequence lengths it trains are multiples of this
+VERIFIED_JAX = ("0.11.",)  # the JAX versions whose cuDNN FP8 backward was checked against float32 (a GPU test)
 IMPLS = ("auto", "cudnn", "pallas", "mlra_kernel")  # attention_impl values under which cuDNN runs the core
 _E4M3 = fp8.E4M3
 _MAX = float(jnp.finfo(_E4M3).max)  # 448
@@ -86,6 +87,11 @@ def device_problem(device: jax.Device | None = None) -> str | None:
         return f"cuDNN's FP8 attention backward needs cuDNN 9.1 or later, not 9.10.0 (this is {version})"
     if not all(hasattr(module, name) for name in ("_dot_product_attention_fp8_fwd_rule", "fp8_params_keys_bwd")):
         return f"this JAX ({jax.__version__}) has no FP8 attention rules in jax._src.cudnn"
+    if not jax.__version__.startswith(VERIFIED_JAX):
+        return (
+            f"its backward's scale operands go in the order XLA reads them in jax {', '.join(VERIFIED_JAX)}x "
+            f"(BACKWARD_SCALE_ORDER), not checked against float32 attention on jax {jax.__version__}"
+        )
     return None
 
 
