@@ -274,8 +274,8 @@ def test_supported_reads_the_compute_capability():
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["mha", "mqa", "gqa", "mla", "mfa", "tpa", "gla2", "gla4", "gta", "mlra2", "mlra4"])
 def test_every_variant_trains_in_fp8_under_tp_and_fsdp(variant, monkeypatch):
-    """Each variant's FP8 loss on 8 CPU devices, with TP=2 and with FSDP, is the unsharded FP8 loss up to the
-    per-shard scales of the tensor-parallel region (FP8 rounding), and its gradients are finite."""
+    """Each variant's FP8 loss on 8 CPU devices, with TP=2 and FSDP=4 on one mesh, is the unsharded FP8 loss up to
+    the per-shard scales of the tensor-parallel region (FP8 rounding), and its gradients are finite."""
     from mlra_jax.experiments.tiny import tiny_model
 
     from mlra_jax.config import MeshConfig
@@ -293,18 +293,17 @@ def test_every_variant_trains_in_fp8_under_tp_and_fsdp(variant, monkeypatch):
         jax.value_and_grad(lambda p, h, t: loss_fn(graphdef, p, t, training=True, histories=h), argnums=(0, 1))
     )
     loss, (_, updated) = value_and_grad(params, histories, tokens)
-    for mesh_config in (MeshConfig(data=-1, tensor=2), MeshConfig(data=1, fsdp=-1)):
-        mesh = make_mesh(mesh_config, jax.devices()[:8])
-        with jax.set_mesh(mesh):
-            sharded = jax.device_put(params, tree_shardings(params, logical_axes(model), mesh))
-            mesh_loss, (grads, mesh_updated) = value_and_grad(
-                sharded, histories, jax.device_put(tokens, batch_sharding(mesh))
-            )
-        np.testing.assert_allclose(float(mesh_loss), float(loss), rtol=1e-2, err_msg=str(mesh_config))
-        assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
-        for want, got in zip(jax.tree.leaves(updated), jax.tree.leaves(mesh_updated)):  # global amaxes, newest
-            np.testing.assert_array_equal(got[:, 1], want[:, 1])  # the weights': exact
-            np.testing.assert_allclose(got[:, ::2, 0], want[:, ::2, 0], rtol=0.1)  # x and gradient: FP8 rounding
+    mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=2), jax.devices()[:8])
+    with jax.set_mesh(mesh):
+        sharded = jax.device_put(params, tree_shardings(params, logical_axes(model), mesh))
+        mesh_loss, (grads, mesh_updated) = value_and_grad(
+            sharded, histories, jax.device_put(tokens, batch_sharding(mesh))
+        )
+    np.testing.assert_allclose(float(mesh_loss), float(loss), rtol=1e-2)
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+    for want, got in zip(jax.tree.leaves(updated), jax.tree.leaves(mesh_updated)):  # global amaxes, newest
+        np.testing.assert_array_equal(got[:, 1], want[:, 1])  # the weights': exact
+        np.testing.assert_allclose(got[:, ::2, 0], want[:, ::2, 0], rtol=0.1)  # x and gradient: FP8 rounding
 
 
 @pytest.mark.slow

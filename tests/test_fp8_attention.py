@@ -470,10 +470,12 @@ def test_cudnn_fp8_attention_is_the_reference(kv_heads, monkeypatch):
 
 def _on_the_reference(monkeypatch, q, k, v, do, history):
     """_fp8_vjp with the jnp reference in cuDNN's place, traced anew: jit's caches would otherwise hand back the
-    trace of the cuDNN kernels (the switch is a module attribute, not an argument)."""
+    trace of the cuDNN kernels (the switch is a module attribute, not an argument), and after it the cuDNN tests'."""
     monkeypatch.setattr(fp8_attention, "INTERPRET", True)
     jax.clear_caches()
-    return jax.jit(_fp8_vjp)(q, k, v, do, history)
+    want = jax.jit(lambda *args: _fp8_vjp(*args))(q, k, v, do, history)
+    jax.clear_caches()
+    return want
 
 
 @on_gpu
