@@ -470,7 +470,8 @@ def test_cudnn_fp8_attention_is_the_reference(kv_heads, monkeypatch):
 
 def _on_the_reference(monkeypatch, q, k, v, do, history):
     """_fp8_vjp with the jnp reference in cuDNN's place, traced anew: jit's caches would otherwise hand back the
-    trace of the cuDNN kernels (the switch is a module attribute, not an argument), and after it the cuDNN tests'."""
+    trace of the cuDNN kernels (the switch is a module attribute, not an argument). They are cleared again after
+    it, so that no later call takes the reference's trace for cuDNN's."""
     monkeypatch.setattr(fp8_attention, "INTERPRET", True)
     jax.clear_caches()
     want = jax.jit(lambda *args: _fp8_vjp(*args))(q, k, v, do, history)
