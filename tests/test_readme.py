@@ -27,6 +27,17 @@ def test_ci_runs_the_readme_test_command():
     assert test_command in readme
 
 
+def test_auto_takes_one_worker_more_than_the_cpus(monkeypatch):
+    """The README's `-n auto` runs EXTRA_WORKERS more workers than CPUs (the suite waits on subprocesses and disks),
+    and PYTEST_XDIST_AUTO_NUM_WORKERS still decides where it is set."""
+    import conftest
+
+    monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
+    assert conftest.pytest_xdist_auto_num_workers(None) == len(os.sched_getaffinity(0)) + 1
+    monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "5")
+    assert conftest.pytest_xdist_auto_num_workers(None) is None  # xdist's hook takes the variable
+
+
 def bash_blocks(text: str) -> list[str]:
     return re.findall(r"^```bash\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
 
