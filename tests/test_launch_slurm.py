@@ -102,15 +102,24 @@ def logged_step(workdir: Path) -> int:
     return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
 
 
-def start_sbatch(workdir: Path, env: dict[str, str], min_step: int, *args: str) -> subprocess.Popen:
-    """Start the batch script and return it once training has logged step `min_step` or a later one (still
-    running)."""
+def committed_steps(workdir: Path) -> list[int]:
+    """The checkpoints Orbax has finished (it writes each under a temporary name, renamed to the step when done)."""
+    folder = workdir / "checkpoints"
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+
+
+def start_sbatch(
+    workdir: Path, env: dict[str, str], min_step: int, *args: str, checkpointed: bool = False
+) -> subprocess.Popen:
+    """Start the batch script and return it once training has logged step `min_step` or a later one (and, with
+    `checkpointed`, finished a checkpoint of this job: under load a save can still be in flight at that step)."""
     process = subprocess.Popen(
         sbatch(workdir, *args), env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    before = committed_steps(workdir)
     deadline = time.time() + 240
     while time.time() < deadline and process.poll() is None:
-        if logged_step(workdir) >= min_step:
+        if logged_step(workdir) >= min_step and (not checkpointed or committed_steps(workdir) != before):
             return process
         time.sleep(0.01)
     process.kill()
@@ -153,7 +162,7 @@ def test_a_killed_task_then_a_time_limit_notice_and_the_requeued_job_resume_exac
     checkpoint (the only checkpoint it saves) and requeue; the requeued job resumes from that checkpoint; the losses
     equal the uninterrupted run's, step for step. (One job per interruption: the second resumes the first's run.)"""
     env, run = sbatch_env(tmp_path), tmp_path / "run"
-    process = start_sbatch(run, env, min_step=3)
+    process = start_sbatch(run, env, min_step=3, checkpointed=True)
     os.kill(int((tmp_path / "pids").read_text().split()[1]), signal.SIGKILL)  # node 2 dies
     output, _ = process.communicate(timeout=120)
     assert process.returncode != 0, output[-4000:]  # srun --kill-on-bad-exit ended the other task
