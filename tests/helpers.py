@@ -120,6 +120,18 @@ def run_training(workdir: Path, *overrides: str, devices: int = 1, check: bool =
     return result
 
 
+def logged_step(workdir: Path) -> int:
+    """The newest step a run's metrics.jsonl holds (0 before its first line; a line still being written is skipped)."""
+    metrics = workdir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
+
+
+def saved_steps(workdir: Path) -> set[int]:
+    """The checkpoints Orbax has finished (it writes each under a temporary name, renamed to the step when done)."""
+    return {int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit()}
+
+
 def losses(workdir: Path) -> dict[int, float]:
     """step -> logged loss (each step logged once: a resumed run rewrites what it repeats)."""
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]

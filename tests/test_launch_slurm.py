@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -13,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import MICRO, ROOT, losses, subprocess_env
+from helpers import MICRO, ROOT, logged_step, losses, saved_steps, subprocess_env
 
 from mlra_jax.distributed import expand_tasks_per_node, first_host, slurm_task
 
@@ -96,18 +95,6 @@ def run_sbatch(workdir: Path, env: dict[str, str], *args: str) -> subprocess.Com
     return result
 
 
-def logged_step(workdir: Path) -> int:
-    metrics = workdir / "metrics.jsonl"
-    lines = metrics.read_text().splitlines() if metrics.exists() else []
-    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
-
-
-def committed_steps(workdir: Path) -> list[int]:
-    """The checkpoints Orbax has finished (it writes each under a temporary name, renamed to the step when done)."""
-    folder = workdir / "checkpoints"
-    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
-
-
 def start_sbatch(
     workdir: Path, env: dict[str, str], min_step: int, *args: str, checkpointed: bool = False
 ) -> subprocess.Popen:
@@ -116,10 +103,10 @@ def start_sbatch(
     process = subprocess.Popen(
         sbatch(workdir, *args), env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    before = committed_steps(workdir)
+    before = saved_steps(workdir)
     deadline = time.time() + 240
     while time.time() < deadline and process.poll() is None:
-        if logged_step(workdir) >= min_step and (not checkpointed or committed_steps(workdir) != before):
+        if logged_step(workdir) >= min_step and (not checkpointed or saved_steps(workdir) != before):
             return process
         time.sleep(0.01)
     process.kill()

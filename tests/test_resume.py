@@ -1,6 +1,5 @@
 """Runs in subprocesses: SIGKILLs then resume is exact, SIGTERM checkpoints, checkpoints change meshes."""
 
-import json
 import random
 import shutil
 import signal
@@ -11,7 +10,7 @@ import time
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import ROOT, losses, records, run_training, subprocess_env, train_command
+from helpers import ROOT, logged_step, losses, records, run_training, saved_steps, subprocess_env, train_command
 from xla_test_flags import SUBPROCESS
 
 pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast subset (pytest -m 'not slow')
@@ -27,12 +26,6 @@ def uninterrupted(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("uninterrupted")
     run_training(workdir, *MANY)
     return workdir
-
-
-def logged_step(workdir) -> int:
-    metrics = workdir / "metrics.jsonl"
-    lines = metrics.read_text().splitlines() if metrics.exists() else []
-    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
 
 
 def start_and_wait(workdir, min_step):
@@ -54,10 +47,6 @@ def start_and_wait(workdir, min_step):
         time.sleep(0.01)
     assert process.poll() is None, "the run finished before it could be interrupted"
     return process
-
-
-def saved_steps(workdir):
-    return {int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit()}
 
 
 def saving(workdir):
