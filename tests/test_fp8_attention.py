@@ -114,6 +114,22 @@ def test_the_history_rolls_and_records_the_tensors_amaxes(monkeypatch):
         np.testing.assert_allclose(newest[name], amax(x), rtol=0.1, err_msg=name)
 
 
+def test_the_reference_quantizes_each_rows_exponentials_before_normalizing_them():
+    """As a flash kernel does (cuDNN on an H200 saturated so: the GPU saturation test), P is quantized before the
+    division by the row's sum: each row's largest exponential is 1, so with amax_s halved every row saturates and
+    its output changes, although most normalized probabilities of a 128-token causal row are far below 0.5."""
+    q, k, v, _ = _inputs(2, seed=3)
+    history = jnp.ones((len(fp8_attention.ROWS), 1), jnp.float32).at[:3, 0].set(4.0)
+    quantized = [fp8.quantize(x, jnp.float32(4.0 / 448), fp8.E4M3) for x in (q, k, v)]
+
+    def output(amax_s: float) -> jax.Array:
+        params = fp8_attention.kernel_params(fp8_attention._scales(history.at[3, 0].set(amax_s)))
+        return fp8_attention.reference_forward(*quantized, params, 128**-0.5)[0].astype(jnp.float32)
+
+    changed = jnp.any(output(1.0) != output(0.5), axis=-1)  # [B, T, H]
+    assert float(jnp.mean(changed)) > 0.9
+
+
 def test_the_scales_come_from_the_history_before_the_tensors_are_read(monkeypatch):
     """The kernel gets q, k and v quantized with their rows' largest amax / 448 and cuDNN's scales as their
     inverses; a fresh history scales by 1 and saturates at 448."""
@@ -459,9 +475,10 @@ def test_cudnn_fp8_attention_is_the_reference(kv_heads, monkeypatch):
     history = _calibrated(q, k, v, do)
     got = jax.jit(_fp8_vjp)(q, k, v, do, history)
     want = _on_the_reference(monkeypatch, q, k, v, do, history)
-    for name, g, w in zip(("out", "dq", "dk", "dv"), got[:4], want[:4]):
+    errors = {name: relative(g, w.astype(jnp.float32)) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
+    for name, g in zip(("out", "dq", "dk", "dv"), got[:4]):
         assert g.dtype == jnp.bfloat16 and bool(jnp.isfinite(g.astype(jnp.float32)).all()), name
-        assert relative(g, w.astype(jnp.float32)) < 0.05, name
+        assert errors[name] < 0.05, errors
     np.testing.assert_allclose(got[4], want[4], rtol=0.05)
     float32_out, float32_grads, _ = _float32_vjp(q, k, v, do)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got[:4], (float32_out, *float32_grads)):
@@ -489,14 +506,14 @@ def test_cudnn_fp8_attention_saturates_values_above_the_historys_amaxes(monkeypa
     got = jax.jit(_fp8_vjp)(q, k, v, do, low)
     assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in got), "cuDNN's FP8 conversions overflowed"
     want = _on_the_reference(monkeypatch, q, k, v, do, low)
-    for name, g, w in zip(("out", "dq", "dk", "dv"), got[:4], want[:4]):
-        assert relative(g, w.astype(jnp.float32)) < 0.1, name
+    errors = {name: relative(g, w.astype(jnp.float32)) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
+    assert max(errors.values()) < 0.1, errors
 
 
 @on_gpu
 def test_a_gqa_step_runs_cudnn_fp8_attention():
     """On a Hopper GPU a GQA step's attention core is cuDNN's FP8 forward and backward custom calls; a step fills
-    the site's history and the loss stays near bf16's."""
+    the site's history (every amax from the third step on) and the loss stays near bf16's."""
     _needs_cudnn_fp8()
     if not fp8.supported():
         pytest.skip("this GPU has no FP8 GEMMs")
@@ -509,9 +526,12 @@ def test_a_gqa_step_runs_cudnn_fp8_attention():
     compiled = step.lower(*state, histories, tokens).compile()
     hlo = compiled.as_text()
     assert "__cudnn$fmhaSoftmaxF8" in hlo and "__cudnn$fmhaSoftmaxBackwardF8" in hlo
-    updated = compiled(*state, histories, tokens)[2]
-    _, _, updated, metrics = compiled(*state, updated, tokens)  # the second step: scales from the first's amaxes
-    assert bool(metrics["finite"]) and bool((updated["blocks"]["attn"][SITE][:, :, 0] > 0).all())
+    # A fresh history's scales are 1: the first step's dO (about 5e-4) flushes to zero in e4m3, so its dS amax is
+    # 0 and the second step's dS (scale 1 again) flushes too; from the third step every tensor has a scale.
+    for _ in range(3):
+        _, _, histories, metrics = compiled(*state, histories, tokens)
+    newest = histories["blocks"]["attn"][SITE][:, :, 0]
+    assert bool(metrics["finite"]) and bool((newest > 0).all()), newest
     bf16_graphdef, _ = _split(dataclasses.replace(cfg, matmul_dtype="compute"))
     want = float(jax.jit(lambda p: loss_fn(bf16_graphdef, p, tokens))(params))
     assert abs(float(metrics["loss"]) - want) < 0.02 * want

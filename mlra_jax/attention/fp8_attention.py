@@ -8,9 +8,10 @@ backward, through JAX's private module (`jax._src.cudnn.fused_attention_stablehl
 custom_vjp, `_dot_product_attention_fp8_fwd_rule` and `_bwd_rule`, the same from jax 0.10.2 to 0.11.x):
 
 - q, k and v are quantized to e4m3 with per-tensor scales, in the passes that measure their amaxes;
-- the forward multiplies Q K^T in FP8 (float32 accumulation), takes the softmax in float32, quantizes the
-  probabilities P to e4m3 (scale S), multiplies P V in FP8 and writes the output O in e4m3 (scale O), which is
-  dequantized here into the compute dtype;
+- the forward multiplies Q K^T in FP8 (float32 accumulation), takes the softmax in float32 as a flash kernel
+  does, quantizes the unnormalized exponentials (at most 1) to e4m3 (scale S), multiplies them by V in FP8,
+  divides by the rows' sums and writes the output O in e4m3 (scale O), which is dequantized here into the
+  compute dtype;
 - the backward quantizes dO to e4m3, recomputes P from the softmax statistics, and forms dV = P^T dO,
   dP = dO V^T, dS = P (dP - rowsum(dO O)) times the softmax scale (quantized to e4m3 with scale dP: cuDNN's
   "dP"), dQ = dS K and dK = dS^T Q, each written in e4m3 with its own scale and dequantized here.
@@ -18,7 +19,8 @@ custom_vjp, `_dot_product_attention_fp8_fwd_rule` and `_bwd_rule`, the same from
 cuDNN's convention: a "descale" multiplies an FP8 value back (fp8.py's scale: amax / 448), a "scale"
 multiplies into FP8 (its inverse). The ten scales come from the site's amax history [10, H] (ROWS), as the
 projections' do (fp8.scale_from_history: a fresh history trains its first step at scale 1, which flushes the
-small dS to zero, so that step's dQ and dK are zero and the next step's are scaled by 1); the history's
+small dO to zero, so that step's gradients and dS amax are zero and the second step's dS flushes at scale 1; every
+tensor has its scale from the third step on); the history's
 cotangent is the updated history (fp8's "overwrite with gradient"): each row rolled by one, with this step's
 amaxes of q, k, v and dO measured here and those of P, O, dS, dQ, dK and dV as the kernels return them.
 The site is the attention module's: its history sits in the train state at the module's path, then SITE.
@@ -211,19 +213,23 @@ def _grouped_logits(q8: jax.Array, k8: jax.Array, descale: jax.Array, scale: flo
 
 
 def reference_forward(q8: jax.Array, k8: jax.Array, v8: jax.Array, params: dict[str, jax.Array], scale: float):
-    """cuDNN's FP8 forward graph in jnp (float32): S = Q K^T descale_q descale_k scale, causal; P = softmax(S),
-    amax_s its amax, quantized with scale_s; O = (P V) descale_s descale_v, amax_o its amax, quantized with
-    scale_o; the statistics are the rows' logsumexp."""
+    """cuDNN's FP8 forward graph in jnp (float32), as a flash kernel runs it: S = Q K^T descale_q descale_k scale,
+    causal; the exponentials E = exp(S - rowmax S) (at most 1), quantized with scale_s (a causal row's first key
+    makes amax_s 1); O = (E V) descale_s descale_v / rowsum(E), amax_o its amax, quantized with scale_o; the
+    statistics are the rows' logsumexp. The kernel's running maximum is the row's maximum here: the same within
+    rounding, as each tile's exponentials are rescaled in float32 after the product."""
     p = {name: value.reshape(()) for name, value in params.items()}
     b, t, hq, d = q8.shape
     logits = _grouped_logits(q8, k8, p["descale_q"] * p["descale_k"], scale)
-    stats = jax.nn.logsumexp(logits, axis=-1)
-    probs = jnp.exp(logits - stats[..., None])
-    p8 = _to_e4m3(probs * p["scale_s"]).astype(jnp.float32)
-    out = jnp.einsum("bkgts,bskd->btkgd", p8, v8.astype(jnp.float32), precision="highest")
-    out = out * (p["descale_s"] * p["descale_v"])
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    exps = jnp.exp(logits - top)
+    sums = jnp.sum(exps, axis=-1)
+    e8 = _to_e4m3(exps * p["scale_s"]).astype(jnp.float32)
+    out = jnp.einsum("bkgts,bskd->btkgd", e8, v8.astype(jnp.float32), precision="highest")
+    out = out * (p["descale_s"] * p["descale_v"]) / jnp.moveaxis(sums, -1, 1)[..., None]
+    stats = top[..., 0] + jnp.log(sums)
     amax = lambda x: jnp.max(jnp.abs(x)).reshape(1, 1, 1, 1)  # noqa: E731
-    return _to_e4m3(out * p["scale_o"]).reshape(b, t, hq, d), amax(probs), amax(out), stats.reshape(b, hq, t)
+    return _to_e4m3(out * p["scale_o"]).reshape(b, t, hq, d), amax(exps), amax(out), stats.reshape(b, hq, t)
 
 
 def reference_backward(q8, k8, v8, out8, do8, stats, params: dict[str, jax.Array], scale: float):
