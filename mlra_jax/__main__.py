@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, str] = {
     "train": "training tokens/s, MFU, memory (--reference: the official code's figures beside)",
     "reference": "put the official code's figures beside a saved train benchmark record",
     "interleaved": "two settings of one train step alternated on one state (the same GPU clocks for both)",
+    "loss_parity": "loss curves of training settings against a reference setting, over seeds and repeated runs",
     "attention_kernels": "the training attention: cuDNN against the Pallas kernels JAX ships and our MLRA kernel",
     "optimizer": "the update after the backward (clipping, AdamW) against its memory-traffic floor",
     "tpu_compile": "the paper's experiments compiled for TPU slices",
