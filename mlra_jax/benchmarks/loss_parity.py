@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         for s, seed, r in runs
     ]
     failed = [
-        f"{command[1]} (exit {code}; its output: {command[1] / 'train.log'})"
-        for command, code in zip(commands, run_all(commands, args.parallel))
+        f"{directory} (exit {code}; its output: {directory / 'train.log'})"
+        for (_, directory), code in zip(commands, run_all(commands, args.parallel))
         if code != 0
     ]
     if failed:
