@@ -77,3 +77,23 @@ def test_runs_train_in_processes_of_their_own_and_the_record_holds_their_curves(
     worst = max(gaps, key=lambda s: abs(gaps[s]))
     assert row["runs"][0]["worst_gap_to_reference_mean"] == pytest.approx(gaps[worst], abs=1e-5)
     assert (tmp_path / "runs" / "bf16" / "seed1_run0" / "train.log").read_text().count("finished at step 3") == 1
+
+
+def test_runs_that_refuse_their_input_exit_2_naming_each_run_and_its_error(tmp_path, capsys):
+    missing = tmp_path / "no_such_dataset"
+    argv = [
+        "--experiment=mlra4_tiny",
+        f"--workdir={tmp_path / 'runs'}",
+        "--seeds=1",
+        "--repeats=1",
+        "--parallel=2",
+        f"--override=--data.dataset={missing}",
+        "--setting=a=",
+        "--setting=b=--model.compute_dtype=bfloat16",
+        f"--out={tmp_path / 'parity.json'}",
+    ]
+    assert loss_parity.main(argv) == 2
+    err = capsys.readouterr().err
+    for setting in ("a", "b"):
+        assert f"{tmp_path / 'runs' / setting / 'seed1_run0'} (exit 2): " in err
+    assert str(missing) in err and not (tmp_path / "parity.json").exists()

@@ -84,6 +84,12 @@ def run_all(commands: list[tuple[list[str], Path]], parallel: int) -> list[int]:
     return [int(code) for code in codes]
 
 
+def last_line(log: Path) -> str:
+    """The last non-empty line a run printed (its error, where it failed)."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.exists() else []
+    return lines[-1].strip() if lines else f"no output in {log}"
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
@@ -185,14 +191,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         for s, seed, r in runs
     ]
-    failed = [
-        f"{directory} (exit {code}; its output: {directory / 'train.log'})"
-        for (_, directory), code in zip(commands, run_all(commands, args.parallel))
-        if code != 0
-    ]
+    codes = run_all(commands, args.parallel)
+    failed = [(directory, code) for (_, directory), code in zip(commands, codes) if code != 0]
     if failed:
-        print("these runs failed; the record is not written:\n  " + "\n  ".join(failed), file=sys.stderr)
-        return 1
+        lines = [f"{directory} (exit {code}): {last_line(directory / 'train.log')}" for directory, code in failed]
+        print("these runs failed; the record is not written:\n  " + "\n  ".join(lines), file=sys.stderr)
+        return 2 if any(code == 2 for _, code in failed) else 1  # 2: a run refused its input
     curves: dict[str, dict[int, list[dict[str, Curve]]]] = {s: {seed: [] for seed in seeds} for s in settings}
     for (setting, seed, repeat), (_, directory) in zip(runs, commands):
         curves[setting][seed].append(read_curves(directory))
