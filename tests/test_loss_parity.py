@@ -26,6 +26,11 @@ def test_gaps_are_to_the_references_mean_and_beyond_its_range():
     assert summary["bf16"]["1"]["final_val_loss_range"] == [1.5, 1.6]
     assert all(run["most_outside_reference_range"] == 0 for run in summary["bf16"]["1"]["runs"])
     assert loss_parity.summarize(curves, "bf16", after=500)["fp8"]["1"]["runs"][0]["at_step"] is None
+    ax = loss_parity.figure(curves, "bf16").axes[0]
+    (line,) = [line for line in ax.lines if line.get_label() == "fp8"]
+    assert list(line.get_xdata()) == [10, 100, 200]
+    assert list(line.get_ydata()) == pytest.approx([9.9 / 9.1 - 1, 2.1 / 2.1 - 1, 1.21 / 1.05 - 1])
+    assert len(ax.collections) == 1  # the reference's range
 
 
 @pytest.mark.parametrize("text", ["fp8", "=--model.matmul_dtype=float8", "a/b=", "--x="])
@@ -43,6 +48,7 @@ def test_bad_settings_exit_2_before_any_run_starts(tmp_path, capsys):
         (["--setting=a="], "at least two"),
         (["--setting=a=", "--setting=a=--train.seed=3"], "different names"),
         (["--setting=a=", "--setting=b=--model.no_such_field=1"], "setting 'b'"),
+        (["--setting=a=", "--setting=b=", f"--figure={tmp_path / 'nowhere' / 'f.png'}"], "does not exist"),
     ):
         with pytest.raises(SystemExit) as exited:
             loss_parity.main(["--experiment=gqa_tiny", f"--workdir={tmp_path / 'runs'}", *settings])
@@ -65,8 +71,10 @@ def test_runs_train_in_processes_of_their_own_and_the_record_holds_their_curves(
         "--setting=f32=",
         "--setting=bf16=--model.compute_dtype=bfloat16",
         f"--out={out}",
+        f"--figure={tmp_path / 'parity.png'}",
     ]
     assert loss_parity.main(argv) == 0
+    assert (tmp_path / "parity.png").read_bytes().startswith(b"\x89PNG")
     record = json.loads(out.read_text())
     assert record["reference"] == "f32" and record["settings"]["bf16"] == ["--model.compute_dtype=bfloat16"]
     reference, other = record["curves"]["f32"]["1"], record["curves"]["bf16"]["1"]

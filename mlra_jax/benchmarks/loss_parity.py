@@ -16,11 +16,14 @@ The record holds every run's loss and validation-loss curves and, per setting an
 - the first step line's loss (the mean of the first log_every steps: how fast a setting starts);
 - the worst relative gap of each run to the reference's mean after step --after, and how far it lies outside
   the reference's own range there (0 where it lies within it).
+--figure draws each seed's training loss relative to the reference's mean, with the reference's range shaded.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import io
 import os
 import shlex
 import subprocess
@@ -127,6 +130,44 @@ def summarize(curves: dict[str, dict[int, list[dict[str, Curve]]]], reference: s
     return summary
 
 
+def figure(curves: dict[str, dict[str, list[dict[str, Curve]]]], reference: str) -> Any:
+    """The study's training loss as a matplotlib Figure: a panel per seed, each setting's runs relative to the
+    reference's mean at each step (the reference's own range shaded), so that a gap of a percent shows."""
+    from matplotlib.figure import Figure
+
+    seeds = sorted(curves[reference], key=int)
+    fig = Figure(figsize=(5 * len(seeds), 4), layout="constrained")
+    for ax, seed in zip(fig.subplots(1, len(seeds), squeeze=False)[0], seeds):
+        references = curves[reference][seed]
+        steps = sorted(set.intersection(*(set(map(int, r["loss"])) for r in references)))
+        mean = {s: _mean([r["loss"][_key(r["loss"], s)] for r in references]) for s in steps}
+        low = [min(r["loss"][_key(r["loss"], s)] for r in references) / mean[s] - 1 for s in steps]
+        high = [max(r["loss"][_key(r["loss"], s)] for r in references) / mean[s] - 1 for s in steps]
+        ax.fill_between(
+            steps,
+            low,
+            high,
+            color="C0",
+            alpha=0.25,
+            label=f"{reference} ({len(references)} run{'s' if len(references) > 1 else ''})",
+        )
+        for index, (setting, by_seed) in enumerate(item for item in curves.items() if item[0] != reference):
+            for number, run in enumerate(by_seed.get(seed, [])):
+                shown = [s for s in steps if _key(run["loss"], s) in run["loss"]]
+                relative = [run["loss"][_key(run["loss"], s)] / mean[s] - 1 for s in shown]
+                ax.plot(shown, relative, color=f"C{index + 1}", lw=1, label=setting if number == 0 else None)
+        ax.axhline(0, color="k", lw=0.5)
+        ax.set(title=f"seed {seed}", xlabel="step", ylabel=f"training loss / {reference}'s mean - 1")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return fig
+
+
+def _key(curve: dict, step: int) -> Any:
+    """A curve's key for `step` (an int in memory, a string in a record read back)."""
+    return step if step in curve else str(step)
+
+
 def read_curves(directory: Path) -> dict[str, Curve]:
     from mlra_jax.plot import read_records, series
 
@@ -153,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--after", type=int, default=100, help="gaps are measured after this step")
     parser.add_argument("--workdir", type=Path, required=True, help="the runs' directories go under it")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/loss_parity.json"))
+    parser.add_argument("--figure", type=Path, help="also draw the training curves (a PNG; needs matplotlib)")
     args = parser.parse_args(argv)
     try:
         settings = dict(parse_setting(text) for text in args.setting)
@@ -163,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give at least two --setting=NAME=OVERRIDES with different names (the first is the reference)")
     if min(args.repeats, args.setting_repeats, args.parallel) < 1 or args.after < 0:
         parser.error("--repeats, --setting_repeats and --parallel must be at least 1 and --after at least 0")
+    if args.figure is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            parser.error("--figure needs matplotlib: pip install 'mlra-jax[plot]'")
+        if not args.figure.parent.is_dir():
+            parser.error(f"--figure {args.figure}: the folder {args.figure.parent} does not exist")
 
     from mlra_jax.benchmarks.common import experiment_list, save
     from mlra_jax.cli import apply_overrides
@@ -212,6 +259,14 @@ def main(argv: list[str] | None = None) -> int:
         after_step=args.after,
         curves={s: {str(seed): runs for seed, runs in by_seed.items()} for s, by_seed in curves.items()},
     )
+    if args.figure is not None:
+        from mlra_jax.guards import atomic_write_bytes
+
+        png = io.BytesIO()
+        figure({s: {str(k): v for k, v in by_seed.items()} for s, by_seed in curves.items()}, reference).savefig(
+            png, format="png", dpi=100
+        )
+        atomic_write_bytes(args.figure, png.getvalue())
     for setting, by_seed in summary.items():
         for seed, row in by_seed.items():
             runs = row["runs"]
