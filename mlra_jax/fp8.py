@@ -3,10 +3,11 @@
 Each product x [M, K] @ W [K, N] runs as cuBLASLt FP8 GEMMs with per-tensor scales: the forward multiplies
 e4m3 activations by e4m3 weights, the backward multiplies the e5m2 output gradient by each. Every GEMM is
 written with both operands contracting over their last axis, the one layout in which Hopper's FP8 GEMMs run at
-full rate; the transposed copies it needs are made by the quantizing fusions. Products accumulate in float32
-and are written in the compute dtype; the scales are applied to the output, where XLA fuses them into the next
-elementwise work. Under a remat policy that keeps the products, the quantized operands are made again in the
-backward (elementwise passes), not kept.
+full rate; the transposed copies it needs are made by the quantizing fusions. Products accumulate in float32 with
+cuBLASLt's fast accumulation (XLA's choice for FP8 products of default precision) and are written in the compute
+dtype; the scales are applied to the output, where XLA fuses them into the next elementwise work. Under a remat
+policy that keeps the products, the quantized operands are made again in the backward (elementwise passes), not
+kept.
 
 Two scalings (a tensor's scale maps an absolute maximum, its amax, onto the format's largest value):
 - dynamic (`fp8_matmul`): the scale is the tensor's own amax, taken when the tensor is made, as torchao's
@@ -20,6 +21,8 @@ row 1 the weight w, row 2 the output gradient, newest amax first. The history is
 "overwrite with gradient" (flax.linen.fp8_ops's): its cotangent is not a gradient but the updated history
 (each row rolled by one, the step's amax at index 0), which the train step takes as the history's new value.
 Micro-batches that started from the same history combine their updated histories with `merge_histories`.
+The projections of one x in a block scale x by the first one's x row (project_param, fp8_matmul_delayed_from):
+the rows hold the same amaxes, and XLA then quantizes x once.
 The train state holds the histories of the stacked blocks' projections nested like their parameters
 (model.fp8_histories); the layer loop hands each block its layer's (block_histories), and a projection finds
 its history by its parameter, so the modules hold no FP8 state. Other FP8 sites of a block (the training
@@ -137,36 +140,53 @@ def _backward(dtype: jnp.dtype, residuals, grad: jax.Array):
 fp8_matmul.defvjp(_forward, _backward)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def fp8_matmul_delayed(x: jax.Array, w: jax.Array, history: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """fp8_matmul with delayed scaling: x, w and the output gradient are scaled by history [3, H]'s rows 0, 1 and
     2. The cotangent of `history` is not a gradient but the updated history ("overwrite with gradient"): each row
     rolled by one, newest first, with this product's amax of x, w and the output gradient at index 0."""
-    return _delayed_forward(x, w, history, dtype)[0]
+    return fp8_matmul_delayed_from(x, w, history, history[0], dtype)
 
 
-def _delayed_forward(x: jax.Array, w: jax.Array, history: jax.Array, dtype: jnp.dtype):
-    x_scale, w_scale = scale_from_history(history[0], E4M3), scale_from_history(history[1], E4M3)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def fp8_matmul_delayed_from(
+    x: jax.Array, w: jax.Array, history: jax.Array, x_history: jax.Array, dtype: jnp.dtype
+) -> jax.Array:
+    """fp8_matmul_delayed with x scaled by `x_history` [H] (the amaxes of x's earlier steps) instead of history's
+    row 0, which is still updated with this product's amax of x. Products of one x whose histories' rows 0 hold the
+    same amaxes (each records x's) take one of those rows: x is then quantized by the same operations in each, and
+    XLA computes it once (also its amax and its transposed copy for the weight gradient) instead of once per
+    product. x_history's cotangent is zero."""
+    return _delayed_forward(x, w, history, x_history, dtype)[0]
+
+
+def _delayed_forward(x: jax.Array, w: jax.Array, history: jax.Array, x_history: jax.Array, dtype: jnp.dtype):
+    x_scale, w_scale = scale_from_history(x_history, E4M3), scale_from_history(history[1], E4M3)
     product, residuals = _quantized_forward(x, w, x_scale, w_scale, dtype)
-    return product, (residuals, history, _amax(x), _amax(w))  # the amaxes fuse into the quantizing passes
+    return product, (residuals, history, _amax(x), _amax(w), jnp.zeros_like(x_history))  # amaxes: in the passes
 
 
 def _delayed_backward(dtype: jnp.dtype, residuals, grad: jax.Array):
-    residuals, history, x_amax, w_amax = residuals
+    residuals, history, x_amax, w_amax, x_history_cotangent = residuals
     grad_x, grad_w = _quantized_backward(residuals, grad, scale_from_history(history[2], E5M2), dtype)
     amaxes = jnp.stack([x_amax, w_amax, _amax(grad)])[:, None]
-    return grad_x, grad_w, jnp.concatenate([amaxes, history[:, :-1]], axis=1).astype(jnp.float32)
+    updated = jnp.concatenate([amaxes, history[:, :-1]], axis=1).astype(jnp.float32)
+    return grad_x, grad_w, updated, x_history_cotangent
 
 
-fp8_matmul_delayed.defvjp(_delayed_forward, _delayed_backward)
+fp8_matmul_delayed_from.defvjp(_delayed_forward, _delayed_backward)
 
 
 def fp8_project(
-    x: jax.Array, w: jax.Array, spec: str, dtype: jnp.dtype, history: jax.Array | None = None
+    x: jax.Array,
+    w: jax.Array,
+    spec: str,
+    dtype: jnp.dtype,
+    history: jax.Array | None = None,
+    x_history: jax.Array | None = None,
 ) -> jax.Array | None:
     """einsum(spec, x, w) through fp8_matmul when `spec` is a projection (x [B, T, in...], w [in..., out...],
-    out [B, T, out...]), through fp8_matmul_delayed with the projection's amax `history` [3, H] when given; None
-    for any other product."""
+    out [B, T, out...]), through fp8_matmul_delayed_from with the projection's amax `history` [3, H] when given (x
+    scaled by `x_history` where given, else by history's row 0); None for any other product."""
     match = _PROJECTION.match(spec.replace(" ", ""))
     if match is None:
         return None
@@ -177,7 +197,10 @@ def fp8_project(
     contracted = math.prod(x.shape[2:])
     x, w = x.astype(dtype), w.astype(dtype)
     x2, w2 = x.reshape(batch * time, contracted), w.reshape(contracted, -1)
-    result = fp8_matmul(x2, w2, dtype) if history is None else fp8_matmul_delayed(x2, w2, history, dtype)
+    if history is None:
+        result = fp8_matmul(x2, w2, dtype)
+    else:
+        result = fp8_matmul_delayed_from(x2, w2, history, history[0] if x_history is None else x_history, dtype)
     return result.reshape(batch, time, *w.shape[len(x_in) :])
 
 
@@ -212,6 +235,8 @@ class _Sites:
     paths: dict[int, tuple[str, ...]]
     histories: dict[tuple[str, ...], jax.Array]
     taken: dict[tuple[str, ...], int] = dataclasses.field(default_factory=dict)
+    # id(x) -> (x, the x row of the first projection of x): the later projections of x scale it by that row
+    inputs: dict[int, tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=dict)
 
 
 def _node_paths(block: nnx.Module) -> dict[int, tuple[str, ...]]:
@@ -233,13 +258,25 @@ def block_histories(block: nnx.Module, histories: dict[str, Any] | None) -> Iter
         yield
 
 
+SHARE_INPUT_SCALES = True  # projections of one x in a block scale it by the first one's x row (quantized once)
+
+
 def project_param(x: jax.Array, kernel: nnx.Param, spec: str, dtype: jnp.dtype) -> jax.Array | None:
     """fp8_project of x and a module's parameter, with the parameter's amax history where its block has one
-    (block_histories); None for a product that is not a projection."""
+    (block_histories); None for a product that is not a projection. Under delayed scaling the projections of one
+    x (q, k and v of x; the MLP's gate and up) scale x by the first one's x row, so that XLA quantizes x once
+    (fp8_matmul_delayed_from): the rows hold the same amaxes, each recording x's."""
     sites = _SITES.get()
     path = sites.paths.get(id(kernel)) if sites is not None else None
     history = sites.histories.get(path) if path is not None else None
-    product = fp8_project(x, kernel[...], spec, dtype, history)
+    x_history = None
+    if history is not None and SHARE_INPUT_SCALES:
+        first = sites.inputs.get(id(x))
+        if first is not None and first[0] is x:
+            x_history = first[1]
+        else:
+            sites.inputs[id(x)] = (x, history[0])
+    product = fp8_project(x, kernel[...], spec, dtype, history, x_history)
     if product is not None and path is not None:
         sites.taken[path] = PROJECTION_ROWS
     return product

@@ -347,3 +347,36 @@ def test_a_remat_policy_keeps_fp8_products_in_the_compute_dtype():
             if "fp8" in source
         ]
     assert len(kept) == 7 and {aval.dtype for aval in kept} == {jnp.dtype(jnp.bfloat16)}
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mlra4"])
+def test_the_projections_of_one_input_quantize_it_once(variant, monkeypatch):
+    """Under delayed scaling the projections of one x (q, k and v; the MLP's gate and up) scale x by the first one's
+    x row, whose amaxes theirs equal: loss, gradients and updated histories are those of each projection scaling x
+    by its own row, bit for bit, and the compiled step makes fewer quantized copies of the activations."""
+    import re
+
+    from mlra_jax.experiments.tiny import tiny_model
+
+    monkeypatch.setattr(fp8, "supported", lambda device=None: True)
+    config = tiny_model(variant, n_layer=2, n_head=4, vocab_size=128)
+    config = dataclasses.replace(config, compute_dtype="bfloat16", matmul_dtype="float8", scan_layers=False)
+    model = init_model(config, seed=0)
+    graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tokens = jax.random.randint(jax.random.key(0), (2, 17), 0, 128)
+
+    def step():
+        loss = lambda p, h: loss_fn(graphdef, p, tokens, training=True, histories=h)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+    histories = step()(params, fp8_histories(config))[1][1]  # one step's amaxes: every x row holds x's
+    results, copies = {}, {}
+    for share in (True, False):
+        monkeypatch.setattr(fp8, "SHARE_INPUT_SCALES", share)
+        compiled = step().lower(params, histories).compile()
+        pattern = rf"= f8e4m3fn\[{tokens.shape[0]},{tokens.shape[1] - 1},{config.n_embd}\]"  # x [B, T, d] in FP8
+        copies[share] = len(re.findall(pattern, compiled.as_text()))
+        results[share] = compiled(params, histories)
+    for got, want in zip(jax.tree.leaves(results[True]), jax.tree.leaves(results[False])):
+        np.testing.assert_array_equal(got, want)
+    assert copies[True] == 2 * config.n_layer < copies[False], copies  # per layer: x and the MLP's input
