@@ -56,23 +56,25 @@ def test_bad_settings_exit_2_before_any_run_starts(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
-def test_runs_train_in_processes_of_their_own_and_the_record_holds_their_curves(tmp_path):
-    out = tmp_path / "parity.json"
-    argv = [
+def _two_micro_runs(tmp_path, *overrides: str) -> list[str]:
+    """Arguments of a study of two settings (f32, the reference, and bf16), seed 1, one run each, at once."""
+    return [
         "--experiment=mlra4_tiny",
         f"--workdir={tmp_path / 'runs'}",
         "--seeds=1",
         "--repeats=1",
         "--parallel=2",
-        "--after=1",
-        *(f"--override={override}" for override in MICRO),
-        "--override=--train.total_steps=3",
-        "--override=--train.eval_every=3",
+        *(f"--override={override}" for override in overrides),
         "--setting=f32=",
         "--setting=bf16=--model.compute_dtype=bfloat16",
-        f"--out={out}",
-        f"--figure={tmp_path / 'parity.png'}",
+        f"--out={tmp_path / 'parity.json'}",
     ]
+
+
+def test_runs_train_in_processes_of_their_own_and_the_record_holds_their_curves(tmp_path):
+    out = tmp_path / "parity.json"
+    argv = _two_micro_runs(tmp_path, *MICRO, "--train.total_steps=3", "--train.eval_every=3")
+    argv += ["--after=1", f"--figure={tmp_path / 'parity.png'}"]
     assert loss_parity.main(argv) == 0
     assert (tmp_path / "parity.png").read_bytes().startswith(b"\x89PNG")
     record = json.loads(out.read_text())
@@ -89,19 +91,8 @@ def test_runs_train_in_processes_of_their_own_and_the_record_holds_their_curves(
 
 def test_runs_that_refuse_their_input_exit_2_naming_each_run_and_its_error(tmp_path, capsys):
     missing = tmp_path / "no_such_dataset"
-    argv = [
-        "--experiment=mlra4_tiny",
-        f"--workdir={tmp_path / 'runs'}",
-        "--seeds=1",
-        "--repeats=1",
-        "--parallel=2",
-        f"--override=--data.dataset={missing}",
-        "--setting=a=",
-        "--setting=b=--model.compute_dtype=bfloat16",
-        f"--out={tmp_path / 'parity.json'}",
-    ]
-    assert loss_parity.main(argv) == 2
+    assert loss_parity.main(_two_micro_runs(tmp_path, f"--data.dataset={missing}")) == 2
     err = capsys.readouterr().err
-    for setting in ("a", "b"):
+    for setting in ("f32", "bf16"):
         assert f"{tmp_path / 'runs' / setting / 'seed1_run0'} (exit 2): " in err
     assert str(missing) in err and not (tmp_path / "parity.json").exists()
