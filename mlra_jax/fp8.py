@@ -199,8 +199,10 @@ def fp8_project(
     x2, w2 = x.reshape(batch * time, contracted), w.reshape(contracted, -1)
     if history is None:
         result = fp8_matmul(x2, w2, dtype)
+    elif x_history is None:
+        result = fp8_matmul_delayed(x2, w2, history, dtype)
     else:
-        result = fp8_matmul_delayed_from(x2, w2, history, history[0] if x_history is None else x_history, dtype)
+        result = fp8_matmul_delayed_from(x2, w2, history, x_history, dtype)
     return result.reshape(batch, time, *w.shape[len(x_in) :])
 
 
@@ -269,16 +271,13 @@ def project_param(x: jax.Array, kernel: nnx.Param, spec: str, dtype: jnp.dtype) 
     sites = _SITES.get()
     path = sites.paths.get(id(kernel)) if sites is not None else None
     history = sites.histories.get(path) if path is not None else None
-    x_history = None
-    if history is not None and SHARE_INPUT_SCALES:
-        first = sites.inputs.get(id(x))
-        if first is not None and first[0] is x:
-            x_history = first[1]
-        else:
-            sites.inputs[id(x)] = (x, history[0])
+    first = sites.inputs.get(id(x)) if history is not None and SHARE_INPUT_SCALES else None
+    x_history = first[1] if first is not None and first[0] is x else None
     product = fp8_project(x, kernel[...], spec, dtype, history, x_history)
     if product is not None and path is not None:
         sites.taken[path] = PROJECTION_ROWS
+        if history is not None and SHARE_INPUT_SCALES and x_history is None:  # x's first FP8 projection
+            sites.inputs[id(x)] = (x, history[0])
     return product
 
 

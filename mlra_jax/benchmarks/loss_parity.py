@@ -26,6 +26,7 @@ import importlib.util
 import io
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -93,10 +94,6 @@ def last_line(log: Path) -> str:
     return lines[-1].strip() if lines else f"no output in {log}"
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
 def summarize(curves: dict[str, dict[int, list[dict[str, Curve]]]], reference: str, after: int) -> dict[str, Any]:
     """The per-setting, per-seed summary (the module's docstring) of curves[setting][seed] = [run, ...], each run
     {"loss": Curve, "val_loss": Curve}, against the `reference` setting's runs of the same seed."""
@@ -109,7 +106,7 @@ def summarize(curves: dict[str, dict[int, list[dict[str, Curve]]]], reference: s
             band = {s: [r["loss"][s] for r in references] for s in steps}
             rows = []
             for run in runs:
-                gaps = {s: run["loss"][s] / _mean(band[s]) - 1 for s in steps if s in run["loss"]}
+                gaps = {s: run["loss"][s] / statistics.mean(band[s]) - 1 for s in steps if s in run["loss"]}
                 outside = [max(run["loss"][s] / max(band[s]) - 1, 1 - run["loss"][s] / min(band[s]), 0.0) for s in gaps]
                 worst = max(gaps, key=lambda s: abs(gaps[s])) if gaps else None
                 validation = run.get("val_loss") or {}
@@ -140,7 +137,7 @@ def figure(curves: dict[str, dict[str, list[dict[str, Curve]]]], reference: str)
     for ax, seed in zip(fig.subplots(1, len(seeds), squeeze=False)[0], seeds):
         references = curves[reference][seed]
         steps = sorted(set.intersection(*(set(map(int, r["loss"])) for r in references)))
-        mean = {s: _mean([r["loss"][_key(r["loss"], s)] for r in references]) for s in steps}
+        mean = {s: statistics.mean([r["loss"][_key(r["loss"], s)] for r in references]) for s in steps}
         low = [min(r["loss"][_key(r["loss"], s)] for r in references) / mean[s] - 1 for s in steps]
         high = [max(r["loss"][_key(r["loss"], s)] for r in references) / mean[s] - 1 for s in steps]
         ax.fill_between(
