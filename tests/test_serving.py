@@ -2,6 +2,8 @@
 tokens for every variant across chunked prefill and cache buckets, one compile per bucket, caches
 updated in place (no whole-cache copy in the compiled step), weights read in the compute dtype."""
 
+import dataclasses
+import functools
 import gc
 import re
 import weakref
@@ -63,8 +65,9 @@ def test_serving_decodes_the_same_tokens_as_the_stacked_cache(variant):
         assert "q_down" not in layer["attn"]
     got = generator.generate(PROMPTS, Sampling(max_new_tokens=NEW_TOKENS, eos_id=None))
     assert got == stacked_greedy(generator, PROMPTS, NEW_TOKENS)
-    # prefill: 3 chunks of 4 tokens, one compile; decode steps: one compile per bucket (16, then 24)
-    assert dict(generator.serving.traces) == {("prefill", 4, 16): 1, ("step", 1, 16): 1, ("step", 1, 24): 1}
+    # prefill: 3 chunks of 4 tokens, one compile; decode calls of 8 steps (STEPS_PER_CALL) and of the rest, in the
+    # bucket that holds them all (24): one compile each
+    assert dict(generator.serving.traces) == {("prefill", 4, 16): 1, ("step", 1, 24): 2}
 
 
 def test_sampled_steps_draw_what_separate_sampling_draws():
@@ -83,6 +86,25 @@ def test_sampled_steps_draw_what_separate_sampling_draws():
         logits = generator.serving.step(drawn[-1][:, None], session)
     assert got == np.stack(drawn, axis=1).tolist()
     assert generator.sampler(sampling) is generator.sampler(Sampling(temperature=0.9, top_k=20, top_p=0.9))
+
+
+def test_calls_of_several_steps_generate_the_tokens_of_single_steps():
+    """generate's decode calls of steps_per_call steps (ServingModel.sampled_steps) give the tokens of one step per
+    call, with sampling, an EOS that ends rows mid-call and a stop callback; fewer than 1 is refused."""
+    model = init_model(tiny_model("mla", n_layer=1, vocab_size=128, output_init="normal"), seed=0)
+    single = Generator(model, max_len=32, prefill_chunk=4, min_bucket=16, steps_per_call=1)
+    sampling = Sampling(max_new_tokens=9, temperature=0.8, top_k=30, eos_id=None, seed=5)
+    reference = single.generate(PROMPTS, sampling)
+    eos = reference[0][3]  # ends row 0 (and any row that draws it) part way through a call
+    stop = lambda row, tokens: row == 2 and len(tokens) == 5
+    with_eos = dataclasses.replace(sampling, eos_id=eos)
+    for steps in (3, 8):
+        several = Generator(model, max_len=32, prefill_chunk=4, min_bucket=16, steps_per_call=steps)
+        assert several.generate(PROMPTS, sampling) == reference
+        assert several.generate(PROMPTS, with_eos, stop) == single.generate(PROMPTS, with_eos, stop)
+    assert len(single.generate(PROMPTS, with_eos, stop)[0]) == 4
+    with pytest.raises(GenerationError, match="steps_per_call=0 must be at least 1"):
+        Generator(model, max_len=32, steps_per_call=0)
 
 
 def test_a_generator_takes_a_prepared_serving_model():
@@ -191,6 +213,22 @@ def test_decode_step_updates_the_cache_in_place_and_reads_weights_in_the_compute
     assert dtypes == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}  # matmul weights bf16, norm scales f32
     assert serving.weights["layers"][0]["attn"]["q_up"].dtype == jnp.bfloat16
     assert serving.weights["head"].dtype == jnp.bfloat16 and serving.weights["embed"]["embedding"].dtype == jnp.float32
+
+
+def test_a_call_of_several_steps_keeps_the_cache_in_place():
+    """ServingModel.sampled_steps runs its steps in one XLA loop over the caches: every cache buffer aliases its
+    output and no array of a layer's cache shape is copied, in the loop or around it."""
+    cfg = tiny_model("mlra4", n_layer=3, vocab_size=128, compute_dtype="bfloat16")
+    serving = Generator(init_model(cfg, seed=0), max_len=1000).serving
+    caches = init_layer_caches(cfg, 2, 1000)
+    greedy = jax.jit(functools.partial(sample, temperature=0.0, top_k=0, top_p=1.0))
+    call = serving.compiled(True, (2, 1), greedy, 4)
+    compiled = call.lower(serving.weights, jnp.zeros((2,), jnp.int32), caches, jax.random.key(0)).compile()
+    assert compiled.memory_analysis().alias_size_in_bytes >= sum(a.nbytes for x in caches.layers for a in x.values())
+    shapes = {",".join(map(str, a.shape)) for layer in caches.layers for a in layer.values()}
+    hlo = compiled.as_text()
+    copies = [m.group(1) for m in re.finditer(r"= \w+\[([\d,]*)\]\S* copy(?:-start)?\(", hlo)]
+    assert " while(" in hlo and not shapes & set(copies), copies
 
 
 @pytest.mark.parametrize(

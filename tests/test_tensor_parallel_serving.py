@@ -60,26 +60,67 @@ def test_tensor_parallel_decode_steps_equal_the_unsharded_step(variant, data, te
     want, got, kinds = served(variant, data, tensor, **changes)
     np.testing.assert_allclose(got, want, atol=3e-5)
     assert "all-gather" not in kinds, kinds
-    layers = 2
-    if (variant, tensor) == ("mlra2", 4):
-        assert kinds == {"all-reduce": 2 * layers + 1, "reduce-scatter": layers}, kinds
-    else:
-        # per layer: the attention's and the MLP's all-reduce; once: the vocabulary-sharded embedding's
-        assert kinds == {"all-reduce": 2 * layers + 1}, kinds
+    # per layer: the attention's and the MLP's all-reduce; once: the vocabulary-sharded embedding's
+    assert kinds == {"all-reduce": 2 * 2 + 1}, kinds
 
 
-def test_gated_mlra_keeps_the_row_parallel_output_projection():
-    want, got, kinds = served("mlra4", 1, 4, gated=True)
+@pytest.mark.parametrize(
+    "variant, data, tensor, changes",
+    [
+        ("mlra4", 1, 4, {"gated": True}),  # each device gates its heads
+        ("mlra4", 1, 2, {}),  # two branches on each device: their queries computed once
+        ("mlra4", 1, 8, {}),  # each block stored on two devices, each serving half its heads
+        ("mla", 1, 4, {}),  # one block on every device, the heads split
+        ("mla", 4, 1, {}),  # data parallel only: the held layouts of one device
+    ],
+)
+def test_more_deployments_equal_the_unsharded_step(variant, data, tensor, changes):
+    want, got, kinds = served(variant, data, tensor, **changes)
     np.testing.assert_allclose(got, want, atol=3e-5)
-    assert kinds.get("reduce-scatter") == 2 and "all-gather" not in kinds, kinds
+    assert kinds == ({"all-reduce": 2 * 2 + 1} if tensor > 1 else {}), kinds
 
 
-def test_mlra_output_projection_row_parallel_when_asked(monkeypatch):
-    """decode.layouts.PROJECT_IN_REGION = False (benchmarks' --tp_output=row_parallel): the heads reduce-scattered
-    into the row-parallel o_proj, with the same logits."""
-    from mlra_jax.decode import layouts
+@pytest.mark.parametrize(
+    "tp_output, collectives",
+    [("in_region", {"all-reduce": 5}), ("row_parallel", {"all-reduce": 5, "reduce-scatter": 2})],
+)
+def test_the_modules_as_trained_serve_when_asked(monkeypatch, tp_output, collectives):
+    """decode.region_block.REGION_BLOCKS = False (benchmarks' --tp_output=in_region or row_parallel): the modules
+    run under GSPMD with MLRA's output projected in the attention's region, or row-parallel after a reduce-scatter
+    of the heads (decode.layouts.PROJECT_IN_REGION = False), with the same logits."""
+    from mlra_jax.decode import layouts, region_block
 
-    monkeypatch.setattr(layouts, "PROJECT_IN_REGION", False)
+    monkeypatch.setattr(region_block, "REGION_BLOCKS", False)
+    monkeypatch.setattr(layouts, "PROJECT_IN_REGION", tp_output == "in_region")
     want, got, kinds = served("mlra4", 1, 4)
     np.testing.assert_allclose(got, want, atol=3e-5)
-    assert kinds == {"all-reduce": 5, "reduce-scatter": 2}, kinds
+    assert kinds == collectives, kinds
+
+
+def test_region_blocks_reduce_in_bfloat16_within_rounding_of_float32(monkeypatch):
+    """MLRA-4 at TP=4 in bfloat16: the region's decode steps all-reduce the hidden state's partials in bfloat16
+    (tensor_parallel.DECODE_REDUCE_DTYPE), and the logits stay within bfloat16 rounding of the float32 reduction's;
+    prefill reduces in float32 either way."""
+    import mlra_jax.tensor_parallel as tp_module
+
+    cfg = tiny_model("mlra4", n_layer=2, n_head=8, vocab_size=64, output_init="normal", compute_dtype="bfloat16")
+    model = init_model(cfg, seed=0)
+    mesh = make_mesh(MeshConfig(data=1, tensor=4), jax.devices()[:4])
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    model = nnx.merge(nnx.split(model)[0], jax.device_put(params, tree_shardings(params, logical_axes(model), mesh)))
+    tokens, starts = left_pad(PROMPTS)
+    logits, reduced = {}, {}
+    for dtype in ("compute", "float32"):
+        monkeypatch.setattr(tp_module, "DECODE_REDUCE_DTYPE", dtype)
+        serving = Generator(model, max_len=16, mesh=mesh).serving
+        _, session = serving.prefill(tokens, starts, 1, 16)
+        with jax.set_mesh(mesh):
+            lowered = serving.compiled(True, (4, 1)).lower(serving.weights, jnp.arange(4)[:, None], session.caches)
+        logits[dtype] = np.asarray(serving.step(jnp.arange(4)[:, None], session))
+        stablehlo = lowered.as_text()  # before XLA's CPU compiler widens bfloat16 reductions
+        reduced[dtype] = re.findall(r"stablehlo\.all_reduce\".*?\}\) : \(tensor<([^>]*)>", stablehlo, re.DOTALL)
+    # the regions' two per layer (the embedding's all-reduce comes from GSPMD, after lowering)
+    assert [r.rsplit("x", 1)[1] for r in reduced["compute"]] == ["bf16"] * 4, reduced
+    assert [r.rsplit("x", 1)[1] for r in reduced["float32"]] == ["f32"] * 4, reduced
+    scale = float(np.abs(logits["float32"]).max())
+    np.testing.assert_allclose(logits["compute"], logits["float32"], atol=0.02 * scale)

@@ -11,7 +11,10 @@ length, and times one decode step for the whole batch (tokens/s = batch / step t
   measures: pre-attention projections, cache write and attention (absorbed for the latent family), with the
   weights held as the serving layer holds them (decode.layouts.tensor_parallel_weights);
 * scope `model`: the 2.9B model ({variant}_2p9b) on the serving path (decode.serving: bf16 weights
-  split per layer, per-layer caches updated in place), embedding to logits.
+  split per layer, per-layer caches updated in place), embedding to logits; with --steps_per_call=K
+  (default: generate's, 8) also calls of K greedy steps that sample, as `generate` runs them, dispatched back to
+  back (`call_step_s` per step, `call_over_floor`). Single steps dispatched back to back make XLA record the
+  step's CUDA graphs again every step; a call's steps record them once.
 
 --attention_impl auto (default) takes the Pallas kernels for the latent family's decode where they run
 (Hopper GPUs, TPUs) and GQA's decode kernel on NVIDIA GPUs (attention.gqa_kernel), XLA elsewhere. On GPUs
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -63,7 +67,9 @@ from mlra_jax.benchmarks.common import (
     save,
 )
 from mlra_jax.config import MeshConfig, ModelConfig
-from mlra_jax.decode import layouts, serving
+from mlra_jax.decode import layouts, region_block, serving
+from mlra_jax.decode.generator import STEPS_PER_CALL as STEPS_PER_GENERATE_CALL
+from mlra_jax.decode.generator import sample
 from mlra_jax.decode.serving import ServingModel, serving_compiler_options
 from mlra_jax.experiments.benchmarks import PAPER_BATCH, THROUGHPUT_CONTEXTS, THROUGHPUT_MODELS, deployment
 from mlra_jax.kv_cache import init_cache, init_layer_caches, slot_mask
@@ -242,9 +248,40 @@ def measure_model(
                 cfg, serving.weights, holder["caches"].layers, tp, batch // dp, context
             )
             timing |= roofline.floor(weight_bytes, cache_bytes, flops, ceilings, timing["step_time_s"])
+            if STEPS_PER_CALL > 1:
+                timing |= time_calls(serving, holder, batch, context, repeats, timing["floor_time_s"], mesh)
             timing |= roofline.collective_census(step.as_text()) | memory
             results.append(_record(variant, "model", cfg, tp, dp, len(devices), batch, context, timing))
             holder.clear()  # the cache's buffers go before the next context's are made
+
+
+STEPS_PER_CALL = STEPS_PER_GENERATE_CALL  # --steps_per_call
+
+
+def time_calls(
+    serving: ServingModel, holder: dict, batch: int, context: int, calls: int, floor: float, mesh: jax.sharding.Mesh
+) -> dict[str, Any]:
+    """Seconds per step of `generate`'s calls (ServingModel.sampled_steps: STEPS_PER_CALL greedy steps each), `calls`
+    of them dispatched back to back, from a cache filled to about `context` tokens."""
+    steps = STEPS_PER_CALL
+    greedy = jax.jit(functools.partial(sample, temperature=0.0, top_k=0, top_p=1.0))
+    tokens = jax.device_put(jnp.zeros((batch,), jnp.int32), batch_sharding(mesh, 1))
+    key = jax.random.key(0)
+    holder["caches"] = dataclasses.replace(holder["caches"], index=jnp.int32(context - steps * (calls + 2)))
+    call = serving.compiled(True, (batch, 1), greedy, steps)
+    compiled = call.lower(serving.weights, tokens, holder["caches"], key).compile()
+
+    def run():
+        drawn, _, holder["caches"] = compiled(serving.weights, tokens, holder["caches"], key)
+        return drawn
+
+    seconds = pipelined_time(run, calls) / steps
+    return {
+        "steps_per_call": steps,
+        "call_step_s": seconds,
+        "call_tokens_per_s": batch / seconds,
+        "call_over_floor": seconds / floor,
+    }
 
 
 def _record(
@@ -260,6 +297,8 @@ def _record(
 ) -> dict[str, Any]:
     seconds = timing["step_time_s"]
     kernels = f"  kernels {timing['kernel_sum_s'] * 1e3:7.3f} ms" if "kernel_sum_s" in timing else ""
+    if "call_step_s" in timing:
+        kernels += f"  {timing['steps_per_call']} steps per call {timing['call_step_s'] * 1e3:7.3f} ms"
     print(
         f"{scope:9} {variant:6} TP={tp} DP={dp} B={batch:<4} ctx={context:<6} {cfg.attention_impl:6} "
         f"{seconds * 1e3:8.3f} ms  {batch / seconds:12,.0f} tokens/s  floor {timing['floor_time_s'] * 1e3:7.3f} ms "
@@ -328,16 +367,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--tp_output",
-        default="in_region" if layouts.PROJECT_IN_REGION else "row_parallel",
-        choices=("in_region", "row_parallel"),
-        help="MLRA's output projection in decode steps under TP: in the blocks' region (one all-reduce) or "
-        "row-parallel after a reduce-scatter of the heads (decode.layouts.PROJECT_IN_REGION)",
+        default="block" if region_block.REGION_BLOCKS else "in_region",
+        choices=("block", "in_region", "row_parallel"),
+        help="the latent family's serving steps under TP (scope model): each block as one region over each device's "
+        "own weights (decode.region_block), or the modules as trained with MLRA's output projection in the "
+        "attention's region (one all-reduce) or row-parallel after a reduce-scatter of the heads "
+        "(decode.layouts.PROJECT_IN_REGION)",
     )
     parser.add_argument(
         "--tp_all_reduce",
         default=serving.TP_ALL_REDUCE,
         choices=("nccl", "one_shot"),
         help="how decode steps under TP all-reduce on GPUs: NCCL or XLA's one-shot kernel (decode.serving)",
+    )
+    parser.add_argument(
+        "--steps_per_call",
+        type=int,
+        default=STEPS_PER_CALL,
+        help="scope model: also time calls of this many decode steps that sample, as `generate` makes them "
+        "(1: single steps only)",
     )
     parser.add_argument("--copy_gb", type=float, default=2.0, help="size of the bandwidth-reference copy")
     parser.add_argument(
@@ -393,6 +441,7 @@ def child_argv(args: argparse.Namespace, scope: str, variant: str, out: Path) ->
         f"--tp_output={args.tp_output}",
         f"--tp_all_reduce={args.tp_all_reduce}",
         f"--copy_gb={args.copy_gb}",
+        f"--steps_per_call={args.steps_per_call}",
         *(["--timeline"] if args.timeline else []),
         f"--processes={args.processes}",
         "--no_isolate",
@@ -502,6 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.devices > len(jax.devices()):
         parser.error(f"--devices={args.devices}: only {len(jax.devices())} devices are present")
     tensor_parallel.DECODE_REDUCE_DTYPE = args.tp_reduce
+    global STEPS_PER_CALL
+    STEPS_PER_CALL = args.steps_per_call
+    region_block.REGION_BLOCKS = args.tp_output == "block"
     layouts.PROJECT_IN_REGION = args.tp_output == "in_region"
     serving.TP_ALL_REDUCE = args.tp_all_reduce
     global KEEP_TIMELINE

@@ -29,6 +29,11 @@ from mlra_jax.decode.serving import MIN_BUCKET, PREFILL_CHUNK, ServingModel
 from mlra_jax.kv_cache import DecodeState, init_cache
 from mlra_jax.model import Transformer
 
+# Decode steps per call in `generate`: on GPUs XLA records a step's CUDA graphs again whenever the step's buffers
+# moved since it last ran, which steps dispatched back to back make them do; the steps of one call share its
+# buffers. A call's steps after every row has ended are wasted.
+STEPS_PER_CALL = 8
+
 
 class GenerationError(ValueError):
     """A prompt or request that cannot be served; the message says why and what to change."""
@@ -98,17 +103,22 @@ class Generator:
         min_bucket: int = MIN_BUCKET,
         serving: ServingModel | None = None,
         keep_model: bool = True,
+        steps_per_call: int = STEPS_PER_CALL,
     ):
         """serving: the model already prepared for serving (its weights are a copy of the model's: pass it
         rather than have a second one made); else made on first use with mesh, prefill_chunk and min_bucket.
         keep_model=False prepares the serving model now and keeps no reference to the model's parameters:
         generate runs as before, the stacked-cache prefill and step refuse, and the model's float32 weights
-        are freed once the caller drops the model (2.9B: 11.6 GB beside the 5.8 GB bf16 serving copy)."""
+        are freed once the caller drops the model (2.9B: 11.6 GB beside the 5.8 GB bf16 serving copy).
+        steps_per_call: decode steps that `generate` runs in one call (ServingModel.sampled_steps)."""
         if max_len < 1:
             raise GenerationError(f"max_len={max_len} must be at least 1 (the cache holds the prompt and new tokens)")
         if serving is not None and (serving.cfg != model.config or serving.mesh is not mesh):
             raise ValueError("the serving model must be prepared from the same model config and on the same mesh")
+        if steps_per_call < 1:
+            raise GenerationError(f"steps_per_call={steps_per_call} must be at least 1")
         self.cfg, self.max_len, self.mesh = model.config, max_len, mesh
+        self.steps_per_call = steps_per_call
         self.graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
         self._serving_options = dict(mesh=mesh, prefill_chunk=prefill_chunk, min_bucket=min_bucket)
         self._serving = serving if keep_model or serving else ServingModel(model, **self._serving_options)
@@ -201,22 +211,26 @@ class Generator:
         sampler = self.sampler(sampling)
         outputs: list[list[int]] = [[] for _ in prompts]
         done = np.zeros(len(prompts), bool)
-        tokens = sampler(logits, draw_key)
-        for i in range(sampling.max_new_tokens):
-            # The next step (which samples too) is dispatched before this step's tokens reach the host, so
-            # that the host's work (dispatch, stop checks) overlaps the device's; when every row ends here it
-            # is wasted.
+        drawn = sampler(logits, draw_key)[:, None]  # [B, tokens]: the tokens drawn by the last call
+        remaining = sampling.max_new_tokens - 1
+        while True:
+            # The next call (several decode steps that sample) is dispatched before this call's tokens reach the
+            # host, so that the host's work (dispatch, stop checks) overlaps the device's; when every row ends
+            # here it is wasted, and so are a call's steps after every row has ended.
             upcoming = None
-            if i + 1 < sampling.max_new_tokens:
-                upcoming, key = self.serving.sampled_step(tokens, session, key, sampler)
-            host = np.asarray(tokens)
-            for row in np.flatnonzero(~done):
-                outputs[row].append(int(host[row]))
-                if stop is not None and stop(int(row), outputs[row]):
-                    done[row] = True
-            if sampling.eos_id is not None:
-                done |= host == sampling.eos_id
-            if done.all():
-                break
-            tokens = upcoming
-        return outputs
+            if remaining:
+                steps = min(self.steps_per_call, remaining)
+                upcoming, key = self.serving.sampled_steps(drawn[:, -1], session, key, sampler, steps)
+                remaining -= steps
+            for column in np.asarray(drawn).T:
+                for row in np.flatnonzero(~done):
+                    outputs[row].append(int(column[row]))
+                    if stop is not None and stop(int(row), outputs[row]):
+                        done[row] = True
+                if sampling.eos_id is not None:
+                    done |= column == sampling.eos_id
+                if done.all():
+                    return outputs
+            if upcoming is None:
+                return outputs
+            drawn = upcoming
