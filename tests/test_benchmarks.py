@@ -151,6 +151,13 @@ def test_decode_throughput_refuses_a_cpu_at_once(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+def test_decode_throughput_refuses_calls_that_the_shortest_context_cannot_hold(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        decode_throughput.main(["--cpu", "--contexts=64,1024", "--repeats=10", f"--out={tmp_path / 'out.json'}"])
+    assert exit_info.value.code == 2 and "steps_per_call x (repeats + 2) = 96" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_decode_throughput_measures_each_setting_in_a_process_of_its_own(tmp_path, monkeypatch):
     """--isolate (the default for several settings): one process per (scope, variant); a process that dies (out of
     memory) is recorded as its setting's failure, and the others' rows are kept."""

@@ -55,6 +55,7 @@ from mlra_jax.benchmarks.common import (
     profiled_time,
     save,
 )
+from mlra_jax.decode.generator import STEPS_PER_CALL
 
 H100_BANDWIDTH = 3.35e12  # bytes/s, the paper's ideal-time reference
 BATCH1_CONTEXTS = (131072, 262144, 524288, 1048576, 2097152)
@@ -404,11 +405,13 @@ def bench_model(args: argparse.Namespace) -> tuple[list[dict], dict]:
 
 def _time_generate(model, serving, batch: int, context: int, new_tokens: int) -> dict:
     """Wall time per new token of Generator.generate (greedy, every row running to new_tokens) from random
-    prompts that end the decoding at `context` tokens: the median gap between consecutive tokens reaching the
-    host (a stop callback stamps them), over the last of three calls, the first 8 tokens left out."""
+    prompts that end the decoding at `context` tokens, over the last of three calls: the tokens of a decode call
+    reach the host together, so the time from the first token of its second decode call to the first of its last,
+    over the tokens between them."""
     from mlra_jax.decode.generator import Generator, Sampling
 
     generator = Generator(model, max_len=context, serving=serving)
+    steps = generator.steps_per_call
     prompts = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, context - new_tokens)).tolist()
     stamps: list[float] = []
 
@@ -420,11 +423,11 @@ def _time_generate(model, serving, batch: int, context: int, new_tokens: int) ->
     for _ in range(3):
         stamps.clear()
         generator.generate(prompts, Sampling(max_new_tokens=new_tokens, eos_id=None), stop=stamp)
-    gaps = np.diff(stamps[8:])
+    firsts = stamps[1::steps]  # the first token of each decode call (token 0 comes from the prefill)
     return {
         "generate_tokens": new_tokens,
-        "generate_s_per_token": float(np.median(gaps)),
-        "generate_timing": "Generator.generate, median wall time between new tokens",
+        "generate_s_per_token": (firsts[-1] - firsts[1]) / (steps * (len(firsts) - 2)),
+        "generate_timing": f"Generator.generate, wall time per new token over whole calls of {steps} decode steps",
     }
 
 
@@ -524,10 +527,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.mode == "model" and args.generate_tokens:
         shortest = min(int(c) for c in args.context.split(","))
-        if not 16 <= args.generate_tokens < shortest:
+        fewest = 2 * STEPS_PER_CALL + 2  # the prefill's token, a first decode call, two calls timed
+        if not fewest <= args.generate_tokens < shortest:
             parser.error(
-                f"--generate_tokens={args.generate_tokens}: use at least 16 (the first 8 gaps are left out) "
-                f"and fewer than the shortest --context ({shortest})"
+                f"--generate_tokens={args.generate_tokens}: use at least {fewest} (whole decode calls of "
+                f"{STEPS_PER_CALL} steps are timed, the first left out) and fewer than the shortest --context "
+                f"({shortest})"
             )
     results, extra = bench_attention(args) if args.mode == "attention" else bench_model(args)
     record = save(args.out, f"decode_{args.mode}", results, **extra)

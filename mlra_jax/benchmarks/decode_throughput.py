@@ -539,6 +539,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--scopes={args.scopes}: choose from {', '.join(SCOPES)}")
     contexts = [int(c) for c in args.contexts.split(",")]
     variants = args.variants.split(",")
+    calls_slots = args.steps_per_call * (args.repeats + 2)  # time_calls' steps, from the cache's end back
+    if args.steps_per_call < 1 or ("model" in scopes and args.steps_per_call > 1 and min(contexts) <= calls_slots):
+        parser.error(
+            f"--steps_per_call={args.steps_per_call}: give at least 1, and with scope model a --contexts above "
+            f"steps_per_call x (repeats + 2) = {calls_slots} (or --steps_per_call=1)"
+        )
     if args.processes < 1 or (args.process_id is not None and not args.coordinator):
         parser.error(f"--processes={args.processes}: give at least 1 (--process_id comes with --coordinator)")
     if args.isolate and len(scopes) * len(variants) > 1:
