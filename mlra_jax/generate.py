@@ -24,7 +24,7 @@ from mlra_jax.cli import add_run_argument, command_parser
 from mlra_jax.command import command
 from mlra_jax.config import CheckpointConfig, ConfigError
 from mlra_jax.data.tokenizer import EOT, gpt2_tokenizer
-from mlra_jax.decode.generator import GenerationError, Generator, Sampling
+from mlra_jax.decode.generator import STEPS_PER_CALL, GenerationError, Generator, Sampling
 from mlra_jax.guards import check_finite, error_summary
 from mlra_jax.model import Transformer, abstract_model
 from mlra_jax.paths import as_path
@@ -99,6 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="cache length: the prompt and the new tokens (1 to the model's max_seq_len, the default)",
     )
+    parser.add_argument(
+        "--steps_per_call",
+        type=int,
+        default=STEPS_PER_CALL,
+        help="decode steps per compiled call (on GPUs a step's CUDA graphs are recorded once per call; "
+        "the steps after every prompt has ended are dropped)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON records")
     args = parser.parse_args(argv)
     configure_cli_logging()
@@ -109,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         top_p=args.top_p,
         seed=args.seed,
     )  # checked before the model loads
+    if args.steps_per_call < 1:
+        raise GenerationError(f"--steps_per_call {args.steps_per_call} is out of range: give 1 or more")
     if args.max_len is not None and args.max_len < 1:
         raise GenerationError(f"--max_len {args.max_len} is out of range: give 1 to the model's max_seq_len")
     model, step = load_model(args.workdir, args.step)
@@ -120,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     tokenizer = gpt2_tokenizer()
     prompts = [[EOT, *tokenizer.encode_ordinary(p)] for p in args.prompt]
-    generator = Generator(model, max_len, keep_model=False)
+    generator = Generator(model, max_len, keep_model=False, steps_per_call=args.steps_per_call)
     del model  # generate reads the serving copy (cast to the compute dtype): the float32 weights are freed
     outputs = generator.generate(prompts, sampling)
     for prompt, tokens in zip(args.prompt, outputs):

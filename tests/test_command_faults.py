@@ -269,6 +269,7 @@ def test_lm_eval_numbers_out_of_range_exit_2_naming_the_option(run, tmp_path, ca
         (["--max_len", "513"], "--max_len 513 exceeds the model's max_seq_len 512"),
         (["--max_new_tokens", "0"], "max_new_tokens=0 must be at least 1"),
         (["--seed", str(2**64)], f"seed={2**64} is out of range: give a 64-bit integer"),
+        (["--steps_per_call", "0"], "--steps_per_call 0 is out of range: give 1 or more"),
     ],
 )
 def test_generate_values_out_of_range_exit_2(run, capsys, arguments, message):

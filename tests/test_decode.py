@@ -152,5 +152,8 @@ def test_generate_command_from_a_training_run(tmp_path, capsys):
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["prompt"] for r in records] == ["Hello", "A longer prompt here"]
     assert all(r["step"] == 4 and 1 <= len(r["tokens"]) <= 4 for r in records)
+    one_per_call = ["--checkpoint", str(tmp_path), "--prompt", "Hello", "--max_new_tokens", "4", "--json"]
+    assert generate_main([*one_per_call, "--steps_per_call", "1"]) == 0  # one decode step per call: the same tokens
+    assert json.loads(capsys.readouterr().out)["tokens"] == records[0]["tokens"]
     assert generate_main(["--checkpoint", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "is not a run directory" in capsys.readouterr().err
