@@ -581,7 +581,7 @@ def test_throughput_figure_draws_the_study_with_its_floors(tmp_path, capsys):
         "devices_used": 4,
         "results": [
             row("mlra4", 4, 1, 8192, 20000.0, 30000.0),
-            row("mlra4", 4, 1, 2048, 25000.0, 40000.0),
+            {**row("mlra4", 4, 1, 2048, 10000.0, 40000.0), "call_tokens_per_s": 25000.0, "call_over_floor": 1.6},
             row("mla", 1, 4, 2048, 15000.0, 26000.0),
             {**row("mla", 1, 4, 2048, 1.0, 26000.0), "superseded": "an earlier version's"},
             {"scope": "model", "variant": "gqa", "context": 2048, "error": "JaxRuntimeError: RESOURCE_EXHAUSTED"},
@@ -595,7 +595,8 @@ def test_throughput_figure_draws_the_study_with_its_floors(tmp_path, capsys):
     printed = capsys.readouterr().out
     lines = [line.split() for line in printed.splitlines() if line.startswith("model")]
     assert [(line[1], line[-4]) for line in lines] == [("MLRA-4", "2048"), ("MLRA-4", "8192"), ("MLA", "2048")]
-    assert lines[0][-1] == "1.60"  # 40,000 / 25,000: the step over its floor
+    assert lines[0][-1] == "1.60" and lines[0][-3] == "25,000*"  # generate's calls where the row timed them
+    assert lines[1][-1] == "1.50"  # 30,000 / 20,000: the single step over its floor
     record["results"] = record["results"][4:]
     path.write_text(json.dumps(record))
     with pytest.raises(SystemExit) as exit_info:

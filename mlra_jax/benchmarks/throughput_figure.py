@@ -38,22 +38,37 @@ def measured_rows(record: dict[str, Any]) -> dict[str, dict[str, list[dict[str, 
     return rows
 
 
+def measured(row: dict[str, Any]) -> tuple[float, float]:
+    """A row's tokens/s and step over its floor: those of `generate`'s calls of several steps where the row timed
+    them (`call_tokens_per_s`, decode_throughput --steps_per_call), else of its single step."""
+    if "call_tokens_per_s" in row:
+        return row["call_tokens_per_s"], row["call_over_floor"]
+    return row["tokens_per_s"], row["time_over_floor"]
+
+
 def deployment(row: dict[str, Any]) -> str:
     return f"TP={row['tp']}" + (f" DP={row['dp']}" if row["dp"] > 1 else "")
 
 
 def table(record: dict[str, Any]) -> str:
-    """One line per row: scope, variant, deployment, context, tokens/s, the floor's tokens/s, step / floor."""
+    """One line per row: scope, variant, deployment, context, tokens/s, the floor's tokens/s, step / floor (`measured`:
+    of the calls of several steps where the row has them, marked *)."""
     lines = [
-        f"{'scope':9} {'variant':7} {'deployment':11} {'context':>7} {'tokens/s':>10} {'floor':>10} {'x floor':>8}"
+        f"{'scope':9} {'variant':7} {'deployment':11} {'context':>7} {'tokens/s':>11} {'floor':>10} {'x floor':>8}"
     ]
     for scope, variants in measured_rows(record).items():
         for variant, series in variants.items():
             for r in series:
+                tokens, over = measured(r)
+                mark = "*" if "call_tokens_per_s" in r else " "
                 lines.append(
                     f"{scope:9} {NAMES.get(variant, variant):7} {deployment(r):11} {r['context']:>7} "
-                    f"{r['tokens_per_s']:>10,.0f} {r['floor_tokens_per_s']:>10,.0f} {r['time_over_floor']:>8.2f}"
+                    f"{tokens:>10,.0f}{mark} {r['floor_tokens_per_s']:>10,.0f} {over:>8.2f}"
                 )
+    if any(
+        "call_tokens_per_s" in r for variants in measured_rows(record).values() for s in variants.values() for r in s
+    ):
+        lines.append("* calls of several decode steps, as generate runs them")
     return "\n".join(lines)
 
 
@@ -72,7 +87,7 @@ def draw(record: dict[str, Any], out: Path) -> None:
             color = f"C{rank(variant)}"  # one color per variant in every panel
             contexts = [r["context"] for r in series]
             label = f"{NAMES.get(variant, variant)} ({deployment(series[0])})"
-            ax.plot(contexts, [r["tokens_per_s"] for r in series], "o-", color=color, label=label)
+            ax.plot(contexts, [measured(r)[0] for r in series], "o-", color=color, label=label)
             ax.plot(contexts, [r["floor_tokens_per_s"] for r in series], "--", color=color, alpha=0.6)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
