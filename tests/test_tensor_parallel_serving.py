@@ -99,8 +99,7 @@ def test_the_modules_as_trained_serve_when_asked(monkeypatch, tp_output, collect
 
 def test_region_blocks_reduce_in_bfloat16_within_rounding_of_float32(monkeypatch):
     """MLRA-4 at TP=4 in bfloat16: the region's decode steps all-reduce the hidden state's partials in bfloat16
-    (tensor_parallel.DECODE_REDUCE_DTYPE), and the logits stay within bfloat16 rounding of the float32 reduction's;
-    prefill reduces in float32 either way."""
+    (tensor_parallel.DECODE_REDUCE_DTYPE), and the logits stay within bfloat16 rounding of the float32 reduction's."""
     import mlra_jax.tensor_parallel as tp_module
 
     cfg = tiny_model("mlra4", n_layer=2, n_head=8, vocab_size=64, output_init="normal", compute_dtype="bfloat16")
