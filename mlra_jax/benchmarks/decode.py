@@ -55,7 +55,7 @@ from mlra_jax.benchmarks.common import (
     profiled_time,
     save,
 )
-from mlra_jax.decode.generator import STEPS_PER_CALL
+from mlra_jax.decode.generator import STEPS_PER_CALL, Generator, Sampling
 
 H100_BANDWIDTH = 3.35e12  # bytes/s, the paper's ideal-time reference
 BATCH1_CONTEXTS = (131072, 262144, 524288, 1048576, 2097152)
@@ -408,8 +408,6 @@ def _time_generate(model, serving, batch: int, context: int, new_tokens: int) ->
     prompts that end the decoding at `context` tokens, over the last of three calls: the tokens of a decode call
     reach the host together, so the time from the first token of its second decode call to the first of its last,
     over the tokens between them."""
-    from mlra_jax.decode.generator import Generator, Sampling
-
     generator = Generator(model, max_len=context, serving=serving)
     steps = generator.steps_per_call
     prompts = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, context - new_tokens)).tolist()

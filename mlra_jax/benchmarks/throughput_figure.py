@@ -56,7 +56,8 @@ def table(record: dict[str, Any]) -> str:
     lines = [
         f"{'scope':9} {'variant':7} {'deployment':11} {'context':>7} {'tokens/s':>11} {'floor':>10} {'x floor':>8}"
     ]
-    for scope, variants in measured_rows(record).items():
+    rows = measured_rows(record)
+    for scope, variants in rows.items():
         for variant, series in variants.items():
             for r in series:
                 tokens, over = measured(r)
@@ -65,9 +66,7 @@ def table(record: dict[str, Any]) -> str:
                     f"{scope:9} {NAMES.get(variant, variant):7} {deployment(r):11} {r['context']:>7} "
                     f"{tokens:>10,.0f}{mark} {r['floor_tokens_per_s']:>10,.0f} {over:>8.2f}"
                 )
-    if any(
-        "call_tokens_per_s" in r for variants in measured_rows(record).values() for s in variants.values() for r in s
-    ):
+    if any("call_tokens_per_s" in r for variants in rows.values() for series in variants.values() for r in series):
         lines.append("* calls of several decode steps, as generate runs them")
     return "\n".join(lines)
 

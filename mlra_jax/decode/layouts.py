@@ -65,9 +65,13 @@ def attention_weights(attn: Weights, out_major: bool) -> Weights:
     q_up = attn["q_up"]
     if out_major:
         x_proj, q_up = jnp.swapaxes(x_proj, -1, -2), jnp.moveaxis(q_up, -3, -1)
-    split = up.reshape(up.shape[:-1] + (2, up.shape[-1] // 2))  # [..., n, R, H, 2, d_h]
-    kv_up = jnp.moveaxis(split, (-2, -5, -3, -4), (-5, -4, -3, -2))  # [..., 2, n, H, R, d_h]
-    return {**held, "x_proj": x_proj, "q_up": q_up, "kv_up": kv_up}
+    return {**held, "x_proj": x_proj, "q_up": q_up, "kv_up": head_major(up)}
+
+
+def head_major(kv_up: jax.Array) -> jax.Array:
+    """kv_up [..., n, R, H, 2 d_h] as W_UK and W_UV, each head-major: [..., 2, n, H, R, d_h]."""
+    split = kv_up.reshape(kv_up.shape[:-1] + (2, kv_up.shape[-1] // 2))  # [..., n, R, H, 2, d_h]
+    return jnp.moveaxis(split, (-2, -5, -3, -4), (-5, -4, -3, -2))
 
 
 def held_weights(blocks: Weights, out_major: bool) -> Weights:
@@ -75,22 +79,24 @@ def held_weights(blocks: Weights, out_major: bool) -> Weights:
     return {"attn": attention_weights(blocks["attn"], out_major), "mlp": mlp_weights(blocks["mlp"], out_major)}
 
 
-def module_weights(blocks: Weights) -> Weights:
-    """The block parameters the serving shell's modules keep (their own layout): all but the held ones."""
-    dropped = ("o_proj", *LATENT_HELD) if is_latent(blocks["attn"]) else ("o_proj",)
+def module_weights(blocks: Weights, also: tuple[str, ...] = ()) -> Weights:
+    """The block parameters the serving shell's modules keep (their own layout): all but the held ones and the
+    attention's `also`."""
+    dropped = (("o_proj", *LATENT_HELD) if is_latent(blocks["attn"]) else ("o_proj",)) + also
     attn = {name: a for name, a in blocks["attn"].items() if name not in dropped}
     return {name: a for name, a in blocks.items() if name != "mlp"} | {"attn": attn}
 
 
-def serving_shell(block: Block) -> Block:
-    """A copy of `block` without the weights held in serving layouts (module_weights' structure): its norms,
-    gate and (other than the latent family) attention run as trained; the serving steps read the rest."""
+def serving_shell(block: Block, also: tuple[str, ...] = ()) -> Block:
+    """A copy of `block` without the weights held in serving layouts and the attention's `also` (module_weights'
+    structure): its norms, gate and (other than the latent family) attention run as trained; the serving steps
+    read the rest."""
     shell = nnx.clone(block)
     shell.mlp = None
     shell.attn.o_proj = None
-    if isinstance(shell.attn, LatentAttention):
-        for name in LATENT_HELD:
-            setattr(shell.attn, name, None)
+    held = (*LATENT_HELD, *also) if isinstance(shell.attn, LatentAttention) else also
+    for name in held:
+        setattr(shell.attn, name, None)
     return shell
 
 

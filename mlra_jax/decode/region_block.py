@@ -33,9 +33,8 @@ from mlra_jax.attention.base import KVCache
 from mlra_jax.attention.latent import LatentAttention
 from mlra_jax.attention.rope import apply_rope
 from mlra_jax.config import ModelConfig
-from mlra_jax.decode import serving_block
+from mlra_jax.decode import layouts, serving_block
 from mlra_jax.layers import project, rms_norm, row_copies
-from mlra_jax.model import Block
 from mlra_jax.sharding import split_batch_axes
 from mlra_jax.tensor_parallel import TENSOR, LatentPlan, reduce_dtype
 
@@ -89,11 +88,10 @@ def region_weights(blocks: Weights, cfg: ModelConfig, mesh: jax.sharding.Mesh) -
         kv_down = jnp.take(attn["kv_down"], local, axis=-2)
         x_proj = [attn["q_down"], kv_down.reshape(kv_down.shape[:-2] + (-1,)), attn["k_rope_proj"]]
         up = jax.lax.slice_in_dim(jnp.take(attn["kv_up"], local, axis=-4), start, start + width, axis=-2)
-        up = up.reshape(up.shape[:-1] + (2, up.shape[-1] // 2))  # [..., n, R, H, 2, d_h]
         weights = {
             "x_proj": jnp.concatenate(x_proj, axis=-1),
             "q_up": jnp.take(attn["q_up"], heads, axis=-2),
-            "kv_up": jnp.moveaxis(up, (-2, -5, -3, -4), (-5, -4, -3, -2)),  # [..., 2, n, H, R, d_h]
+            "kv_up": layouts.head_major(up),
             "kv_norm": jnp.take(attn["kv_norm"]["scale"], local, axis=-2),
             "o_proj": jnp.take(attn["o_proj"], heads, axis=-3),
         }
@@ -117,23 +115,9 @@ def region_weights(blocks: Weights, cfg: ModelConfig, mesh: jax.sharding.Mesh) -
     return jax.jit(laid_out)(blocks["attn"], blocks["mlp"])
 
 
-MODULE_DROPPED = ("q_down", "kv_down", "k_rope_proj", "q_up", "kv_up", "o_proj", "gate_proj")
-
-
-def module_weights(blocks: Weights) -> Weights:
-    """What the blocks' shell (shell) keeps: the norms (kv_norm's scales too, unused here)."""
-    attn = {name: a for name, a in blocks["attn"].items() if name not in MODULE_DROPPED}
-    return {name: a for name, a in blocks.items() if name != "mlp"} | {"attn": attn}
-
-
-def shell(block: Block) -> Block:
-    """A copy of `block` without the weights that region_weights lays out."""
-    shell = nnx.clone(block)
-    shell.mlp = None
-    for name in MODULE_DROPPED:
-        if getattr(shell.attn, name, None) is not None:
-            setattr(shell.attn, name, None)
-    return shell
+# What region_weights lays out beyond the attention weights that decode.layouts holds for one device: the blocks
+# run on layouts.serving_shell(block, ALSO_HELD) and its layouts.module_weights(blocks, ALSO_HELD).
+ALSO_HELD = ("gate_proj",)
 
 
 def block_step(
@@ -148,9 +132,9 @@ def block_step(
     absorbed: bool,
     mesh: jax.sharding.Mesh,
 ) -> tuple[jax.Array, KVCache]:
-    """New tokens x [B, T, d] through one block (weights: {"block": module_weights, "region": region_weights of
-    the layer}): their entries written into the cache at `index`, attention over it; a decode step with absorbed,
-    else a prefill chunk."""
+    """New tokens x [B, T, d] through one block (weights: {"block": layouts.module_weights(.., ALSO_HELD),
+    "region": region_weights of the layer}): their entries written into the cache at `index`, attention over it;
+    a decode step with absorbed, else a prefill chunk."""
     batch = split_batch_axes(x.shape[0]) or None
     lead = P(batch)
     cache_specs = {name: plans[name].spec(cache[name].ndim, 2, leading=(batch,)) for name in cache}
@@ -216,8 +200,7 @@ def _on_device(
         q = q.reshape(q.shape[:2] + (1, g, width, q.shape[-1]))
         return jnp.broadcast_to(q, q.shape[:2] + (n // g,) + q.shape[3:]).reshape(q.shape[:2] + (n, width, -1))
 
-    kv_up = held["kv_up"].astype(dtype)  # [2, n, H, R, d_h]
-    up = (jnp.swapaxes(kv_up[0], 1, 2), jnp.swapaxes(kv_up[1], 1, 2))
+    up = serving_block.absorbed_up(held["kv_up"], dtype)
     out = attn.blocks_fn(mode)(per_block(q_nope), per_block(q_rope), cache["latent"], cache["k_rope"], up, mask)
     out = out.astype(jnp.float32)
     out = out.reshape(out.shape[:2] + (n // g, g * width, out.shape[-1])).sum(axis=2) * attn.branch_scale

@@ -141,10 +141,10 @@ class ServingModel:
             self.block_def = nnx.split(layouts.serving_shell(shell.blocks))[0]
         elif self.region:
             layers = {
-                "block": region_block.module_weights(blocks),
+                "block": layouts.module_weights(blocks, region_block.ALSO_HELD),
                 "region": region_block.region_weights(blocks, self.cfg, mesh),
             }
-            self.block_def = nnx.split(region_block.shell(shell.blocks))[0]
+            self.block_def = nnx.split(layouts.serving_shell(shell.blocks, region_block.ALSO_HELD))[0]
         else:
             layers = {"block": layouts.tensor_parallel_weights(blocks, self.cfg, mesh)}
             if layouts.projects_in_region(self.cfg, tp):

@@ -61,9 +61,15 @@ def latent_heads(
         c_q = row_copies(c_q)
     q_spec = "btq,hkq->bthk" if out_major else "btq,qhk->bthk"
     queries = attn.split_query(project(attn.normed_query(c_q), held["q_up"], q_spec, attn.dtype), positions)
-    kv_up = held["kv_up"].astype(attn.dtype)  # [2, n, H, R, d_h]
-    up = (jnp.swapaxes(kv_up[0], 1, 2), jnp.swapaxes(kv_up[1], 1, 2))
+    up = absorbed_up(held["kv_up"], attn.dtype)
     return attn.local_blocks("decode" if absorbed else "prefill", queries, cache, up, mask), cache
+
+
+def absorbed_up(kv_up: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """(W_UK, W_UV) [n, R, H, d_h] in `dtype` from the head-major kv_up [2, n, H, R, d_h] (layouts.head_major), as
+    the latent blocks take them."""
+    kv_up = kv_up.astype(dtype)
+    return jnp.swapaxes(kv_up[0], 1, 2), jnp.swapaxes(kv_up[1], 1, 2)
 
 
 def output(attn: Attention, o_proj: jax.Array, x: jax.Array, heads_out: jax.Array, out_major: bool) -> jax.Array:
