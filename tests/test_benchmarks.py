@@ -154,7 +154,7 @@ def test_decode_throughput_refuses_a_cpu_at_once(tmp_path, capsys):
 def test_decode_throughput_refuses_calls_that_the_shortest_context_cannot_hold(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         decode_throughput.main(["--cpu", "--contexts=64,1024", "--repeats=10", f"--out={tmp_path / 'out.json'}"])
-    assert exit_info.value.code == 2 and "steps_per_call x (repeats + 2) = 96" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "steps_per_call x (repeats + 6) = 128" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
 

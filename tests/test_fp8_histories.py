@@ -144,7 +144,10 @@ def test_the_compiled_gpu_step_runs_its_projections_as_fp8_gemms():
     histories = fp8_histories(cfg)
     step = jax.jit(make_train_step(graphdef, optax.sgd(0.0)))
     tokens = jax.random.randint(jax.random.key(1), (2, 129), 0, cfg.vocab_size)
-    compiled = step.lower(params, optax.sgd(0.0).init(params), histories, tokens).compile()
+    # XLA's dot merger (off here) would join the GEMMs that share an FP8 operand (the projections of one input and
+    # their weight gradients) into one each, as the trainer's steps run them
+    options = {"xla_gpu_dot_merger_threshold_mb": 0}
+    compiled = step.lower(params, optax.sgd(0.0).init(params), histories, tokens).compile(options)
     hlo = compiled.as_text()
     # FP8 GEMMs as cuBLASLt calls, or (small ones, Triton GEMM fusions on) dots of FP8 operands in XLA's fusions
     fp8_gemms = gemm_calls(hlo)["fp8"] + fp8_dots(hlo)

@@ -105,7 +105,7 @@ def pipelined_time(run: Callable[[], Any], steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-KEEP_TIMELINE = False  # --timeline: each GPU row keeps the kernels of its median step on device 0
+KEEP_TIMELINE = False  # --timeline: each GPU row keeps the kernels of its median step (and call) on device 0
 
 
 def time_step(run: Callable[[], Any], repeats: int) -> dict[str, Any]:
@@ -258,16 +258,23 @@ def measure_model(
 STEPS_PER_CALL = STEPS_PER_GENERATE_CALL  # --steps_per_call
 
 
+# Calls that time_calls makes beyond the `calls` it dispatches back to back: a warm-up, and on GPUs the profiler's
+# two warm-ups and its profiled calls
+PROFILED_CALLS = 3
+EXTRA_CALLS = 1 + 2 + PROFILED_CALLS
+
+
 def time_calls(
     serving: ServingModel, holder: dict, batch: int, context: int, calls: int, floor: float, mesh: jax.sharding.Mesh
 ) -> dict[str, Any]:
     """Seconds per step of `generate`'s calls (ServingModel.sampled_steps: STEPS_PER_CALL greedy steps each), `calls`
-    of them dispatched back to back, from a cache filled to about `context` tokens."""
+    of them dispatched back to back, from a cache filled to about `context` tokens; on GPUs also the sum of a call's
+    kernels per step (the profiler's, whose span is longer: it slows the host that launches them)."""
     steps = STEPS_PER_CALL
     greedy = jax.jit(functools.partial(sample, temperature=0.0, top_k=0, top_p=1.0))
     tokens = jax.device_put(jnp.zeros((batch,), jnp.int32), batch_sharding(mesh, 1))
     key = jax.random.key(0)
-    holder["caches"] = dataclasses.replace(holder["caches"], index=jnp.int32(context - steps * (calls + 2)))
+    holder["caches"] = dataclasses.replace(holder["caches"], index=jnp.int32(context - steps * (calls + EXTRA_CALLS)))
     call = serving.compiled(True, (batch, 1), greedy, steps)
     compiled = call.lower(serving.weights, tokens, holder["caches"], key).compile()
 
@@ -276,12 +283,22 @@ def time_calls(
         return drawn
 
     seconds = pipelined_time(run, calls) / steps
-    return {
+    timing = {
         "steps_per_call": steps,
         "call_step_s": seconds,
         "call_tokens_per_s": batch / seconds,
         "call_over_floor": seconds / floor,
     }
+    if jax.default_backend() == "gpu":
+        profiled = profiled_time(run, repeats=PROFILED_CALLS)
+        kernels = roofline.kernel_sum(profiled["kernels_s"])
+        timing |= {
+            "call_profiled_span_step_s": profiled["time_s"] / steps,
+            "call_kernel_sum_step_s": kernels / steps,
+            "call_step_over_kernels": seconds * steps / kernels,
+            **({"call_timeline": profiled["timeline"]} if KEEP_TIMELINE else {}),
+        }
+    return timing
 
 
 def _record(
@@ -299,6 +316,8 @@ def _record(
     kernels = f"  kernels {timing['kernel_sum_s'] * 1e3:7.3f} ms" if "kernel_sum_s" in timing else ""
     if "call_step_s" in timing:
         kernels += f"  {timing['steps_per_call']} steps per call {timing['call_step_s'] * 1e3:7.3f} ms"
+    if "call_kernel_sum_step_s" in timing:
+        kernels += f" (kernels {timing['call_kernel_sum_step_s'] * 1e3:.3f})"
     print(
         f"{scope:9} {variant:6} TP={tp} DP={dp} B={batch:<4} ctx={context:<6} {cfg.attention_impl:6} "
         f"{seconds * 1e3:8.3f} ms  {batch / seconds:12,.0f} tokens/s  floor {timing['floor_time_s'] * 1e3:7.3f} ms "
@@ -391,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeline",
         action="store_true",
-        help="keep each GPU row's median step as its kernels on device 0 (name, start and duration in us)",
+        help="keep each GPU row's median step (and a call of --steps_per_call steps) as its kernels on device 0 (name, "
+        "start and duration in us)",
     )
     parser.add_argument(
         "--no_isolate",
@@ -539,11 +559,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--scopes={args.scopes}: choose from {', '.join(SCOPES)}")
     contexts = [int(c) for c in args.contexts.split(",")]
     variants = args.variants.split(",")
-    calls_slots = args.steps_per_call * (args.repeats + 2)  # time_calls' steps, from the cache's end back
+    calls_slots = args.steps_per_call * (args.repeats + EXTRA_CALLS)  # time_calls' steps, from the cache's end back
     if args.steps_per_call < 1 or ("model" in scopes and args.steps_per_call > 1 and min(contexts) <= calls_slots):
         parser.error(
             f"--steps_per_call={args.steps_per_call}: give at least 1, and with scope model a --contexts above "
-            f"steps_per_call x (repeats + 2) = {calls_slots} (or --steps_per_call=1)"
+            f"steps_per_call x (repeats + {EXTRA_CALLS}) = {calls_slots} (or --steps_per_call=1)"
         )
     if args.processes < 1 or (args.process_id is not None and not args.coordinator):
         parser.error(f"--processes={args.processes}: give at least 1 (--process_id comes with --coordinator)")
