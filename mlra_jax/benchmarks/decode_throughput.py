@@ -259,9 +259,14 @@ STEPS_PER_CALL = STEPS_PER_GENERATE_CALL  # --steps_per_call
 
 
 # Calls that time_calls makes beyond the `calls` it dispatches back to back: a warm-up, and on GPUs the profiler's
-# two warm-ups and its profiled calls
-PROFILED_CALLS = 3
-EXTRA_CALLS = 1 + 2 + PROFILED_CALLS
+# warm-ups and its profiled calls
+PROFILER_WARMUP, PROFILED_CALLS = 2, 3
+EXTRA_CALLS = 1 + PROFILER_WARMUP + PROFILED_CALLS
+
+
+def calls_slots(steps: int, calls: int) -> int:
+    """Cache slots that time_calls writes for `calls` calls of `steps` steps, from the cache's end back."""
+    return steps * (calls + EXTRA_CALLS)
 
 
 def time_calls(
@@ -274,7 +279,7 @@ def time_calls(
     greedy = jax.jit(functools.partial(sample, temperature=0.0, top_k=0, top_p=1.0))
     tokens = jax.device_put(jnp.zeros((batch,), jnp.int32), batch_sharding(mesh, 1))
     key = jax.random.key(0)
-    holder["caches"] = dataclasses.replace(holder["caches"], index=jnp.int32(context - steps * (calls + EXTRA_CALLS)))
+    holder["caches"] = dataclasses.replace(holder["caches"], index=jnp.int32(context - calls_slots(steps, calls)))
     call = serving.compiled(True, (batch, 1), greedy, steps)
     compiled = call.lower(serving.weights, tokens, holder["caches"], key).compile()
 
@@ -290,7 +295,7 @@ def time_calls(
         "call_over_floor": seconds / floor,
     }
     if jax.default_backend() == "gpu":
-        profiled = profiled_time(run, repeats=PROFILED_CALLS)
+        profiled = profiled_time(run, repeats=PROFILED_CALLS, warmup=PROFILER_WARMUP)
         kernels = roofline.kernel_sum(profiled["kernels_s"])
         timing |= {
             "call_profiled_span_step_s": profiled["time_s"] / steps,
@@ -559,11 +564,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--scopes={args.scopes}: choose from {', '.join(SCOPES)}")
     contexts = [int(c) for c in args.contexts.split(",")]
     variants = args.variants.split(",")
-    calls_slots = args.steps_per_call * (args.repeats + EXTRA_CALLS)  # time_calls' steps, from the cache's end back
-    if args.steps_per_call < 1 or ("model" in scopes and args.steps_per_call > 1 and min(contexts) <= calls_slots):
+    slots = calls_slots(args.steps_per_call, args.repeats)
+    if args.steps_per_call < 1 or ("model" in scopes and args.steps_per_call > 1 and min(contexts) <= slots):
         parser.error(
             f"--steps_per_call={args.steps_per_call}: give at least 1, and with scope model a --contexts above "
-            f"steps_per_call x (repeats + {EXTRA_CALLS}) = {calls_slots} (or --steps_per_call=1)"
+            f"steps_per_call x (repeats + {EXTRA_CALLS}) = {slots} (or --steps_per_call=1)"
         )
     if args.processes < 1 or (args.process_id is not None and not args.coordinator):
         parser.error(f"--processes={args.processes}: give at least 1 (--process_id comes with --coordinator)")
