@@ -123,3 +123,40 @@ def test_region_blocks_reduce_in_bfloat16_within_rounding_of_float32(monkeypatch
     assert [r.rsplit("x", 1)[1] for r in reduced["float32"]] == ["f32"] * 4, reduced
     scale = float(np.abs(logits["float32"]).max())
     np.testing.assert_allclose(logits["compute"], logits["float32"], atol=0.02 * scale)
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_decode_steps_on_folded_absorbed_weights(monkeypatch, compute_dtype):
+    """MLRA-4 at TP=4 (one latent block of rank <= d_h per device, decode.region_block.folds): decode steps on W_UK
+    folded into q_up and W_UV into o_proj give the separate weights' logits (float32: to its rounding; bfloat16:
+    within its rounding) with two products fewer per layer, and the floor's weights leave out the trained copies
+    that only prefill chunks read."""
+    from mlra_jax.benchmarks import roofline
+    from mlra_jax.decode import region_block
+
+    cfg = tiny_model("mlra4", n_layer=2, n_head=8, vocab_size=64, output_init="normal", compute_dtype=compute_dtype)
+    model = init_model(cfg, seed=0)
+    mesh = make_mesh(MeshConfig(data=1, tensor=4), jax.devices()[:4])
+    assert region_block.folds(cfg, region_block.plan_of(cfg, 4))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    model = nnx.merge(nnx.split(model)[0], jax.device_put(params, tree_shardings(params, logical_axes(model), mesh)))
+    tokens, starts = left_pad(PROMPTS)
+    logits, dots, held, read = {}, {}, {}, {}
+    for fold in (True, False):
+        monkeypatch.setattr(region_block, "FOLD_ABSORBED", fold)
+        serving = Generator(model, max_len=16, mesh=mesh).serving
+        _, session = serving.prefill(tokens, starts, 1, 16)  # on the weights as trained
+        with jax.set_mesh(mesh):
+            lowered = serving.compiled(True, (4, 1)).lower(serving.weights, jnp.arange(4)[:, None], session.caches)
+        dots[fold] = lowered.as_text().count("stablehlo.dot_general")
+        logits[fold] = np.asarray(serving.step(jnp.arange(4)[:, None], session))
+        layers = serving.weights["layers"]
+        held[fold], read[fold] = roofline.shard_bytes(layers), roofline.shard_bytes(roofline.decode_read(layers))
+        trained = [layer["region"]["attn"].get(region_block.PREFILL_ONLY, {}) for layer in layers]
+        assert bool(trained[0]) == fold
+        assert read[fold] == held[fold] - roofline.shard_bytes(trained)
+    assert dots[False] - dots[True] == 2 * cfg.n_layer, dots
+    assert read[True] < read[False] < held[True]
+    scale = float(np.abs(logits[False]).max())
+    atol = 2e-5 if compute_dtype == "float32" else 0.02 * scale
+    np.testing.assert_allclose(logits[True], logits[False], atol=atol)

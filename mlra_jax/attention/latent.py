@@ -87,7 +87,7 @@ class LatentAttention(Attention):
         self.softmax_scale = (dh + dr) ** -0.5
         # The reference mlra_2_no_scale.py drops the 1/sqrt(branches) output scale together with
         # the latent scales (its logits show it).
-        self.branch_scale = self.branches**-0.5 if cfg.latent_scale else 1.0
+        self.branch_scale = branch_scale(cfg)
         self.absorbed_training = cfg.trains_absorbed  # training attention absorbed (ModelConfig.latent_form)
         self.product_keys = cfg.latent_keys == "product" or (
             cfg.latent_keys == "auto" and self.block_rank <= self.PRODUCT_KEYS_MAX_RANK
@@ -480,6 +480,11 @@ class LatentAttention(Attention):
         if tensor_size() == 1:  # one row: W_UV, the branch sum and the output projection on its copies
             z = row_copies(z)
         return einsum("btnhr,nrhk->btnhk", z, w_uv)
+
+
+def branch_scale(cfg: ModelConfig) -> float:
+    """The scale of the sum over branches: 1/sqrt(branches), 1 without the latent scales."""
+    return cfg.latent_layout[1] ** -0.5 if cfg.latent_scale else 1.0
 
 
 def split_up(kv_up: jax.Array, nope_dim: int) -> tuple[jax.Array, jax.Array]:

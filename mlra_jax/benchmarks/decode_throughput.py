@@ -399,6 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(decode.layouts.PROJECT_IN_REGION)",
     )
     parser.add_argument(
+        "--absorbed_weights",
+        default="folded" if region_block.FOLD_ABSORBED else "separate",
+        choices=("folded", "separate"),
+        help="scope model, latent blocks under TP (--tp_output=block): decode steps on W_UK folded into q_up and "
+        "W_UV into o_proj where a device serves one block of rank <= d_h (decode.region_block.folds), or on them apart",
+    )
+    parser.add_argument(
         "--tp_all_reduce",
         default=serving.TP_ALL_REDUCE,
         choices=("nccl", "one_shot"),
@@ -465,6 +472,7 @@ def child_argv(args: argparse.Namespace, scope: str, variant: str, out: Path) ->
         f"--tp_reduce={args.tp_reduce}",
         f"--tp_output={args.tp_output}",
         f"--tp_all_reduce={args.tp_all_reduce}",
+        f"--absorbed_weights={args.absorbed_weights}",
         f"--copy_gb={args.copy_gb}",
         f"--steps_per_call={args.steps_per_call}",
         *(["--timeline"] if args.timeline else []),
@@ -585,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     global STEPS_PER_CALL
     STEPS_PER_CALL = args.steps_per_call
     region_block.REGION_BLOCKS = args.tp_output == "block"
+    region_block.FOLD_ABSORBED = args.absorbed_weights == "folded"
     layouts.PROJECT_IN_REGION = args.tp_output == "in_region"
     serving.TP_ALL_REDUCE = args.tp_all_reduce
     global KEEP_TIMELINE
@@ -603,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
         "tp_reduce": args.tp_reduce,
         "tp_output": args.tp_output,
         "tp_all_reduce": args.tp_all_reduce,
+        "absorbed_weights": args.absorbed_weights,
         "processes": args.processes,
         "ceilings": ceilings,
         "runs": [*runs, {**environment(), "devices_used": len(devices)}],

@@ -12,6 +12,13 @@ Device d of `tensor` serves the latent blocks and heads that tensor_parallel.Lat
 * kv_up head-major [2, local blocks, heads, R, d_h] and its blocks' kv_norm scales; the output gate's heads;
 * the MLP's gate_up [d, 2, f / tp] and down_proj [f / tp, d] (column- then row-parallel).
 
+Where a device serves one latent block of rank R <= d_h and no output gate (MLRA-4 at TP=4 and 8), decode steps run
+on absorbed weights folded at load time (`folds`): W_UK into q_up, whose product is then the latent query itself,
+and the branch scale times W_UV into o_proj, which then projects the attention's latent output. This drops two
+products and their layout kernels per layer, and reads the same bytes (q_up's and o_proj's shapes, with R for d_h);
+prefill chunks keep the weights as trained under `prefill`. The folded products round once where the unfolded ones
+round at the query and at the branch sum.
+
 The queries are computed once per distinct group of heads on the device (`slots`): MLRA's branches on one device
 share them, and their outputs are summed into them before the output projection. The batch splits over the
 data-parallel axes where it divides; the cache is read and written where it is stored (its latent split over
@@ -30,7 +37,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mlra_jax.attention.base import KVCache
-from mlra_jax.attention.latent import LatentAttention
+from mlra_jax.attention.core import latent_attention
+from mlra_jax.attention.latent import LatentAttention, branch_scale
 from mlra_jax.attention.rope import apply_rope
 from mlra_jax.config import ModelConfig
 from mlra_jax.decode import layouts, serving_block
@@ -42,6 +50,10 @@ Weights = dict[str, jax.Array]
 # Latent-family models on a mesh with `tensor` > 1 serve through this module; False runs the modules as trained
 # under GSPMD (their TP regions cover the attention core only).
 REGION_BLOCKS = True
+# Decode steps of the plans that `folds` admits run on W_UK folded into q_up and W_UV into o_proj; False keeps them
+# apart (benchmarks' --absorbed_weights=separate).
+FOLD_ABSORBED = True
+PREFILL_ONLY = "prefill"  # the key of the weights as trained beside folded ones, which decode steps do not read
 
 
 def serves(cfg: ModelConfig, mesh: jax.sharding.Mesh | None) -> bool:
@@ -59,6 +71,28 @@ def slots(plan: LatentPlan) -> int:
     """Distinct groups of heads among a device's blocks: its consecutive blocks cycle through the groups, so local
     block j serves the heads of slot j % slots (blocks and TP degrees are powers of two)."""
     return min(plan.local_blocks, plan.blocks // plan.branches)
+
+
+def folds(cfg: ModelConfig, plan: LatentPlan) -> bool:
+    """Whether decode steps run on folded absorbed weights: one latent block per device of rank at most d_h (so the
+    folded q_up and o_proj are no larger than the trained ones) and no output gate between W_UV and o_proj."""
+    rank, nope = cfg.kv_lora_rank // plan.blocks, cfg.qk_nope_head_dim
+    return FOLD_ABSORBED and plan.local_blocks == 1 and rank <= nope and not cfg.gated
+
+
+def folded(weights: Weights, nope_dim: int, branch_scale: float) -> Weights:
+    """One device's decode weights with W_UK folded into q_up ([..., q, H, R + d_h^R]: the latent query and the RoPE
+    query) and branch_scale x W_UV into o_proj ([..., H, R, d]), products in float32 rounded once; the trained
+    q_up, kv_up and o_proj under PREFILL_ONLY."""
+    q_up, o_proj = weights["q_up"], weights["o_proj"]
+    w_uk, w_uv = weights["kv_up"][..., 0, 0, :, :, :], weights["kv_up"][..., 1, 0, :, :, :]  # [.., H, R, d_h]
+    f32 = lambda a: a.astype(jnp.float32)
+    q_latent = jnp.einsum("...qhk,...hrk->...qhr", f32(q_up[..., :nope_dim]), f32(w_uk))
+    q_absorbed = jnp.concatenate([q_latent.astype(q_up.dtype), q_up[..., nope_dim:]], axis=-1)
+    o_absorbed = branch_scale * jnp.einsum("...hrk,...hkd->...hrd", f32(w_uv), f32(o_proj))
+    prefill = {name: weights[name] for name in ("q_up", "kv_up", "o_proj")}
+    rest = {name: a for name, a in weights.items() if name not in prefill}
+    return {**rest, "q_up": q_absorbed, "o_proj": o_absorbed.astype(o_proj.dtype), PREFILL_ONLY: prefill}
 
 
 def device_tables(plan: LatentPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -97,6 +131,8 @@ def region_weights(blocks: Weights, cfg: ModelConfig, mesh: jax.sharding.Mesh) -
         }
         if "gate_proj" in attn:
             weights["gate_proj"] = jnp.take(attn["gate_proj"], heads, axis=-2)
+        if folds(cfg, plan):
+            return folded(weights, cfg.qk_nope_head_dim, branch_scale(cfg))
         return weights
 
     def laid_out(attn: Weights, mlp: Weights) -> Weights:
@@ -175,6 +211,10 @@ def _on_device(
     attn: LatentAttention = block.attn
     held = jax.tree.map(lambda a: a[0], region["attn"])  # this device's slice of the stacked weights
     mode = "decode" if absorbed else "prefill"
+    prefill = held.pop(PREFILL_ONLY, None)  # the weights as trained, where decode steps run on folded ones
+    fold = absorbed and prefill is not None
+    if not absorbed and prefill is not None:
+        held |= prefill
     plan = LatentPlan(attn.blocks, attn.branches, attn.n_head, tp)
     n, g = plan.local_blocks, slots(plan)
     dtype = attn.dtype
@@ -193,6 +233,44 @@ def _on_device(
     }
     if absorbed:  # one row: q_up and W_UK on its copies (LatentAttention.absorbed_blocks)
         c_q = row_copies(c_q)
+    if fold:
+        hidden = _folded_attention(attn, held, c_q, positions, cache, mask)[: x.shape[0]]
+    else:
+        hidden = _attention(attn, held, h, c_q, positions, cache, mask, mode, n, g)[: x.shape[0]]
+    x = x + _reduced(hidden, mode, dtype)
+    mlp = serving_block.swiglu(region["mlp"], block.mlp_norm(x), False, dtype)
+    return x + _reduced(mlp, mode, dtype), cache
+
+
+def _folded_attention(
+    attn: LatentAttention, held: Weights, c_q: jax.Array, positions: jax.Array, cache: KVCache, mask: jax.Array
+) -> jax.Array:
+    """A decode step's attention output [B, T, d] (partial over `tensor`) on the folded weights (`folded`): the
+    latent query straight from q_up, the latent output straight into o_proj."""
+    q = project(attn.normed_query(c_q), held["q_up"], "btq,qhk->bthk", attn.dtype)
+    rank, rows = attn.block_rank, cache["latent"].shape[0]  # the query may be copies of one row: attend with one
+    q_latent, q_rope = q[:rows, :, None, :, :rank], apply_rope(q[:rows, :, None, :, rank:], positions, attn.theta)
+    z = latent_attention(
+        q_rope, q_latent, cache["k_rope"][:, :, 0], cache["latent"], scale=attn.softmax_scale, mask=mask, impl=attn.impl
+    )
+    return project(z[:, :, 0], held["o_proj"], "bthr,hrd->btd", attn.dtype)
+
+
+def _attention(
+    attn: LatentAttention,
+    held: Weights,
+    h: jax.Array,
+    c_q: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    mask: jax.Array,
+    mode: str,
+    n: int,
+    g: int,
+) -> jax.Array:
+    """The attention output [B, T, d] (partial over `tensor`) on the weights as trained: the device's n blocks over
+    its g slots of heads, their branches summed before o_proj."""
+    dtype = attn.dtype
     q_nope, q_rope = attn.split_query(project(attn.normed_query(c_q), held["q_up"], "btq,qhk->bthk", dtype), positions)
     width = q_nope.shape[2] // g
 
@@ -207,10 +285,7 @@ def _on_device(
     out = out.astype(dtype)
     if "gate_proj" in held:
         out = out * jax.nn.sigmoid(project(h, held["gate_proj"], "btd,dhk->bthk", dtype))
-    hidden = project(out, held["o_proj"], "bthk,hkd->btd", dtype)[: x.shape[0]]
-    x = x + _reduced(hidden, mode, dtype)
-    mlp = serving_block.swiglu(region["mlp"], block.mlp_norm(x), False, dtype)
-    return x + _reduced(mlp, mode, dtype), cache
+    return project(out, held["o_proj"], "bthk,hkd->btd", dtype)
 
 
 def _reduced(partial: jax.Array, mode: str, dtype: jnp.dtype) -> jax.Array:
