@@ -7,6 +7,12 @@
 complete checkpoint is used unless --step names one. Prompts are batched with left
 padding; decoding stops at <|endoftext|> or after --max_new_tokens. Bad input exits 2 with one line
 (mlra_jax/command.py).
+
+--tensor N (and --data M) serve over a mesh of this process's first N x M devices: the heads, latent blocks and
+MLP split over `tensor` (the latent family's blocks as one region each, decode.region_block), the prompts over
+`data`, with the same tokens as one device gives up to rounding:
+
+    mlra generate --workdir runs/mlra4_2p9b --tensor 4 --prompt "The return value"
 """
 
 from __future__ import annotations
@@ -22,14 +28,16 @@ from flax import nnx
 from mlra_jax.checkpoint import Checkpointer, CheckpointError
 from mlra_jax.cli import add_run_argument, command_parser
 from mlra_jax.command import command
-from mlra_jax.config import CheckpointConfig, ConfigError
+from mlra_jax.config import CheckpointConfig, ConfigError, MeshConfig
 from mlra_jax.data.tokenizer import EOT, gpt2_tokenizer
 from mlra_jax.decode.generator import STEPS_PER_CALL, GenerationError, Generator, Sampling
 from mlra_jax.guards import check_finite, error_summary
 from mlra_jax.model import Transformer, abstract_model
+from mlra_jax.params import logical_axes
 from mlra_jax.paths import as_path
 from mlra_jax.progress import configure_cli_logging
 from mlra_jax.run_config import run_experiment
+from mlra_jax.sharding import make_mesh, tree_shardings
 
 
 def load_model(
@@ -83,6 +91,19 @@ def load_model(
     return nnx.merge(graphdef, restored[1]["params"]), restored[0]
 
 
+def serving_devices(tensor: int, data: int) -> list[jax.Device]:
+    """The first tensor x data of this process's devices, or a GenerationError that says how many there are."""
+    if tensor < 1 or data < 1:
+        raise GenerationError(f"--tensor {tensor} --data {data}: give 1 or more of each")
+    local = jax.local_devices()
+    if tensor * data > len(local):
+        raise GenerationError(
+            f"--tensor {tensor} x --data {data} needs {tensor * data} devices; this process has {len(local)} "
+            f"({local[0].platform}): give a product of at most {len(local)}"
+        )
+    return local[: tensor * data]
+
+
 @command
 def main(argv: list[str] | None = None) -> int:
     parser = command_parser("mlra generate", __doc__)
@@ -106,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         help="decode steps per compiled call (on GPUs a step's CUDA graphs are recorded once per call; "
         "the steps after every prompt has ended are dropped)",
     )
+    parser.add_argument(
+        "--tensor", type=int, default=1, help="tensor-parallel devices to serve over (this process's devices)"
+    )
+    parser.add_argument("--data", type=int, default=1, help="data-parallel devices: the prompts split over them")
     parser.add_argument("--json", action="store_true", help="print JSON records")
     args = parser.parse_args(argv)
     configure_cli_logging()
@@ -118,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # checked before the model loads
     if args.steps_per_call < 1:
         raise GenerationError(f"--steps_per_call {args.steps_per_call} is out of range: give 1 or more")
+    devices = serving_devices(args.tensor, args.data)
     if args.max_len is not None and args.max_len < 1:
         raise GenerationError(f"--max_len {args.max_len} is out of range: give 1 to the model's max_seq_len")
     model, step = load_model(args.workdir, args.step)
@@ -129,7 +155,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     tokenizer = gpt2_tokenizer()
     prompts = [[EOT, *tokenizer.encode_ordinary(p)] for p in args.prompt]
-    generator = Generator(model, max_len, keep_model=False, steps_per_call=args.steps_per_call)
+    mesh = None
+    if len(devices) > 1:
+        mesh = make_mesh(MeshConfig(data=args.data, tensor=args.tensor), devices)
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        shardings = tree_shardings(params, logical_axes(model), mesh)
+        model = nnx.merge(nnx.split(model)[0], jax.device_put(params, shardings))
+        del params
+    generator = Generator(model, max_len, mesh=mesh, keep_model=False, steps_per_call=args.steps_per_call)
     del model  # generate reads the serving copy (cast to the compute dtype): the float32 weights are freed
     outputs = generator.generate(prompts, sampling)
     for prompt, tokens in zip(args.prompt, outputs):

@@ -157,3 +157,23 @@ def test_generate_command_from_a_training_run(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["tokens"] == records[0]["tokens"]
     assert generate_main(["--checkpoint", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "is not a run directory" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_generate_command_serves_over_a_tensor_parallel_mesh(tmp_path, capsys):
+    """mlra generate --tensor 4: MLRA-4's blocks as regions over 4 devices (W_UK and W_UV folded into its
+    projections), the same greedy tokens as one device (float32); --data splits the prompts; too many devices exit 2
+    with how many there are."""
+    float32 = ("--model.compute_dtype=float32", "--train.total_steps=3", "--train.eval_every=0")
+    train(micro_experiment("mlra4_tiny", *GPT2, *float32), tmp_path, devices=jax.devices()[:1])
+    prompts = ["--prompt", "Hello", "--prompt", "A longer prompt here"]
+    base = ["--checkpoint", str(tmp_path), *prompts, "--max_new_tokens", "6", "--json"]
+    tokens = {}
+    for mesh in ([], ["--tensor", "4"], ["--tensor", "2", "--data", "2"]):
+        assert generate_main([*base, *mesh]) == 0
+        tokens[" ".join(mesh)] = [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()]
+    assert tokens["--tensor 4"] == tokens[""] and tokens["--tensor 2 --data 2"] == tokens[""], tokens
+    assert generate_main([*base, "--tensor", "16"]) == 2
+    assert f"--tensor 16 x --data 1 needs 16 devices; this process has {len(jax.local_devices())}" in (
+        capsys.readouterr().err
+    )

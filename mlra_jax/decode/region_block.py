@@ -12,12 +12,12 @@ Device d of `tensor` serves the latent blocks and heads that tensor_parallel.Lat
 * kv_up head-major [2, local blocks, heads, R, d_h] and its blocks' kv_norm scales; the output gate's heads;
 * the MLP's gate_up [d, 2, f / tp] and down_proj [f / tp, d] (column- then row-parallel).
 
-Where a device serves one latent block of rank R <= d_h and no output gate (MLRA-4 at TP=4 and 8), decode steps run
-on absorbed weights folded at load time (`folds`): W_UK into q_up, whose product is then the latent query itself,
-and the branch scale times W_UV into o_proj, which then projects the attention's latent output. This drops two
-products and their layout kernels per layer, and reads the same bytes (q_up's and o_proj's shapes, with R for d_h);
-prefill chunks keep the weights as trained under `prefill`. The folded products round once where the unfolded ones
-round at the query and at the branch sum.
+Where a device serves one latent block of rank R <= d_h and no output gate (MLRA-4 at TP=4 and 8, MLRA-2 and GLA-4
+at TP=4), decode steps run on absorbed weights folded at load time (`folds`): W_UK into q_up, whose product is then
+the latent query itself, and the branch scale times W_UV into o_proj, which then projects the attention's latent
+output. This drops two products and their layout kernels per layer at no more bytes (q_up's and o_proj's shapes,
+with R for d_h); prefill chunks read the weights as trained, held beside them under PREFILL_ONLY. The folded
+products round once where the unfolded ones round at the query and at the branch sum.
 
 The queries are computed once per distinct group of heads on the device (`slots`): MLRA's branches on one device
 share them, and their outputs are summed into them before the output projection. The batch splits over the
