@@ -263,6 +263,7 @@ def compile_serving(
     sequences and a cache of `context` slots: reports of both (the prefill at the largest chunk of at most
     `prefill_chunk` tokens that fits), with the cache bytes each chip reads per decode step (`settings`). The
     other chips serve data parallel, as many as the batch splits over (batch 1: the first `tp` chips alone)."""
+    from mlra_jax.decode import region_block
     from mlra_jax.decode.serving import ServingModel
     from mlra_jax.kv_cache import SLOT_MULTIPLE, init_layer_caches
     from mlra_jax.model import abstract_model
@@ -302,6 +303,7 @@ def compile_serving(
     serving = holder["serving"]
     cache_bytes = sum(_per_device_bytes(a) for layer in caches.layers for a in layer.values())
     weight_bytes = sum(_per_device_bytes(a) for a in jax.tree.leaves(weights))
+    read_weight_bytes = sum(_per_device_bytes(a) for a in jax.tree.leaves(region_block.decode_read(weights)))
     settings = {
         "tp": tp,
         "batch": batch,
@@ -325,7 +327,7 @@ def compile_serving(
             break
     decode = compiled(True, 1)
     if decode.memory is not None:
-        read = cache_bytes + weight_bytes  # each decode step reads the weights and the whole cache once
+        read = cache_bytes + read_weight_bytes  # each decode step reads its weights and the whole cache once
         decode.settings["bytes read per step per chip (GiB)"] = round(read / 2**30, 3)
         decode.estimate = roofline(decode, topology)
         decode.estimate["bandwidth_floor_s"] = read / topology.chip.hbm_bandwidth

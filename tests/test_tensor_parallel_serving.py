@@ -151,7 +151,7 @@ def test_decode_steps_on_folded_absorbed_weights(monkeypatch, compute_dtype):
         dots[fold] = lowered.as_text().count("stablehlo.dot_general")
         logits[fold] = np.asarray(serving.step(jnp.arange(4)[:, None], session))
         layers = serving.weights["layers"]
-        held[fold], read[fold] = roofline.shard_bytes(layers), roofline.shard_bytes(roofline.decode_read(layers))
+        held[fold], read[fold] = roofline.shard_bytes(layers), roofline.shard_bytes(region_block.decode_read(layers))
         trained = [layer["region"]["attn"].get(region_block.PREFILL_ONLY, {}) for layer in layers]
         assert bool(trained[0]) == fold
         assert read[fold] == held[fold] - roofline.shard_bytes(trained)

@@ -132,15 +132,6 @@ def matrix_elements(tree: Any) -> int:
     )
 
 
-def decode_read(tree: Any) -> Any:
-    """`tree` without the weights that only prefill chunks read (decode.region_block.PREFILL_ONLY)."""
-    if isinstance(tree, dict):
-        return {k: decode_read(v) for k, v in tree.items() if k != region_block.PREFILL_ONLY}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(decode_read(v) for v in tree)
-    return tree
-
-
 def model_step_floor(
     cfg: ModelConfig, weights: dict[str, Any], layers: Any, tp: int, local_rows: int, context: int
 ) -> tuple[int, int, float]:
@@ -148,7 +139,7 @@ def model_step_floor(
     path: its shards of the serving weights (the embedding table only for its `local_rows` rows), its caches'
     `context` tokens, two FLOPs per matrix element and row and the attention over the context."""
     embedding = weights["embed"]["embedding"]
-    others = decode_read({k: v for k, v in weights.items() if k != "embed"})
+    others = region_block.decode_read({k: v for k, v in weights.items() if k != "embed"})
     weight_bytes = shard_bytes(others) + local_rows * embedding.shape[1] * embedding.dtype.itemsize
     attention = cfg.n_layer * local_rows * context * attention_flops_per_token(cfg, tp)
     return weight_bytes, cache_bytes_in_use(layers, context), 2 * matrix_elements(others) * local_rows + attention

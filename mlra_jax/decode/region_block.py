@@ -28,6 +28,7 @@ data-parallel axes where it divides; the cache is read and written where it is s
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +94,15 @@ def folded(weights: Weights, nope_dim: int, branch_scale: float) -> Weights:
     prefill = {name: weights[name] for name in ("q_up", "kv_up", "o_proj")}
     rest = {name: a for name, a in weights.items() if name not in prefill}
     return {**rest, "q_up": q_absorbed, "o_proj": o_absorbed.astype(o_proj.dtype), PREFILL_ONLY: prefill}
+
+
+def decode_read(tree: Any) -> Any:
+    """A tree of serving weights without those that only prefill chunks read (PREFILL_ONLY): what decode steps read."""
+    if isinstance(tree, dict):
+        return {k: decode_read(v) for k, v in tree.items() if k != PREFILL_ONLY}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(decode_read(v) for v in tree)
+    return tree
 
 
 def device_tables(plan: LatentPlan) -> tuple[np.ndarray, np.ndarray]:
