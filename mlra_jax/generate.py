@@ -41,11 +41,14 @@ from mlra_jax.sharding import make_mesh, tree_shardings
 
 
 def load_model(
-    run_dir: str | os.PathLike, step: int | None = None, compute_dtype: str | None = None
+    run_dir: str | os.PathLike,
+    step: int | None = None,
+    compute_dtype: str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[Transformer, int]:
-    """The model of a run's newest (or given) checkpoint, on one device; (model, step). Only the
-    parameters are read (not the optimizer state). `run_dir` is a local folder or a URL (gs://...);
-    `compute_dtype` ("float32", "bfloat16") overrides the run's."""
+    """The model of a run's newest (or given) checkpoint, on one device or restored sharded over `mesh` as
+    its logical axes split it; (model, step). Only the parameters are read (not the optimizer state). `run_dir` is
+    a local folder or a URL (gs://...); `compute_dtype` ("float32", "bfloat16") overrides the run's."""
     run_dir = as_path(run_dir)
     experiment = run_experiment(run_dir)
     if compute_dtype is not None:
@@ -53,12 +56,14 @@ def load_model(
             experiment, model=dataclasses.replace(experiment.model, compute_dtype=compute_dtype)
         )
     model = abstract_model(experiment.model)
-    graphdef, device = nnx.split(model)[0], jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = jax.tree.map(lambda _: device, params)
+    else:
+        shardings = tree_shardings(params, logical_axes(model), mesh)
     abstract = {
-        "params": jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-            nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-        )
+        "params": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
     }
     checkpointer = Checkpointer(run_dir / "checkpoints", CheckpointConfig(), read_only=True)
     steps = checkpointer.steps()
@@ -146,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     devices = serving_devices(args.tensor, args.data)
     if args.max_len is not None and args.max_len < 1:
         raise GenerationError(f"--max_len {args.max_len} is out of range: give 1 to the model's max_seq_len")
-    model, step = load_model(args.workdir, args.step)
+    mesh = make_mesh(MeshConfig(data=args.data, tensor=args.tensor), devices) if len(devices) > 1 else None
+    model, step = load_model(args.workdir, args.step, mesh=mesh)
     max_len = model.config.max_seq_len if args.max_len is None else args.max_len
     if max_len > model.config.max_seq_len:
         raise GenerationError(
@@ -155,13 +161,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     tokenizer = gpt2_tokenizer()
     prompts = [[EOT, *tokenizer.encode_ordinary(p)] for p in args.prompt]
-    mesh = None
-    if len(devices) > 1:
-        mesh = make_mesh(MeshConfig(data=args.data, tensor=args.tensor), devices)
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        shardings = tree_shardings(params, logical_axes(model), mesh)
-        model = nnx.merge(nnx.split(model)[0], jax.device_put(params, shardings))
-        del params
     generator = Generator(model, max_len, mesh=mesh, keep_model=False, steps_per_call=args.steps_per_call)
     del model  # generate reads the serving copy (cast to the compute dtype): the float32 weights are freed
     outputs = generator.generate(prompts, sampling)
