@@ -645,3 +645,15 @@ def test_decode_throughput_in_one_process_per_device_group(tmp_path, monkeypatch
     (row,) = record["results"]
     assert (row["tp"], row["dp"], row["collectives"]) == (4, 1, {"all-reduce": 3}) and row["tokens_per_s"] > 0
     assert capfd.readouterr().out.count("model     mlra4  TP=4") == 1
+
+
+def test_decode_throughput_measures_the_attention_scope_in_one_process(tmp_path):
+    """--processes applies to whole models: an attention scope's child process drives all devices, and a run that
+    would measure the attention scope across processes stops at once with exit 2 (no record written)."""
+    args = decode_throughput.build_parser().parse_args(["--processes=4"])
+    argv = {s: decode_throughput.child_argv(args, s, "mlra4", tmp_path / "x.json") for s in decode_throughput.SCOPES}
+    assert "--processes=4" in argv["model"] and "--processes=1" in argv["attention"]
+    out = tmp_path / "throughput.json"
+    with pytest.raises(SystemExit) as stop:
+        decode_throughput.main(["--cpu", "--scopes=attention", "--variants=mla", "--processes=2", f"--out={out}"])
+    assert stop.value.code == 2 and not out.exists()

@@ -406,6 +406,14 @@ def build_parser() -> argparse.ArgumentParser:
         "W_UV into o_proj where a device serves one block of rank <= d_h (decode.region_block.folds), or on them apart",
     )
     parser.add_argument(
+        "--tp_row_parts",
+        type=int,
+        default=region_block.ROW_PARTS,
+        help="scope model, latent blocks under TP (--tp_output=block): decode steps split each device's rows into "
+        "this many parts around the all-reduces, so that one part's all-reduce runs beside the next part's "
+        "products (decode.region_block.ROW_PARTS)",
+    )
+    parser.add_argument(
         "--tp_all_reduce",
         default=serving.TP_ALL_REDUCE,
         choices=("nccl", "one_shot"),
@@ -473,10 +481,11 @@ def child_argv(args: argparse.Namespace, scope: str, variant: str, out: Path) ->
         f"--tp_output={args.tp_output}",
         f"--tp_all_reduce={args.tp_all_reduce}",
         f"--absorbed_weights={args.absorbed_weights}",
+        f"--tp_row_parts={args.tp_row_parts}",
         f"--copy_gb={args.copy_gb}",
         f"--steps_per_call={args.steps_per_call}",
         *(["--timeline"] if args.timeline else []),
-        f"--processes={args.processes}",
+        f"--processes={args.processes if scope == 'model' else 1}",  # one attention layer: one process
         "--no_isolate",
         f"--out={out}",
         *(["--cpu"] if args.cpu else []),
@@ -581,7 +590,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.processes < 1 or (args.process_id is not None and not args.coordinator):
         parser.error(f"--processes={args.processes}: give at least 1 (--process_id comes with --coordinator)")
     if args.isolate and len(scopes) * len(variants) > 1:
-        return measure_isolated(args, scopes, variants)
+        return measure_isolated(args, scopes, variants)  # the attention scope's processes drive all devices
+    if args.processes > 1 and "attention" in scopes:
+        parser.error(
+            f"--processes={args.processes} measures whole models: the attention scope's one layer runs in one process "
+            "(give --scopes=model, or leave out --no_isolate to measure each scope in a process of its own)"
+        )
     if args.processes > 1 and args.process_id is None:
         return measure_in_processes(args, argv)
     if args.process_id is not None:
@@ -594,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     STEPS_PER_CALL = args.steps_per_call
     region_block.REGION_BLOCKS = args.tp_output == "block"
     region_block.FOLD_ABSORBED = args.absorbed_weights == "folded"
+    region_block.ROW_PARTS = args.tp_row_parts
     layouts.PROJECT_IN_REGION = args.tp_output == "in_region"
     serving.TP_ALL_REDUCE = args.tp_all_reduce
     global KEEP_TIMELINE
@@ -613,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         "tp_output": args.tp_output,
         "tp_all_reduce": args.tp_all_reduce,
         "absorbed_weights": args.absorbed_weights,
+        "tp_row_parts": args.tp_row_parts,
         "processes": args.processes,
         "ceilings": ceilings,
         "runs": [*runs, {**environment(), "devices_used": len(devices)}],
