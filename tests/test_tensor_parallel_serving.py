@@ -160,36 +160,3 @@ def test_decode_steps_on_folded_absorbed_weights(monkeypatch, compute_dtype):
     scale = float(np.abs(logits[False]).max())
     atol = 2e-5 if compute_dtype == "float32" else 0.02 * scale
     np.testing.assert_allclose(logits[True], logits[False], atol=atol)
-
-
-@pytest.mark.parametrize("variant, data, tensor", [("mlra4", 1, 4), ("gla2", 2, 2)])
-def test_decode_steps_split_into_row_parts_around_the_all_reduces(monkeypatch, variant, data, tensor):
-    """decode.region_block.ROW_PARTS = 2: each device's rows go through x_proj, o_proj and the MLP in two parts, each
-    with its own all-reduces (four per layer, kept apart on GPUs), the attention on both at once, and the logits
-    stay the unsharded step's (MLRA-4 at TP=4 on folded weights; GLA-2, unfolded, with the batch split over `data`
-    too)."""
-    from mlra_jax.decode import region_block, serving
-
-    want = {}
-    for parts in (1, 2):
-        monkeypatch.setattr(region_block, "ROW_PARTS", parts)
-        unsharded, got, _ = served(variant, data, tensor)
-        np.testing.assert_allclose(got, unsharded, atol=3e-5)
-        want[parts] = got
-    np.testing.assert_allclose(want[2], want[1], atol=3e-6)
-    cfg = tiny_model(variant, n_layer=2, n_head=8, vocab_size=64, output_init="normal")
-    mesh = make_mesh(MeshConfig(data=data, tensor=tensor), jax.devices()[: data * tensor])
-    model = init_model(cfg, seed=0)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    model = nnx.merge(nnx.split(model)[0], jax.device_put(params, tree_shardings(params, logical_axes(model), mesh)))
-    serving_model = Generator(model, max_len=16, mesh=mesh).serving
-    tokens, starts = left_pad(PROMPTS)
-    _, session = serving_model.prefill(tokens, starts, 1, 16)
-    with jax.set_mesh(mesh):
-        lowered = serving_model.compiled(True, (4, 1)).lower(serving_model.weights, tokens[:, :1], session.caches)
-    # the regions' (the embedding's comes from GSPMD after lowering; XLA's CPU compiler then combines the parts')
-    assert lowered.as_text().count("stablehlo.all_reduce") == 2 * 2 * cfg.n_layer
-    monkeypatch.setattr(serving, "target_platform", lambda: "gpu")
-    assert serving.serving_compiler_options(4, True)["xla_gpu_all_reduce_combine_threshold_bytes"] == 0
-    monkeypatch.setattr(region_block, "ROW_PARTS", 1)
-    assert "xla_gpu_all_reduce_combine_threshold_bytes" not in serving.serving_compiler_options(4, True)

@@ -406,14 +406,6 @@ def build_parser() -> argparse.ArgumentParser:
         "W_UV into o_proj where a device serves one block of rank <= d_h (decode.region_block.folds), or on them apart",
     )
     parser.add_argument(
-        "--tp_row_parts",
-        type=int,
-        default=region_block.ROW_PARTS,
-        help="scope model, latent blocks under TP (--tp_output=block): decode steps split each device's rows into "
-        "this many parts around the all-reduces, so that one part's all-reduce runs beside the next part's "
-        "products (decode.region_block.ROW_PARTS)",
-    )
-    parser.add_argument(
         "--tp_all_reduce",
         default=serving.TP_ALL_REDUCE,
         choices=("nccl", "one_shot"),
@@ -481,7 +473,6 @@ def child_argv(args: argparse.Namespace, scope: str, variant: str, out: Path) ->
         f"--tp_output={args.tp_output}",
         f"--tp_all_reduce={args.tp_all_reduce}",
         f"--absorbed_weights={args.absorbed_weights}",
-        f"--tp_row_parts={args.tp_row_parts}",
         f"--copy_gb={args.copy_gb}",
         f"--steps_per_call={args.steps_per_call}",
         *(["--timeline"] if args.timeline else []),
@@ -608,7 +599,6 @@ def main(argv: list[str] | None = None) -> int:
     STEPS_PER_CALL = args.steps_per_call
     region_block.REGION_BLOCKS = args.tp_output == "block"
     region_block.FOLD_ABSORBED = args.absorbed_weights == "folded"
-    region_block.ROW_PARTS = args.tp_row_parts
     layouts.PROJECT_IN_REGION = args.tp_output == "in_region"
     serving.TP_ALL_REDUCE = args.tp_all_reduce
     global KEEP_TIMELINE
@@ -628,7 +618,6 @@ def main(argv: list[str] | None = None) -> int:
         "tp_output": args.tp_output,
         "tp_all_reduce": args.tp_all_reduce,
         "absorbed_weights": args.absorbed_weights,
-        "tp_row_parts": args.tp_row_parts,
         "processes": args.processes,
         "ceilings": ceilings,
         "runs": [*runs, {**environment(), "devices_used": len(devices)}],

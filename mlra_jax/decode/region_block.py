@@ -55,11 +55,6 @@ REGION_BLOCKS = True
 # apart (benchmarks' --absorbed_weights=separate).
 FOLD_ABSORBED = True
 PREFILL_ONLY = "prefill"  # the key of the weights as trained beside folded ones, which decode steps do not read
-# Decode steps split each device's rows into this many parts for the products around the all-reduces (x_proj,
-# o_proj, the MLP), the attention running on all of them at once: one part's all-reduce can then run while the
-# next part's products do (XLA's latency-hiding scheduler orders them), at the cost of reading those weights once
-# per part (benchmarks' --tp_row_parts).
-ROW_PARTS = 1
 
 
 def serves(cfg: ModelConfig, mesh: jax.sharding.Mesh | None) -> bool:
@@ -234,10 +229,8 @@ def _on_device(
     n, g = plan.local_blocks, slots(plan)
     dtype = attn.dtype
 
-    parts = row_parts(x.shape[0], absorbed)
-    xs = jnp.split(x, parts)
-    hs = [block.attn_norm(part) for part in xs]
-    y = jnp.concatenate([project(h, held["x_proj"], "btd,dk->btk", dtype) for h in hs])
+    h = block.attn_norm(x)
+    y = project(h, held["x_proj"], "btd,dk->btk", dtype)
     c_q, latent, k_rope = jnp.split(y, (attn.q_rank, attn.q_rank + n * attn.block_rank), axis=-1)
     latent = latent.reshape(latent.shape[:-1] + (n, attn.block_rank))
     entry = {
@@ -251,34 +244,26 @@ def _on_device(
     if absorbed:  # one row: q_up and W_UK on its copies (LatentAttention.absorbed_blocks)
         c_q = row_copies(c_q)
     if fold:
-        out, o_spec = _folded_attention(attn, held, c_q, positions, cache, mask)
+        hidden = _folded_attention(attn, held, c_q, positions, cache, mask)[: x.shape[0]]
     else:
-        out, o_spec = _attention(attn, held, jnp.concatenate(hs), c_q, positions, cache, mask, mode, n, g)
-    outs = jnp.split(out[: x.shape[0]], parts)
-    # each part's sum over `tensor`, then its MLP: a part's all-reduce is free to run beside the next part's products
-    xs = [part + _reduced(project(o, held["o_proj"], o_spec, dtype), mode, dtype) for part, o in zip(xs, outs)]
-    mlps = [serving_block.swiglu(region["mlp"], block.mlp_norm(part), False, dtype) for part in xs]
-    return jnp.concatenate([part + _reduced(m, mode, dtype) for part, m in zip(xs, mlps)]), cache
-
-
-def row_parts(rows: int, absorbed: bool) -> int:
-    """How many parts a step's `rows` sequences on one device split into (ROW_PARTS where it divides them, in decode
-    steps only)."""
-    return ROW_PARTS if absorbed and ROW_PARTS > 1 and rows % ROW_PARTS == 0 else 1
+        hidden = _attention(attn, held, h, c_q, positions, cache, mask, mode, n, g)[: x.shape[0]]
+    x = x + _reduced(hidden, mode, dtype)
+    mlp = serving_block.swiglu(region["mlp"], block.mlp_norm(x), False, dtype)
+    return x + _reduced(mlp, mode, dtype), cache
 
 
 def _folded_attention(
     attn: LatentAttention, held: Weights, c_q: jax.Array, positions: jax.Array, cache: KVCache, mask: jax.Array
-) -> tuple[jax.Array, str]:
-    """A decode step's attention on the folded weights (`folded`), the latent query straight from q_up: its latent
-    output [B, T, H, R] and the spec of its product with the folded o_proj (which takes the latent output)."""
+) -> jax.Array:
+    """A decode step's attention output [B, T, d] (partial over `tensor`) on the folded weights (`folded`): the
+    latent query straight from q_up, the latent output straight into o_proj."""
     q = project(attn.normed_query(c_q), held["q_up"], "btq,qhk->bthk", attn.dtype)
     rank, rows = attn.block_rank, cache["latent"].shape[0]  # the query may be copies of one row: attend with one
     q_latent, q_rope = q[:rows, :, None, :, :rank], apply_rope(q[:rows, :, None, :, rank:], positions, attn.theta)
     z = latent_attention(
         q_rope, q_latent, cache["k_rope"][:, :, 0], cache["latent"], scale=attn.softmax_scale, mask=mask, impl=attn.impl
     )
-    return z[:, :, 0], "bthr,hrd->btd"
+    return project(z[:, :, 0], held["o_proj"], "bthr,hrd->btd", attn.dtype)
 
 
 def _attention(
@@ -292,9 +277,9 @@ def _attention(
     mode: str,
     n: int,
     g: int,
-) -> tuple[jax.Array, str]:
-    """The attention on the weights as trained, the device's n blocks over its g slots of heads: their branches'
-    output summed (and gated) [B, T, heads, d_h], and the spec of its product with o_proj."""
+) -> jax.Array:
+    """The attention output [B, T, d] (partial over `tensor`) on the weights as trained: the device's n blocks over
+    its g slots of heads, their branches summed before o_proj."""
     dtype = attn.dtype
     q_nope, q_rope = attn.split_query(project(attn.normed_query(c_q), held["q_up"], "btq,qhk->bthk", dtype), positions)
     width = q_nope.shape[2] // g
@@ -310,7 +295,7 @@ def _attention(
     out = out.astype(dtype)
     if "gate_proj" in held:
         out = out * jax.nn.sigmoid(project(h, held["gate_proj"], "btd,dhk->bthk", dtype))
-    return out, "bthk,hkd->btd"
+    return project(out, held["o_proj"], "bthk,hkd->btd", dtype)
 
 
 def _reduced(partial: jax.Array, mode: str, dtype: jnp.dtype) -> jax.Array:

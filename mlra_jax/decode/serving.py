@@ -73,15 +73,12 @@ ONE_SHOT_ALL_REDUCE_OPTION = "xla_gpu_unsupported_use_all_reduce_one_shot_kernel
 def serving_compiler_options(rows: int, tensor_parallel: bool = False) -> dict[str, Any] | None:
     """The XLA options of a serving call of `rows` tokens (batch x tokens per sequence) on this backend:
     on GPUs SERVING_COMPILER_OPTIONS, with Triton GEMMs off above TRITON_GEMM_ROWS rows and, for a call under
-    tensor parallelism with TP_ALL_REDUCE "one_shot", XLA's one-shot all-reduce kernel, and with row parts
-    (region_block.ROW_PARTS) no combining of all-reduces."""
+    tensor parallelism with TP_ALL_REDUCE "one_shot", XLA's one-shot all-reduce kernel."""
     if target_platform() != "gpu":
         return None
     options = SERVING_COMPILER_OPTIONS | ({"xla_gpu_enable_triton_gemm": False} if rows > TRITON_GEMM_ROWS else {})
     if tensor_parallel and TP_ALL_REDUCE == "one_shot":
         options = options | {ONE_SHOT_ALL_REDUCE_OPTION: True}
-    if tensor_parallel and region_block.ROW_PARTS > 1:  # the parts' all-reduces stay apart, to overlap products
-        options = options | {"xla_gpu_all_reduce_combine_threshold_bytes": 0}
     return options
 
 
