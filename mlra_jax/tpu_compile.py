@@ -319,9 +319,10 @@ def compile_serving(
         lower = lambda: fn.lower(weights, tokens, caches)  # noqa: E731
         return compile_step(name, topology, mesh, lower, {**settings, "tokens per call": tokens_per_call})[0]
 
-    # The prefill chunk: the largest of prefill_chunk, its halves down to 32 tokens, that fits (its scores over the
-    # whole cache grow with batch x chunk x context); the report of the last one tried when none does.
-    for chunk in [c for c in (prefill_chunk, 256, 128, 64, 32) if c <= prefill_chunk]:
+    # The prefill chunk: the largest of prefill_chunk, its halves down to 32 tokens, that fits in the cache and in
+    # memory (its scores over the whole cache grow with batch x chunk x context); the report of the last one tried
+    # when none does.
+    for chunk in [c for c in (prefill_chunk, 256, 128, 64, 32) if c <= min(prefill_chunk, capacity)]:
         prefill = compiled(False, chunk)
         if prefill.fits:
             break

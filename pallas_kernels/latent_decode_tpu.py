@@ -1,6 +1,11 @@
 """Latent decode attention as a Pallas Mosaic TPU kernel (also run in TPU interpret mode on CPU).
 
 Same contract as latent_decode_reference.reference, on a contiguous or a paged cache.
+
+The kernel reads the RoPE key with the slots minor ([.., Dr, slots] tiles): the TPU compiler stores a cache of
+[B, S, 1, Dr] (Dr = 64, narrower than a vreg's 128 lanes) with the slots minor, where the key's transpose is a
+bitcast. A kernel that took [.., slots, Dr] tiles made XLA copy every layer's RoPE-key cache into that layout on
+every step (and, where the step's cache write ran in that layout, copy it back).
 """
 
 from __future__ import annotations
@@ -48,12 +53,17 @@ def latent_decode_tpu(
             k_rope = jnp.pad(k_rope, ((0, 0), (0, padded - s), (0, 0)))
             latent = jnp.pad(latent, ((0, 0), (0, padded - s), (0, 0), (0, 0)))
         latent = latent.reshape(b, padded, n * r)
+    k_rope_t = jnp.swapaxes(k_rope, 1, 2)  # [.., Dr, slots]: the stored layout's bitcast on TPUs
 
     def kv_block(bi, split, step, starts_ref, ends_ref, pages_ref):
         """(the cache's leading index, the block along its slots) of a sequence's step-th block in a split."""
         first, last = starts_ref[bi] // block_kv, jnp.maximum(ends_ref[bi] - 1, 0) // block_kv
         block = jnp.clip(split * steps + step, first, last)
         return (pages_ref[bi, block], 0) if paged else (bi, block)
+
+    def rope_block(lead, block):
+        """The transposed RoPE key's block index of the latent's (lead, block)."""
+        return lead, 0, block
 
     def kernel(
         starts_ref, ends_ref, pages_ref, q_rope_ref, q_lat_ref, k_rope_ref, lat_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc
@@ -70,10 +80,9 @@ def latent_decode_tpu(
 
         @pl.when((block * block_kv < end) & ((block + 1) * block_kv > start))
         def _compute():
+            rope = jnp.dot(q_rope_ref[0, 0], k_rope_ref[0], preferred_element_type=jnp.float32)  # [h, block_kv]
             dims = (((1,), (1,)), ((), ()))
-            logits = jax.lax.dot_general(
-                q_rope_ref[0, 0], k_rope_ref[0], dims, preferred_element_type=jnp.float32
-            ) + jax.lax.dot_general(q_lat_ref[0, 0], lat_ref[0], dims, preferred_element_type=jnp.float32)
+            logits = rope + jax.lax.dot_general(q_lat_ref[0, 0], lat_ref[0], dims, preferred_element_type=jnp.float32)
             slots = block * block_kv + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
             logits = jnp.where((slots >= start) & (slots < end), logits * (scale * LOG2E), -jnp.inf)
             m_new = jnp.maximum(m_sc[...], logits.max(axis=1, keepdims=True))
@@ -97,7 +106,7 @@ def latent_decode_tpu(
         in_specs=[
             pl.BlockSpec((1, 1, h, dr), lambda bi, ni, sp, st, *_: (bi, ni, 0, 0)),
             pl.BlockSpec((1, 1, h, r), lambda bi, ni, sp, st, *_: (bi, ni, 0, 0)),
-            pl.BlockSpec((1, block_kv, dr), lambda bi, ni, sp, st, *refs: (*kv_block(bi, sp, st, *refs), 0)),
+            pl.BlockSpec((1, dr, block_kv), lambda bi, ni, sp, st, *refs: rope_block(*kv_block(bi, sp, st, *refs))),
             pl.BlockSpec((1, block_kv, r), lambda bi, ni, sp, st, *refs: (*kv_block(bi, sp, st, *refs), ni)),
         ],
         out_specs=[
@@ -120,5 +129,13 @@ def latent_decode_tpu(
         ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
-    )(starts.astype(jnp.int32), ends.astype(jnp.int32), page_table.astype(jnp.int32), q_rope, q_latent, k_rope, latent)
+    )(
+        starts.astype(jnp.int32),
+        ends.astype(jnp.int32),
+        page_table.astype(jnp.int32),
+        q_rope,
+        q_latent,
+        k_rope_t,
+        latent,
+    )
     return combine(out, lse[:, :, :, 0], latent.dtype)

@@ -82,17 +82,25 @@ def test_train_step_compiles_for_a_tpu_slice_with_splash_lowered_by_mosaic(tmp_p
 
 def test_serving_steps_compile_with_the_tpu_decode_kernel():
     """MLRA-4 at TP=4 (one latent block per chip): the decode step runs the Mosaic latent decode kernel in every
-    layer; the prefill chunk attends under its cache mask on XLA."""
+    layer; the prefill chunk attends under its cache mask on XLA. GLA-2 at TP=2 x DP=2: the decode step holds no
+    copy of its cache."""
     cfg = dataclasses.replace(tiny().model, n_head=8, n_layer=2)
     prefill, decode = compile_serving(cfg, parse_topology("v5e:2x2"), tp=4, batch=2, context=256, prefill_chunk=128)
     assert decode.kernels == {"latent_decode_tpu": 2} and prefill.kernels == {}
     assert decode.fits and decode.settings["bytes read per step per chip (GiB)"] > 0
     assert decode.mesh == {"data": 1, "fsdp": 1, "tensor": 4}
     gla2 = dataclasses.replace(cfg, variant="gla2")  # TP=2, batch 1: two chips of the four, batch 2: all four
-    assert [
-        compile_serving(gla2, parse_topology("v5e:2x2"), tp=2, batch=b, context=256, prefill_chunk=128)[1].mesh
-        for b in (1, 2)
-    ] == [{"data": 1, "fsdp": 1, "tensor": 2}, {"data": 2, "fsdp": 1, "tensor": 2}]
+    steps = {
+        (b, context): compile_serving(gla2, parse_topology("v5e:2x2"), tp=2, batch=b, context=context)[1]
+        for b, context in ((1, 256), (2, 256), (2, 4096))
+    }
+    assert [steps[b, 256].mesh for b in (1, 2)] == [
+        {"data": 1, "fsdp": 1, "tensor": 2},
+        {"data": 2, "fsdp": 1, "tensor": 2},
+    ]
+    # the cache is written in place and read where it is stored (the kernel takes the RoPE key's stored layout,
+    # slots minor): no copy of it among the temporaries, which stay as they are at 16x the context
+    assert steps[2, 4096].memory["temporaries"] == steps[2, 256].memory["temporaries"]
     with pytest.raises(ConfigError, match="TP=3 does not divide the 4 chips"):
         compile_serving(cfg, parse_topology("v5e:2x2"), tp=3, batch=3, context=256)
 
