@@ -325,6 +325,26 @@ def test_row_kernels_serve_gated_models_and_larger_batches_read_their_layout(var
         )
 
 
+def test_row_kernels_serve_a_one_device_mesh_and_refuse_a_larger_one():
+    """A mesh of one device (as benchmarks deploy a model on one GPU) splits nothing: its batch-1 steps run on the row
+    kernels and decode the stacked path's tokens; a mesh of two devices is refused by name."""
+    from mlra_jax.config import MeshConfig
+    from mlra_jax.sharding import make_mesh
+
+    model = init_model(tiny_model("mlra4", n_layer=1, vocab_size=128, output_init="normal"), seed=0)
+    one = make_mesh(MeshConfig(data=1, tensor=1), jax.devices()[:1])
+    serving = ServingModel(model, mesh=one, prefill_chunk=4, min_bucket=16, row_kernels="interpret")
+    assert serving.rows
+    generator = Generator(model, max_len=32, mesh=one, serving=serving)
+    prompt = PROMPTS[2]
+    assert generator.generate([prompt], Sampling(max_new_tokens=4, eos_id=None)) == stacked_greedy(
+        Generator(model, max_len=32), [prompt], 4
+    )
+    two = make_mesh(MeshConfig(data=2, tensor=1), jax.devices()[:2])
+    with pytest.raises(ValueError, match="a mesh of 2 splits the weights"):
+        ServingModel(model, mesh=two, row_kernels="interpret")
+
+
 def test_row_kernels_refuse_what_they_cannot_serve():
     model = init_model(tiny_model("mlra4", n_layer=1, vocab_size=128), seed=0)
     if jax.default_backend() != "gpu":

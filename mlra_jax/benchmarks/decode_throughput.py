@@ -105,6 +105,7 @@ def pipelined_time(run: Callable[[], Any], steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+ROW_KERNELS = "auto"  # --row_kernels: ServingModel's row_kernels (batch-1 steps on one device)
 KEEP_TIMELINE = False  # --timeline: each GPU row keeps the kernels of its median step (and call) on device 0
 
 
@@ -227,7 +228,7 @@ def measure_model(
     shapes = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     with jax.set_mesh(mesh):
         params = benchmark_params(cfg, tree_shardings(shapes, logical_axes(abstract), mesh))
-        serving = ServingModel(nnx.merge(nnx.split(abstract)[0], params), mesh=mesh)
+        serving = ServingModel(nnx.merge(nnx.split(abstract)[0], params), mesh=mesh, row_kernels=ROW_KERNELS)
         del params
         tokens = jax.device_put(jnp.zeros((batch, 1), jnp.int32), batch_sharding(mesh, 2))
         for context in contexts:
@@ -406,6 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
         "W_UV into o_proj where a device serves one block of rank <= d_h (decode.region_block.folds), or on them apart",
     )
     parser.add_argument(
+        "--row_kernels",
+        default=ROW_KERNELS,
+        choices=("auto", "off"),
+        help="scope model, batch 1 on one device: decode steps on the row-product kernels where they run (as "
+        "generate runs them), or on XLA",
+    )
+    parser.add_argument(
         "--tp_all_reduce",
         default=serving.TP_ALL_REDUCE,
         choices=("nccl", "one_shot"),
@@ -473,6 +481,7 @@ def child_argv(args: argparse.Namespace, scope: str, variant: str, out: Path) ->
         f"--tp_output={args.tp_output}",
         f"--tp_all_reduce={args.tp_all_reduce}",
         f"--absorbed_weights={args.absorbed_weights}",
+        f"--row_kernels={args.row_kernels}",
         f"--copy_gb={args.copy_gb}",
         f"--steps_per_call={args.steps_per_call}",
         *(["--timeline"] if args.timeline else []),
@@ -601,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
     region_block.FOLD_ABSORBED = args.absorbed_weights == "folded"
     layouts.PROJECT_IN_REGION = args.tp_output == "in_region"
     serving.TP_ALL_REDUCE = args.tp_all_reduce
+    global ROW_KERNELS
+    ROW_KERNELS = args.row_kernels
     global KEEP_TIMELINE
     KEEP_TIMELINE = args.timeline
     results, runs = (
@@ -618,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         "tp_output": args.tp_output,
         "tp_all_reduce": args.tp_all_reduce,
         "absorbed_weights": args.absorbed_weights,
+        "row_kernels": args.row_kernels,
         "processes": args.processes,
         "ceilings": ceilings,
         "runs": [*runs, {**environment(), "devices_used": len(devices)}],

@@ -35,8 +35,8 @@ ROW_KERNEL_MODES = ("auto", "on", "off", "interpret")
 
 def row_kernels_problem(cfg: ModelConfig, mesh: jax.sharding.Mesh | None, interpret: bool = False) -> str | None:
     """Why the row kernels cannot run this model's batch-1 decode steps, or None when they can."""
-    if mesh is not None:
-        return "they run on a single device (a mesh splits the weights)"
+    if mesh is not None and mesh.size > 1:
+        return f"they run on a single device (a mesh of {mesh.size} splits the weights)"
     if not interpret and (
         target_platform() != "gpu" or "rocm" in getattr(jax.devices()[0].client, "platform_version", "").lower()
     ):
