@@ -4,8 +4,7 @@ Same contract as latent_decode_reference.reference, on a contiguous or a paged c
 
 The kernel reads the RoPE key with the slots minor ([.., Dr, slots] tiles): the TPU compiler stores a cache of
 [B, S, 1, Dr] (Dr = 64, narrower than a vreg's 128 lanes) with the slots minor, where the key's transpose is a
-bitcast. A kernel that took [.., slots, Dr] tiles made XLA copy every layer's RoPE-key cache into that layout on
-every step (and, where the step's cache write ran in that layout, copy it back).
+bitcast. Tiles of [.., slots, Dr] would have XLA copy every layer's RoPE-key cache into their layout on every step.
 """
 
 from __future__ import annotations
