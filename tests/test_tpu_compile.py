@@ -80,6 +80,9 @@ def test_train_step_compiles_for_a_tpu_slice_with_splash_lowered_by_mosaic(tmp_p
     assert report["topology"] == "v5e-4" and "fits" in capsys.readouterr().out
 
 
+# The suite's persistent compilation cache holds the first GLA-2 compile's weight layout; the next one with the same
+# mesh finds it, cannot load a TPU program without a TPU client, says so and compiles again.
+@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry for 'jit_prepare'")
 def test_serving_steps_compile_with_the_tpu_decode_kernel():
     """MLRA-4 at TP=4 (one latent block per chip): the decode step runs the Mosaic latent decode kernel in every
     layer; the prefill chunk attends under its cache mask on XLA. GLA-2 at TP=2 x DP=2: the decode step holds no
