@@ -93,12 +93,13 @@ def test_serving_steps_compile_with_the_tpu_decode_kernel():
     assert decode.fits and decode.settings["bytes read per step per chip (GiB)"] > 0
     assert decode.mesh == {"data": 1, "fsdp": 1, "tensor": 4}
     gla2 = dataclasses.replace(cfg, variant="gla2")  # TP=2, batch 1: two chips of the four, batch 2: all four
+
+    def decode_step(batch: int, context: int, chunk: int):
+        return compile_serving(gla2, parse_topology("v5e:2x2"), 2, batch, context, prefill_chunk=chunk)[1]
+
     # (a prefill chunk of 512 tokens is longer than 256 slots: the prefill takes a chunk the cache holds)
     steps = {
-        (b, context): compile_serving(gla2, parse_topology("v5e:2x2"), tp=2, batch=b, context=context, prefill_chunk=c)[
-            1
-        ]
-        for b, context, c in ((1, 256, 128), (2, 256, 512), (2, 4096, 128))
+        (b, context): decode_step(b, context, c) for b, context, c in ((1, 256, 128), (2, 256, 512), (2, 4096, 128))
     }
     assert [steps[b, 256].mesh for b in (1, 2)] == [
         {"data": 1, "fsdp": 1, "tensor": 2},
