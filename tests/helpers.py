@@ -33,6 +33,17 @@ def on_gpu(test):
 SMALL_VOCAB = 512
 
 
+def sharded_over(model, mesh: jax.sharding.Mesh):
+    """The model with its parameters placed over `mesh` as their logical axes split them."""
+    from flax import nnx
+
+    from mlra_jax.params import logical_axes
+    from mlra_jax.sharding import tree_shardings
+
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return nnx.merge(nnx.split(model)[0], jax.device_put(params, tree_shardings(params, logical_axes(model), mesh)))
+
+
 def small_vocabulary_data() -> Path:
     """The built-in corpus's shards with each token id taken modulo SMALL_VOCAB: text-like data (the loss falls)
     for a model of SMALL_VOCAB tokens. Made once beside the built-in shards (atomically, as they are)."""

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import on_gpu
+from helpers import on_gpu, sharded_over
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.pallas_kernels import gqa_decode_gpu as kernels
 from mlra_jax.pallas_kernels.gqa_decode_gpu import Tiling, gqa_decode_gpu, gqa_decode_reference
@@ -195,11 +195,9 @@ def test_decode_under_data_and_tensor_parallelism(monkeypatch, n_head, group_siz
     step gives the unsharded XLA path's logits."""
     if jax.device_count() < 8 or jax.default_backend() != "cpu":
         pytest.skip("runs on the 8 virtual CPU devices of the test suite")
-    from flax import nnx
 
     from mlra_jax.config import MeshConfig
-    from mlra_jax.params import logical_axes
-    from mlra_jax.sharding import make_mesh, tree_shardings
+    from mlra_jax.sharding import make_mesh
 
     cfg = tiny_model("gqa", n_layer=1, n_head=n_head, group_size=group_size, vocab_size=64, output_init="normal")
     want = decode_logits(cfg, "xla")
@@ -207,8 +205,7 @@ def test_decode_under_data_and_tensor_parallelism(monkeypatch, n_head, group_siz
     counted_kernel(monkeypatch, calls)
     mesh = make_mesh(MeshConfig(data=mesh_shape[0], tensor=mesh_shape[1]))
     model = init_model(dataclasses.replace(cfg, attention_impl="pallas"), seed=0)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    model = nnx.merge(nnx.split(model)[0], jax.device_put(params, tree_shardings(params, logical_axes(model), mesh)))
+    model = sharded_over(model, mesh)
     serving = Generator(model, max_len=40, mesh=mesh, min_bucket=40).serving  # per-layer caches of 40 slots
     tokens, starts = left_pad(PROMPTS)
     _, session = serving.prefill(tokens, starts, 1, 40)

@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-from helpers import on_gpu
+from helpers import on_gpu, sharded_over
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.pallas_kernels.latent_decode_common import combine
 from mlra_jax.pallas_kernels.latent_decode_reference import gather_pages, reference
@@ -204,8 +203,7 @@ def test_pallas_decode_under_data_and_tensor_parallelism(monkeypatch, variant, m
         pytest.skip("runs on the 8 virtual CPU devices of the test suite")
     import mlra_jax.attention.latent_kernels as kernels
     from mlra_jax.config import MeshConfig
-    from mlra_jax.params import logical_axes
-    from mlra_jax.sharding import make_mesh, tree_shardings
+    from mlra_jax.sharding import make_mesh
 
     calls = []
 
@@ -223,8 +221,7 @@ def test_pallas_decode_under_data_and_tensor_parallelism(monkeypatch, variant, m
 
     mesh = make_mesh(MeshConfig(data=mesh_shape[0], tensor=mesh_shape[1]))
     model = init_model(dataclasses.replace(cfg, attention_impl="pallas"), seed=0)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    model = nnx.merge(nnx.split(model)[0], jax.device_put(params, tree_shardings(params, logical_axes(model), mesh)))
+    model = sharded_over(model, mesh)
     serving = Generator(model, max_len=40, mesh=mesh, min_bucket=40).serving  # 40 slots: no other size is 40
     tokens, starts = left_pad(prompts)
     _, session = serving.prefill(tokens, starts, 1, 40)

@@ -8,14 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from helpers import sharded_over
 from mlra_jax.experiments.tiny import tiny_model
 
 from mlra_jax.config import MeshConfig
 from mlra_jax.decode.generator import Generator, left_pad
 from mlra_jax.model import init_model
-from mlra_jax.params import logical_axes
-from mlra_jax.sharding import make_mesh, tree_shardings
+from mlra_jax.sharding import make_mesh
 
 PROMPTS = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
 COLLECTIVE = re.compile(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
@@ -29,8 +28,7 @@ def served(variant: str, data: int, tensor: int, **changes):
     _, state = unsharded.prefill(PROMPTS)
     want = np.asarray(unsharded.step(jnp.arange(4)[:, None], state)[0])[:, 0]
     mesh = make_mesh(MeshConfig(data=data, tensor=tensor), jax.devices()[: data * tensor])
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    model = nnx.merge(nnx.split(model)[0], jax.device_put(params, tree_shardings(params, logical_axes(model), mesh)))
+    model = sharded_over(model, mesh)
     serving = Generator(model, max_len=16, mesh=mesh).serving
     tokens, starts = left_pad(PROMPTS)
     _, session = serving.prefill(tokens, starts, 1, 16)
@@ -105,8 +103,7 @@ def test_region_blocks_reduce_in_bfloat16_within_rounding_of_float32(monkeypatch
     cfg = tiny_model("mlra4", n_layer=2, n_head=8, vocab_size=64, output_init="normal", compute_dtype="bfloat16")
     model = init_model(cfg, seed=0)
     mesh = make_mesh(MeshConfig(data=1, tensor=4), jax.devices()[:4])
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    model = nnx.merge(nnx.split(model)[0], jax.device_put(params, tree_shardings(params, logical_axes(model), mesh)))
+    model = sharded_over(model, mesh)
     tokens, starts = left_pad(PROMPTS)
     logits, reduced = {}, {}
     for dtype in ("compute", "float32"):
@@ -138,8 +135,7 @@ def test_decode_steps_on_folded_absorbed_weights(monkeypatch, compute_dtype):
     model = init_model(cfg, seed=0)
     mesh = make_mesh(MeshConfig(data=1, tensor=4), jax.devices()[:4])
     assert region_block.folds(cfg, region_block.plan_of(cfg, 4))
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    model = nnx.merge(nnx.split(model)[0], jax.device_put(params, tree_shardings(params, logical_axes(model), mesh)))
+    model = sharded_over(model, mesh)
     tokens, starts = left_pad(PROMPTS)
     logits, dots, held, read = {}, {}, {}, {}
     for fold in (True, False):
