@@ -22,7 +22,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash", "pallas", "mlra_kernel")
 # auto: the least recomputation that fits the device's memory (training.remat_choice)
 REMAT_POLICIES = ("none", "full", "dots", "dots_attn", "dots_attn_kv", "dots_attn_qkv", "auto")
-LATENT_FORMS = ("expanded", "absorbed")
+LATENT_FORMS = ("auto", "expanded", "absorbed")
 LATENT_KEYS = ("auto", "product", "concat")
 FSDP_GATHER = ("auto", "step", "micro_batch")
 MATMUL_DTYPES = ("compute", "float8")  # compute: the compute dtype
@@ -118,7 +118,7 @@ class ModelConfig:
     # auto: the fastest kernel for the backend and shape (attention.fused; the latent family's decode steps:
     # attention.latent_kernels), else XLA; xla, cudnn, splash: that one (a kernel that cannot run is an error);
     # pallas: the latent decode kernels, else as auto; mlra_kernel: the latent family's absorbed training attention
-    # (latent_form=absorbed, one device's layer) on our MLRA kernel (Mosaic GPU, Hopper; attention.mlra_kernel),
+    # (latent_form auto or absorbed, one device's layer) on our MLRA kernel (Mosaic GPU, Hopper; attention.mlra_kernel),
     # else as auto
     attention_impl: str = dataclasses.field(default="auto", metadata={"choices": ATTENTION_IMPLS})
     scan_layers: bool = True  # one scanned layer body (compile time flat in depth); false unrolls the layers
@@ -127,10 +127,10 @@ class ModelConfig:
     remat: str = dataclasses.field(default="none", metadata={"choices": REMAT_POLICIES})
     # Training attention of the latent family (same math, same FLOPs): "expanded" up-projects per-head keys and
     # values; "absorbed" folds W_UK into the query and applies W_UV after the attention, so that each latent block
-    # is one KV head ([block || RoPE key], value the block) shared by its query heads. Expanded is the default: on
-    # cuDNN's attention it is the faster form; absorbed on our MLRA kernel (attention_impl auto or mlra_kernel, a
-    # Hopper GPU) ran MLRA-4's 8-layer step 1% faster on an H100 (docs/performance.md).
-    latent_form: str = dataclasses.field(default="expanded", metadata={"choices": LATENT_FORMS})
+    # is one KV head ([block || RoPE key], value the block) shared by its query heads. "auto": absorbed where our
+    # MLRA kernel runs it (MLRA-2 and MLRA-4 on a Hopper GPU in bf16, one device's layer; MLRA-4's 8-layer step 5%
+    # faster on an H200, docs/performance.md), expanded elsewhere (on cuDNN's attention the faster form).
+    latent_form: str = dataclasses.field(default="auto", metadata={"choices": LATENT_FORMS})
     # How the expanded form builds each head's key [k_nope || k_rope]: "product" multiplies [block || RoPE key] by
     # [[W_UK, 0], [0, I]] (the keys come out of one matmul, no concatenation of per-head keys forward or backward);
     # "concat" up-projects k_nope and concatenates the RoPE key to it. "auto": product where a block is at most
@@ -181,15 +181,15 @@ class ModelConfig:
             "--model.compute_dtype=bfloat16",
         )
         _require(
-            self.latent_form == "expanded" or self.spec.latent_layout is not None,
+            self.latent_form != "absorbed" or self.spec.latent_layout is not None,
             f"latent_form={self.latent_form!r} applies to the latent family (MLA, GLA, MLRA), not variant "
             f"{self.variant!r}; leave it unset",
         )
         _require(
-            self.attention_impl != "mlra_kernel" or self.trains_absorbed,
+            self.attention_impl != "mlra_kernel" or (self.latent_form != "expanded" and self.spec.latent_layout),
             f"attention_impl='mlra_kernel' runs the latent family's absorbed training attention (variant "
             f"{self.variant!r}, latent_form={self.latent_form!r}); set --model.latent_form=absorbed on MLA, GLA or "
-            "MLRA, or another attention_impl",
+            "MLRA (or leave it at auto), or another attention_impl",
         )
         _require(
             self.latent_keys == "auto" or self.spec.latent_layout is not None,
@@ -289,8 +289,11 @@ class ModelConfig:
 
     @property
     def trains_absorbed(self) -> bool:
-        """Whether the latent family's training attention runs absorbed (see latent_form)."""
-        return self.spec.latent_layout is not None and self.latent_form == "absorbed"
+        """Whether the latent family's training attention always runs absorbed (latent_form="absorbed", or "auto" with
+        attention_impl="mlra_kernel"); under latent_form="auto" LatentAttention decides per call (absorbed where
+        the MLRA kernel runs)."""
+        kernel = self.latent_form == "auto" and self.attention_impl == "mlra_kernel"
+        return self.spec.latent_layout is not None and (self.latent_form == "absorbed" or kernel)
 
     @property
     def value_head_dim(self) -> int:

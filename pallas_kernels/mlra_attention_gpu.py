@@ -8,9 +8,11 @@ computed once and every branch's latent scores are added to them:
 
     s_j = (q_rope k_rope^T) + q_latent_j latent_j^T,   out_j = softmax(scale * s_j, causal) latent_j.
 
-Shapes: q_latent [B, T, n, H, R], q_rope [B, T, H, Dr], latent [B, S, n, R], k_rope [B, S, Dr] -> out
-[B, T, n, H, R] and the natural-log logsumexp of the scaled logits [B, n, H, T] (float32, for the backward).
-Causal with T == S (training).
+Shapes: q_latent [H, B, T, n, R], q_rope [B, T, H, Dr], latent [B, S, n, R], k_rope [B, S, Dr] -> out
+[H, B, T, n, R] and the natural-log logsumexp of the scaled logits [B, n, H, T] (float32, for the backward).
+Causal with T == S (training). The query side is head-major ([H, B, T, n, R]) because that is how the products
+around the attention make and take it: W_UK's product, batched over the heads, writes q_latent so, and W_UV's
+reads the output so; any other order costs a transposed copy of each on every layer, forward and backward.
 
 Design (FlashAttention-3's forward, jax.experimental.pallas.ops.gpu.attention_mgpu, with MLRA's sharing):
   * A CTA takes one (head, group of `branches` latent blocks, 128 queries, sequence): two compute warpgroups of
@@ -95,10 +97,10 @@ def mlra_attention_reference(
     q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, *, scale: float
 ) -> tuple[jax.Array, jax.Array]:
     """The kernel's definition in plain jnp: causal attention of [q_latent_j || q_rope] over keys
-    [latent_j || k_rope] and values latent_j per block j, float32 logits and softmax; (out [B, T, n, H, R] in the
+    [latent_j || k_rope] and values latent_j per block j, float32 logits and softmax; (out [H, B, T, n, R] in the
     inputs' dtype, logsumexp [B, n, H, T] float32 of the scaled logits)."""
     f32 = jnp.float32
-    logits = jnp.einsum("btnhr,bsnr->bnhts", q_latent.astype(f32), latent.astype(f32))
+    logits = jnp.einsum("hbtnr,bsnr->bnhts", q_latent.astype(f32), latent.astype(f32))
     logits = logits + jnp.einsum("bthd,bsd->bhts", q_rope.astype(f32), k_rope.astype(f32))[:, None]
     logits = logits * scale
     t, s = logits.shape[-2:]
@@ -106,7 +108,7 @@ def mlra_attention_reference(
     logits = jnp.where(causal, logits, -jnp.inf)
     lse = jax.nn.logsumexp(logits, axis=-1)
     probs = jnp.exp(logits - lse[..., None])
-    out = jnp.einsum("bnhts,bsnr->btnhr", probs, latent.astype(f32))
+    out = jnp.einsum("bnhts,bsnr->hbtnr", probs, latent.astype(f32))
     return out.astype(latent.dtype), lse
 
 
@@ -247,15 +249,15 @@ def mlra_attention_gpu(
     overlap: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Causal MLRA attention forward: q_latent [B, T, n, H, R], q_rope [B, T, H, Dr] (every block's), latent
-    [B, S, n, R], k_rope [B, S, Dr] -> (out [B, T, n, H, R], logsumexp [B, n, H, T] float32), as
+    """Causal MLRA attention forward: q_latent [H, B, T, n, R], q_rope [B, T, H, Dr] (every block's), latent
+    [B, S, n, R], k_rope [B, S, Dr] -> (out [H, B, T, n, R], logsumexp [B, n, H, T] float32), as
     mlra_attention_reference. branches: latent blocks per CTA sharing the RoPE scores (1: none shared, the
     default; None: `plan`'s most); block_kv: keys per pipeline stage, 64 or 128; pingpong: the two compute
     warpgroups take turns on the tensor cores (FA3's schedule); overlap (one branch only): each warpgroup issues a
     key tile's scores with the previous tile's P V and runs its softmax while that P V does (FA3's intra-warpgroup
     overlap).
     interpret=True runs it in Pallas's GPU interpret mode (on CPU; see the module docstring)."""
-    b, t, n, h, r = q_latent.shape
+    h, b, t, n, r = q_latent.shape
     s, dr = k_rope.shape[1], k_rope.shape[2]
     dtype = latent.dtype
     if q_rope.shape != (b, t, h, dr) or latent.shape != (b, s, n, r) or k_rope.shape != (b, s, dr):
@@ -317,7 +319,7 @@ def mlra_attention_gpu(
             for j in range(per_cta):
                 for c in range(lat_chunks):
                     plgpu.copy_gmem_to_smem(
-                        ql_ref.at[bi, rows, first_block + j, hi, pl.ds(c * CHUNK, CHUNK)],
+                        ql_ref.at[hi, bi, rows, first_block + j, pl.ds(c * CHUNK, CHUNK)],
                         ql_smem.at[wg, j, c],
                         q_barriers.at[wg],
                     )
@@ -487,7 +489,7 @@ def mlra_attention_gpu(
             for j in range(per_cta):
                 for c in range(lat_chunks):
                     plgpu.copy_smem_to_gmem(
-                        ql_smem.at[wg, j, c], out_ref.at[bi, rows, first_block + j, hi, pl.ds(c * CHUNK, CHUNK)]
+                        ql_smem.at[wg, j, c], out_ref.at[hi, bi, rows, first_block + j, pl.ds(c * CHUNK, CHUNK)]
                     )
                 plgpu.copy_smem_to_gmem(lse_smem.at[wg, j], lse_ref.at[bi, first_block + j, hi, rows])
             plgpu.wait_smem_to_gmem(0)
@@ -532,7 +534,7 @@ def mlra_attention_gpu(
     return plgpu.kernel(
         entry,
         out_type=[
-            jax.ShapeDtypeStruct((b, t, n, h, r), dtype),
+            jax.ShapeDtypeStruct((h, b, t, n, r), dtype),
             jax.ShapeDtypeStruct((b, n, h, t), jnp.float32),
         ],
         grid=(h * groups, q_tiles, b),

@@ -182,7 +182,7 @@ def _transforms(dtype) -> tuple:
 def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTuning, interpret: bool):
     """d latent [B, S, n, R] and the per-block d k_rope [B, n, S, Dr] (to be summed over n). delta: D, or scale * D
     under tuning.prescale."""
-    b, t, n, h, r = ql.shape
+    h, b, t, n, r = ql.shape
     dr, dtype = kr.shape[-1], lat.dtype
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
     kv_tiles = t // (COMPUTE_WGS * TILE)
@@ -293,10 +293,10 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTuni
                 for c in range(lat_chunks):
                     columns = pl.ds(c * CHUNK, CHUNK)
                     plgpu.copy_gmem_to_smem(
-                        ql_ref.at[bi, rows, j, hi, columns], ql_smem.at[slot, c], q_barriers.at[slot]
+                        ql_ref.at[hi, bi, rows, j, columns], ql_smem.at[slot, c], q_barriers.at[slot]
                     )
                     plgpu.copy_gmem_to_smem(
-                        do_ref.at[bi, rows, j, hi, columns], do_smem.at[slot, c], q_barriers.at[slot]
+                        do_ref.at[hi, bi, rows, j, columns], do_smem.at[slot, c], q_barriers.at[slot]
                     )
                 for c in range(rope_chunks):
                     plgpu.copy_gmem_to_smem(
@@ -337,9 +337,9 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTuni
 
 
 def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTuning, interpret: bool):
-    """d q_latent [B, T, n, H, R] and the per-block d q_rope [B, n, T, H, Dr] (to be summed over n). lse2: the
+    """d q_latent [H, B, T, n, R] and the per-block d q_rope [B, n, T, H, Dr] (to be summed over n). lse2: the
     log2-domain logsumexp, less log2(scale) under tuning.prescale."""
-    b, t, n, h, r = ql.shape
+    h, b, t, n, r = ql.shape
     dr, dtype = kr.shape[-1], lat.dtype
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
     q_tiles = t // (COMPUTE_WGS * TILE)
@@ -363,8 +363,8 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTunin
             rows = pl.ds(q0, TILE)
             for c in range(lat_chunks):
                 columns = pl.ds(c * CHUNK, CHUNK)
-                plgpu.copy_gmem_to_smem(ql_ref.at[bi, rows, j, hi, columns], ql_smem.at[wg, c], q_barriers.at[wg])
-                plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, j, hi, columns], do_smem.at[wg, c], q_barriers.at[wg])
+                plgpu.copy_gmem_to_smem(ql_ref.at[hi, bi, rows, j, columns], ql_smem.at[wg, c], q_barriers.at[wg])
+                plgpu.copy_gmem_to_smem(do_ref.at[hi, bi, rows, j, columns], do_smem.at[wg, c], q_barriers.at[wg])
             for c in range(rope_chunks):
                 plgpu.copy_gmem_to_smem(
                     qr_ref.at[bi, rows, hi, pl.ds(c * CHUNK, CHUNK)], qr_smem.at[wg, c], q_barriers.at[wg]
@@ -427,7 +427,7 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTunin
                 qr_smem.at[wg, c][...] = accs[lat_chunks + c].astype(dtype)
             plgpu.commit_smem()
             for c in range(lat_chunks):
-                plgpu.copy_smem_to_gmem(ql_smem.at[wg, c], dql_ref.at[bi, rows, j, hi, pl.ds(c * CHUNK, CHUNK)])
+                plgpu.copy_smem_to_gmem(ql_smem.at[wg, c], dql_ref.at[hi, bi, rows, j, pl.ds(c * CHUNK, CHUNK)])
             for c in range(rope_chunks):
                 plgpu.copy_smem_to_gmem(qr_smem.at[wg, c], dqr_ref.at[bi, j, rows, hi, pl.ds(c * CHUNK, CHUNK)])
             plgpu.wait_smem_to_gmem(0)
@@ -482,7 +482,7 @@ def check_backward_shapes(
     q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, interpret: bool
 ):
     """The backward's constraints, as ValueErrors naming the value and the limit."""
-    b, t, n, h, r = q_latent.shape
+    h, b, t, n, r = q_latent.shape
     s, dr = k_rope.shape[1], k_rope.shape[2]
     if q_rope.shape != (b, t, h, dr) or latent.shape != (b, s, n, r) or k_rope.shape != (b, s, dr):
         raise ValueError(
@@ -518,13 +518,13 @@ def mlra_attention_backward(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The gradients (d q_latent, d q_rope, d latent, d k_rope) of the causal MLRA attention (mlra_attention_gpu's
-    inputs, its output `out` and logsumexp `lse` [B, n, H, T]) for the output's cotangent d_out [B, T, n, H, R].
+    inputs, its output `out` and logsumexp `lse` [B, n, H, T]) for the output's cotangent d_out [H, B, T, n, R].
     tuning: the kernels' schedules (BackwardTuning; the defaults: the fastest measured).
     Constraints (ValueError outside them): T == S a multiple of 128, R and Dr multiples of 64, R + Dr <= 192."""
     check_backward_shapes(q_latent, q_rope, latent, k_rope, interpret)
     f32 = jnp.float32
     d_out = d_out.astype(latent.dtype)
-    delta = jnp.einsum("btnhr,btnhr->bnht", out.astype(f32), d_out.astype(f32))
+    delta = jnp.einsum("hbtnr,hbtnr->bnht", out.astype(f32), d_out.astype(f32))
     lse2 = lse.astype(f32) * LOG2E
     args = (q_latent, q_rope, latent, k_rope, d_out)
     if tuning.prescale:  # dK/dV: scale D; dQ: exp2 gives scale P
@@ -568,7 +568,7 @@ def mlra_attention(
     tuning: BackwardTuning | str = BackwardTuning(),
     interpret: bool = False,
 ) -> jax.Array:
-    """Causal MLRA attention out [B, T, n, H, R] (mlra_attention_gpu's forward with its defaults) with its
+    """Causal MLRA attention out [H, B, T, n, R] (mlra_attention_gpu's forward with its defaults) with its
     gradients by mlra_attention_backward's kernels: jax.grad and jax.vjp run through both. tuning: the backward's
     schedules (a BackwardTuning or its BackwardTuning.parse spelling)."""
     if isinstance(tuning, str):

@@ -143,7 +143,7 @@ def test_the_kernel_path_equals_the_fused_path(monkeypatch, variant, groups):
     assert_equal(model_loss_and_grads(cfg, "mlra_kernel", tokens), model_loss_and_grads(cfg, "xla", tokens))
     c, h = 4 // groups, 2 // groups
     assert shapes == [
-        ((2 * groups, 128, c, h, 64), (2 * groups, 128, h, 64), (2 * groups, 128, c, 64), (2 * groups, 128, 64))
+        ((h, 2 * groups, 128, c, 64), (2 * groups, 128, h, 64), (2 * groups, 128, c, 64), (2 * groups, 128, 64))
     ]
 
 
@@ -178,4 +178,69 @@ def test_the_kernel_runs_on_each_devices_sequences_under_a_mesh(monkeypatch):
     cfg, tokens = kernel_sized("mlra2"), random_tokens(4, (4, 129))
     mesh = make_mesh(MeshConfig(data=2, fsdp=2), jax.devices()[:4])
     assert_equal(model_loss_and_grads(cfg, "mlra_kernel", tokens, mesh), model_loss_and_grads(cfg, "xla", tokens))
-    assert [s[0][0] for s in shapes] == [1 * 2]  # one of four sequences per device, its two head groups
+    assert [s[0][1] for s in shapes] == [1 * 2]  # one of four sequences per device, its two head groups
+
+
+@pytest.mark.parametrize("spec", ["btcgir", "gibtcr"])
+def test_the_branch_merge_differentiates_in_the_compute_dtype(spec):
+    """latent.merged_heads (W_UV and the branch sum of absorbed training, on z laid out as the XLA path or the
+    kernel has it): float32 gradients equal autodiff's of the same product; in bfloat16 both gradient products
+    take bf16 operands (autodiff carries the cotangent in float32 and multiplies z and W_UV in float32) and stay
+    within bf16 rounding of autodiff's."""
+    sizes = dict(b=2, t=8, c=4, g=1, i=3, r=16, k=8)
+    keys = jax.random.split(jax.random.key(5), 3)
+    z = jax.random.normal(keys[0], tuple(sizes[a] for a in spec))
+    w_uv = jax.random.normal(keys[1], tuple(sizes[a] for a in "cgrik"))
+    cotangent = jax.random.normal(keys[2], tuple(sizes[a] for a in "btgik"))
+
+    def autodiff(z, w, dtype):
+        out = jnp.einsum(f"{spec},cgrik->btgik", z, w, preferred_element_type=jnp.float32, precision="highest")
+        return (out * 0.5).astype(dtype)
+
+    for dtype, tolerance in ((jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)):
+        args = (z.astype(dtype), w_uv.astype(dtype))
+        got_out, vjp = jax.vjp(lambda z, w: latent.merged_heads(z, w, spec, 0.5, dtype), *args)
+        want_out, want_vjp = jax.vjp(lambda z, w: autodiff(z, w, dtype), *args)
+        np.testing.assert_array_equal(np.asarray(got_out, np.float32), np.asarray(want_out, np.float32))
+        for got, want in zip(vjp(cotangent.astype(dtype)), want_vjp(cotangent.astype(dtype))):
+            assert got.dtype == dtype
+            scale = float(jnp.abs(want.astype(jnp.float32)).max())
+            np.testing.assert_allclose(
+                np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tolerance * scale
+            )
+    backward = jax.make_jaxpr(vjp)(cotangent.astype(jnp.bfloat16))
+    dots = [e for e in backward.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 2 and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+    autodiff_backward = jax.make_jaxpr(want_vjp)(cotangent.astype(jnp.bfloat16))
+    assert any(
+        v.aval.dtype == jnp.float32
+        for e in autodiff_backward.jaxpr.eqns
+        if e.primitive.name == "dot_general"
+        for v in e.invars
+    )
+
+
+def test_the_auto_form_trains_absorbed_where_the_kernel_runs(monkeypatch):
+    """latent_form="auto" (the default): absorbed on our MLRA kernel where it takes the call (its reference standing
+    in, as on a Hopper GPU), with the expanded form's loss and gradients; expanded wherever it does not (the CPU,
+    64 tokens, a model without branches, another attention_impl)."""
+    absorbed = []
+    original = latent.LatentAttention.absorbed_attention
+
+    def counted(self, *args):
+        absorbed.append(self.branches)
+        return original(self, *args)
+
+    monkeypatch.setattr(latent.LatentAttention, "absorbed_attention", counted)
+    tokens = random_tokens(3, (2, 129))
+    auto = kernel_sized("mlra4", form="auto")
+    assert chosen_kernels(auto, tokens) == {"xla": 1} and absorbed == []  # the CPU
+    kernel_stand_in(monkeypatch)
+    assert chosen_kernels(auto, tokens) == {"mlra_kernel": 1} and absorbed == [4]
+    assert_equal(model_loss_and_grads(auto, "auto", tokens), model_loss_and_grads(auto, "xla", tokens))
+    absorbed.clear()
+    assert chosen_kernels(auto, random_tokens(0, (1, 65))) == {"xla": 1}  # 64 tokens
+    assert chosen_kernels(small("mla", "auto", kv_lora_rank=64, qk_rope_head_dim=64), tokens) == {"xla": 1}
+    model_loss_and_grads(auto, "xla", tokens)
+    assert absorbed == []
+    assert kernel_sized("mlra4", form="auto", attention_impl="mlra_kernel").trains_absorbed

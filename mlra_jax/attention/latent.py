@@ -31,7 +31,13 @@ from jax.sharding import PartitionSpec as P
 
 from mlra_jax.attention.base import Attention, CacheComponent, DecodeShape, KVCache, store_entry
 from mlra_jax.attention.core import attention, latent_attention
-from mlra_jax.attention.mlra_kernel import MLRA_KERNEL, mlra_kernel_attention, tensor_parallel_error, use_kernel
+from mlra_jax.attention.mlra_kernel import (
+    MLRA_KERNEL,
+    kernel_problem,
+    mlra_kernel_attention,
+    tensor_parallel_error,
+    use_kernel,
+)
 from mlra_jax.attention.rope import apply_rope
 from mlra_jax.config import ModelConfig
 from mlra_jax.layers import RMSNorm, dense_init, einsum, make_param, project, row_copies
@@ -89,6 +95,7 @@ class LatentAttention(Attention):
         # the latent scales (its logits show it).
         self.branch_scale = branch_scale(cfg)
         self.absorbed_training = cfg.trains_absorbed  # training attention absorbed (ModelConfig.latent_form)
+        self.auto_form = cfg.latent_form == "auto" and not cfg.trains_absorbed  # absorbed where the kernel runs
         self.product_keys = cfg.latent_keys == "product" or (
             cfg.latent_keys == "auto" and self.block_rank <= self.PRODUCT_KEYS_MAX_RANK
         )
@@ -236,7 +243,7 @@ class LatentAttention(Attention):
         TP; [B, T, h, d_h]."""
         q_nope, q_rope = queries
         tp = tensor_size()
-        if tp == 1 and mode == "train" and self.absorbed_training:
+        if tp == 1 and mode == "train" and (self.absorbed_training or self.kernel_takes(q_nope, kv, mask)):
             return self.absorbed_attention(q_nope, q_rope, kv["latent"], kv["k_rope"], mask)
         if tp == 1:
             return self.local_blocks(mode, queries, kv, self.up_weights(), mask)
@@ -244,6 +251,12 @@ class LatentAttention(Attention):
             raise tensor_parallel_error()
         plan = LatentPlan(self.blocks, self.branches, self.n_head, tp)
         return self.tensor_parallel_blocks(mode, plan, (q_nope, q_rope), kv, self.kv_up[...].astype(self.dtype), mask)
+
+    def kernel_takes(self, q_nope: jax.Array, kv: KVCache, mask: jax.Array | None) -> bool:
+        """Under latent_form="auto": whether our MLRA kernel runs this training call (then it trains absorbed)."""
+        if not self.auto_form or self.impl != "auto" or self.branches == 1:
+            return False
+        return kernel_problem(q_nope, kv["latent"], kv["k_rope"], mask is not None) is None
 
     def local_blocks(
         self,
@@ -401,15 +414,19 @@ class LatentAttention(Attention):
         """Training attention with absorbed weights on one device: q_nope [B, T, h, d_h] and q_rope [B, T, h,
         d_h^R] over latent [B, S, n, R] and k_rope [B, S, 1, d_h^R] -> [B, T, h, d_h], the branches summed.
         Each head's query meets W_UK of every block that serves it in one product (no copy of q per branch),
-        and W_UV with the branch sum is one product over (block, rank), accumulated in float32. The attention runs
-        on our MLRA kernel where attention_impl takes it (attention.mlra_kernel), else latent_heads_attention."""
+        and W_UV with the branch sum is one product over (block, rank), accumulated in float32 (merged_heads).
+        The attention runs on our MLRA kernel where attention_impl takes it (attention.mlra_kernel), which takes
+        the query side head-major ([G, H, B, T, C, R]): the products batched over the heads make and read it so,
+        with no transposed copy; else on latent_heads_attention."""
         branches, groups, heads = self.branches, self.blocks // self.branches, self.block_heads
         b, t = q_nope.shape[:2]
         rank, nope, rope = self.block_rank, self.nope_dim, self.rope_dim
         w_uk, w_uv = (w.reshape(branches, groups, rank, heads, nope) for w in self.up_weights())
-        q_latent = einsum("btgik,cgrik->btcgir", q_nope.reshape(b, t, groups, heads, nope), w_uk)
+        kernel = use_kernel(self.impl, branches, q_nope, latent, k_rope, mask is not None)
+        spec = "gibtcr" if kernel else "btcgir"  # q_latent's and z's axes
+        q_latent = einsum(f"btgik,cgrik->{spec}", q_nope.reshape(b, t, groups, heads, nope), w_uk)
         q_rope = q_rope.reshape(b, t, groups, heads, rope)
-        if use_kernel(self.impl, branches, q_latent, latent, k_rope, mask is not None):
+        if kernel:
             # our MLRA kernel: each group's RoPE queries shared by its branches, never copied per block
             z = mlra_kernel_attention(
                 *(x.astype(self.dtype) for x in (q_latent, q_rope, latent, k_rope[:, :, 0])), scale=self.softmax_scale
@@ -418,13 +435,9 @@ class LatentAttention(Attention):
             q_rope = jnp.broadcast_to(q_rope[:, :, None], (b, t, branches, groups, heads, rope))
             per_block = lambda x: x.reshape(b, t, self.blocks, heads, x.shape[-1])
             z = self.latent_heads_attention(per_block(q_latent), per_block(q_rope), latent, k_rope, mask)
-        out = einsum(
-            "btcgir,cgrik->btgik",
-            z.reshape(b, t, branches, groups, heads, rank),
-            w_uv,
-            preferred_element_type=jnp.float32,
-        )
-        return (out * self.branch_scale).reshape(b, t, self.n_head, nope).astype(self.dtype)
+            z = z.reshape(b, t, branches, groups, heads, rank)
+        out = merged_heads(z, w_uv, spec, self.branch_scale, self.dtype)
+        return out.reshape(b, t, self.n_head, nope)
 
     def absorbed_train_blocks(
         self,
@@ -480,6 +493,32 @@ class LatentAttention(Attention):
         if tensor_size() == 1:  # one row: W_UV, the branch sum and the output projection on its copies
             z = row_copies(z)
         return einsum("btnhr,nrhk->btnhk", z, w_uv)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def merged_heads(z: jax.Array, w_uv: jax.Array, spec: str, scale: float, dtype: jnp.dtype) -> jax.Array:
+    """The heads' output [B, T, G, H, d_h] of absorbed training attention: z (axes `spec`, over b, t, branches c,
+    groups g, heads i and ranks r) times W_UV [C, G, R, H, d_h], summed over (branch, rank) in float32, scaled and
+    rounded to `dtype`. Its backward runs in `dtype` (a bf16 step's products on bf16 operands): the output's
+    cotangent times the scale, rounded to `dtype` (exact for the power-of-two scales; MLRA-2's 1/sqrt(2) rounds
+    once more), where autodiff would carry it in float32 and run both gradient products in float32."""
+    return _merged_heads_forward(z, w_uv, spec, scale, dtype)[0]
+
+
+def _merged_heads_forward(z, w_uv, spec, scale, dtype):
+    out = einsum(f"{spec},cgrik->btgik", z, w_uv, preferred_element_type=jnp.float32)
+    return (out * scale).astype(dtype), (z, w_uv)
+
+
+def _merged_heads_backward(spec, scale, dtype, residuals, cotangent):
+    z, w_uv = residuals
+    cotangent = (cotangent.astype(jnp.float32) * scale).astype(dtype)
+    d_z = einsum(f"btgik,cgrik->{spec}", cotangent, w_uv, preferred_element_type=jnp.float32)
+    d_w = einsum(f"{spec},btgik->cgrik", z, cotangent, preferred_element_type=jnp.float32)
+    return d_z.astype(z.dtype), d_w.astype(w_uv.dtype)
+
+
+merged_heads.defvjp(_merged_heads_forward, _merged_heads_backward)
 
 
 def branch_scale(cfg: ModelConfig) -> float:

@@ -9,13 +9,16 @@ j = c G + g serves the heads of group g (branch c), whose RoPE queries the group
 are rows of the kernel's batch and a group's C branches its blocks; MLRA-4 (one group) passes its tensors as they
 are, MLRA-2 (two groups) pays a transpose of each input and of the output.
 
+The kernel takes the query side head-major: q_latent [G, H, B, T, C, R] and its output likewise (G head groups of
+H heads); W_UK's product batched over the heads writes q_latent so, and W_UV's reads the output so.
+
 `attention_impl="mlra_kernel"` runs that attention on the kernel and is an error (KernelUnavailable) where the
 kernel cannot take the call: on Hopper GPUs (compute capability 9.x) in bfloat16 or float16, causal over the whole
 sequence (no explicit mask), T == S a multiple of 128, R and Dr multiples of 64, R + Dr <= 192, on one device's
 whole layer (no tensor parallelism). `"auto"` takes it for the models with branches (MLRA-2, MLRA-4) where it
-runs, and leaves every other call to the fused kernels' choice (attention.fused): the 8-layer MLRA-4 training step
-in the absorbed form ran 4% faster on it than on cuDNN's attention, and 1% faster than the expanded form on
-cuDNN's (docs/performance.md).
+runs, and leaves every other call to the fused kernels' choice (attention.fused); latent_form="auto" trains
+absorbed exactly where it runs: the 8-layer MLRA-4 training step ran 5% faster so than in the expanded form on
+cuDNN's attention on an H200 (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -70,34 +73,34 @@ def shape_problem(tokens: int, keys: int, rank: int, rope: int) -> str | None:
     return None
 
 
-def kernel_problem(q_latent: jax.Array, latent: jax.Array, k_rope: jax.Array, masked: bool) -> str | None:
-    """Why the kernel cannot take this call (q_latent [B, T, ..., R], latent [B, S, n, R], k_rope [B, S, ..., Dr];
+def kernel_problem(queries: jax.Array, latent: jax.Array, k_rope: jax.Array, masked: bool) -> str | None:
+    """Why the kernel cannot take this call (queries [B, T, ...], latent [B, S, n, R], k_rope [B, S, ..., Dr];
     masked: under an explicit mask), or None when it can."""
     if masked:
         return "it takes the plain causal mask only (padded or cached attention)"
     problem = device_problem(latent.dtype)
     if problem is None:
-        problem = shape_problem(q_latent.shape[1], latent.shape[1], latent.shape[-1], k_rope.shape[-1])
+        problem = shape_problem(queries.shape[1], latent.shape[1], latent.shape[-1], k_rope.shape[-1])
     return problem
 
 
 def use_kernel(
-    impl: str, branches: int, q_latent: jax.Array, latent: jax.Array, k_rope: jax.Array, masked: bool
+    impl: str, branches: int, queries: jax.Array, latent: jax.Array, k_rope: jax.Array, masked: bool
 ) -> bool:
     """Whether the absorbed training attention of one device runs on the kernel: always for 'mlra_kernel' (a
     KernelUnavailable naming the reason where it cannot); for 'auto', on a model with
     branches where it can (logged once where it cannot); never for the others."""
     if impl == MLRA_KERNEL:
-        problem = kernel_problem(q_latent, latent, k_rope, masked)
+        problem = kernel_problem(queries, latent, k_rope, masked)
         if problem is not None:
             raise KernelUnavailable(
-                f"attention_impl='mlra_kernel' cannot run q_latent {q_latent.shape} over latent {latent.shape} "
+                f"attention_impl='mlra_kernel' cannot run queries {queries.shape} over latent {latent.shape} "
                 f"{latent.dtype}: {problem}; use attention_impl='auto', 'cudnn' or 'xla'"
             )
         return True
     if impl != "auto" or branches == 1:
         return False
-    problem = kernel_problem(q_latent, latent, k_rope, masked)
+    problem = kernel_problem(queries, latent, k_rope, masked)
     if problem is not None:
         log_once(f"attention_impl='auto': MLRA's absorbed training attention takes the fused kernels ({problem})")
     return problem is None
@@ -113,35 +116,36 @@ def tensor_parallel_error() -> KernelUnavailable:
 def mlra_kernel_attention(
     q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, *, scale: float
 ) -> jax.Array:
-    """The absorbed training attention on the kernel: q_latent [B, T, C, G, H, R] (C branches, G head groups,
-    block c G + g), q_rope [B, T, G, H, Dr] (each group's), latent [B, S, C G, R], k_rope [B, S, Dr] ->
-    [B, T, C, G, H, R]. Where mesh axes are still automatic, one shard_map makes all of them manual (GSPMD cannot
-    partition a kernel): the batch splits over the data axes where it divides, other axes compute redundantly."""
+    """The absorbed training attention on the kernel: q_latent [G, H, B, T, C, R] (G head groups, C branches,
+    block c G + g; head-major, as the kernel takes it), q_rope [B, T, G, H, Dr] (each group's), latent
+    [B, S, C G, R], k_rope [B, S, Dr] -> [G, H, B, T, C, R]. Where mesh axes are still automatic, one shard_map
+    makes all of them manual (GSPMD cannot partition a kernel): the batch splits over the data axes where it
+    divides, other axes compute redundantly."""
     attend = kernel()
     record(MLRA_KERNEL)
 
     def run(q_latent, q_rope, latent, k_rope):
-        b, t, c, g, h, r = q_latent.shape
+        g, h, b, t, c, r = q_latent.shape
         s = latent.shape[1]
         if g == 1:
-            return attend(q_latent[:, :, :, 0], q_rope[:, :, 0], latent, k_rope, scale=scale)[:, :, :, None]
+            return attend(q_latent[0], q_rope[:, :, 0], latent, k_rope, scale=scale)[None]
         rows = lambda x: x.reshape((b * g,) + x.shape[2:])  # [B, G, ...] -> [B G, ...]
         out = attend(
-            rows(jnp.moveaxis(q_latent, 3, 1)),
+            jnp.moveaxis(q_latent, 0, 2).reshape(h, b * g, t, c, r),
             rows(jnp.moveaxis(q_rope, 2, 1)),
             rows(jnp.moveaxis(latent.reshape(b, s, c, g, r), 3, 1)),
             rows(jnp.broadcast_to(k_rope[:, None], (b, g) + k_rope.shape[1:])),
             scale=scale,
         )
-        return jnp.moveaxis(out.reshape(b, g, t, c, h, r), 1, 3)
+        return jnp.moveaxis(out.reshape(h, b, g, t, c, r), 2, 0)
 
     auto = automatic_axes()
     if not auto:
         return run(q_latent, q_rope, latent, k_rope)
     batch = tuple(a for a in BATCH_AXES if auto.get(a, 1) > 1)
-    if batch and q_latent.shape[0] % math.prod(auto[a] for a in batch):
+    if batch and q_latent.shape[2] % math.prod(auto[a] for a in batch):
         batch = ()
-    spec = P(batch or None)
-    return jax.shard_map(run, in_specs=(spec,) * 4, out_specs=spec, axis_names=set(auto), check_vma=False)(
-        q_latent, q_rope, latent, k_rope
-    )
+    queries, rest = P(None, None, batch or None), P(batch or None)
+    return jax.shard_map(
+        run, in_specs=(queries, rest, rest, rest), out_specs=queries, axis_names=set(auto), check_vma=False
+    )(q_latent, q_rope, latent, k_rope)

@@ -206,12 +206,31 @@ def mlra_layout(model: ModelConfig) -> dict[str, int] | None:
 
 
 def mlra_inputs(batch: int, length: int, layout: dict[str, int], dtype: jnp.dtype) -> tuple[jax.Array, ...]:
-    """Random kernel inputs q_latent, q_rope, latent, k_rope for `batch` sequences: each head group its own row of
-    the kernel's batch (its queries, blocks and RoPE queries are its own; the RoPE key is the sequence's)."""
+    """Random kernel inputs q_latent (head-major), q_rope, latent, k_rope for `batch` sequences: each head group
+    its own row of the kernel's batch (its queries, blocks and RoPE queries are its own; the RoPE key is the
+    sequence's)."""
     b, n, h, r, dr = batch * layout["groups"], layout["blocks"], layout["heads"], layout["rank"], layout["rope"]
     keys = jax.random.split(jax.random.key(1), 4)
-    shapes = ((b, length, n, h, r), (b, length, h, dr), (b, length, n, r), (b, length, dr))
+    shapes = ((h, b, length, n, r), (b, length, h, dr), (b, length, n, r), (b, length, dr))
     return tuple(jax.random.normal(key, shape, dtype) for key, shape in zip(keys, shapes))
+
+
+def heads_last(q: jax.Array) -> jax.Array:
+    """A query-side tensor of the kernel, [H, B, T, n, R], as latent_heads_attention has it: [B, T, n, H, R]."""
+    return q.transpose(1, 2, 3, 0, 4)
+
+
+def heads_first(q: jax.Array) -> jax.Array:
+    """The inverse of heads_last."""
+    return q.transpose(3, 0, 1, 2, 4)
+
+
+QUERY_SIDE = (0, 4)  # the positions of q_latent and the output's cotangent in (q_latent, q_rope, latent, k_rope, do)
+
+
+def first_sequence(tensors: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """The first row of the kernel's batch of each tensor (the query side's batch is its second axis)."""
+    return tuple(x[:, :1] if i in QUERY_SIDE else x[:1] for i, x in enumerate(tensors))
 
 
 def absorbed_qkv(
@@ -219,6 +238,7 @@ def absorbed_qkv(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The kernel's inputs as latent_heads_attention hands them to cuDNN: q [B, T, n H, R + Dr], one KV head per
     block, k [B, S, n, R + Dr] and v = latent [B, S, n, R]."""
+    q_latent = heads_last(q_latent)
     b, t, n, h, r = q_latent.shape
     dr = q_rope.shape[-1]
     q = jnp.concatenate([q_latent, jnp.broadcast_to(q_rope[:, :, None], (b, t, n, h, dr))], axis=-1)
@@ -273,11 +293,11 @@ def mlra_rows(
     cudnn = jax.jit(lambda q, k, v: cudnn_attention(q, k, v, scale=scale))
     base = measure(cudnn, (q, k, v), flops, repeats, kernel="cudnn", **labels)
     with jax.default_matmul_precision("highest"):  # the first kernel-batch row: one sequence's head group
-        want, want_lse = jax.jit(functools.partial(mlra_attention_reference, scale=scale))(*(x[:1] for x in args))
+        want, want_lse = jax.jit(functools.partial(mlra_attention_reference, scale=scale))(*first_sequence(args))
     theirs = None
     if "time_s" in base:
-        theirs = cudnn(q, k, v).reshape(args[0].shape)
-        base.update(errors(theirs[:1], want, "vs_reference"))
+        theirs = heads_first(cudnn(q, k, v).reshape(heads_last(args[0]).shape))
+        base.update(errors(theirs[:, :1], want, "vs_reference"))
     rows, tried = [base], set()
     for branches, block_kv, pingpong, overlap in MLRA_TILINGS[:1] if forward_tilings == "default" else MLRA_TILINGS:
         try:
@@ -304,7 +324,7 @@ def mlra_rows(
         if "time_s" in row:
             out, lse = fn(*args)
             row["finite"] = bool(jnp.isfinite(out.astype(jnp.float32)).all() and jnp.isfinite(lse).all())
-            row.update(errors(out[:1], want, "vs_reference"))
+            row.update(errors(out[:, :1], want, "vs_reference"))
             row["lse_max_abs_error_vs_reference"] = float(jnp.max(jnp.abs(lse[:1] - want_lse)))
             if theirs is not None:
                 row.update(errors(out, theirs, "vs_cudnn"))
@@ -336,7 +356,7 @@ def mlra_backward_rows(
     cudnn = lambda q, k, v: cudnn_attention(q, k, v, scale=scale)  # noqa: E731
 
     def cudnn_row(**extra: Any) -> dict[str, Any]:
-        cotangent = do.reshape(q.shape[:3] + do.shape[-1:])
+        cotangent = heads_last(do).reshape(q.shape[:3] + do.shape[-1:])
         return measure(with_backward(cudnn), (q, k, v, cotangent), flops, repeats, kernel="cudnn", **labels, **extra)
 
     def gradients(attend):
@@ -359,13 +379,15 @@ def mlra_backward_rows(
         if want is None:
             with jax.default_matmul_precision("highest"):
                 reference = lambda *x: mlra_attention_reference(*x, scale=scale)[0]  # noqa: E731
-                want = gradients(reference)(*(x[:1].astype(jnp.float32) for x in (*args, do)))
+                want = gradients(reference)(*(x.astype(jnp.float32) for x in first_sequence((*args, do))))
         row["finite"] = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in got)
-        for name, g, w in zip(names, got, want):
-            row.update(errors(g[:1], w, f"{name}_vs_reference"))
+        for name, g, w in zip(names, first_sequence(got), want):
+            row.update(errors(g, w, f"{name}_vs_reference"))
         if "time_s" in base:
             if theirs is None:
-                theirs = gradients(lambda *x: cudnn(*absorbed_qkv(*x)).reshape(x[0].shape))(*args, do)
+                theirs = gradients(lambda *x: heads_first(cudnn(*absorbed_qkv(*x)).reshape(heads_last(x[0]).shape)))(
+                    *args, do
+                )
             for name, g, w in zip(names, got, theirs):
                 row.update(errors(g, w, f"{name}_vs_cudnn"))
             row["cudnn_time_s"] = base["time_s"]
