@@ -13,6 +13,8 @@ Shapes: q_latent [H, B, T, n, R], q_rope [B, T, H, Dr], latent [B, S, n, R], k_r
 Causal with T == S (training). The query side is head-major ([H, B, T, n, R]) because that is how the products
 around the attention make and take it: W_UK's product, batched over the heads, writes q_latent so, and W_UV's
 reads the output so; any other order costs a transposed copy of each on every layer, forward and backward.
+With G head groups (`groups`; MLRA-2 has two), the heads are [G H], q_rope [B, T, G H, Dr] and latent
+[B, S, n G, R]: head g H + i attends with its branch c over block c G + g, as the model lays the blocks out.
 
 Design (FlashAttention-3's forward, jax.experimental.pallas.ops.gpu.attention_mgpu, with MLRA's sharing):
   * A CTA takes one (head, group of `branches` latent blocks, 128 queries, sequence): two compute warpgroups of
@@ -94,21 +96,25 @@ SUM_BEFORE_TURN = True
 
 
 def mlra_attention_reference(
-    q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, *, scale: float
+    q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, *, scale: float, groups: int = 1
 ) -> tuple[jax.Array, jax.Array]:
     """The kernel's definition in plain jnp: causal attention of [q_latent_j || q_rope] over keys
-    [latent_j || k_rope] and values latent_j per block j, float32 logits and softmax; (out [H, B, T, n, R] in the
-    inputs' dtype, logsumexp [B, n, H, T] float32 of the scaled logits)."""
+    [latent_j || k_rope] and values latent_j per block j, float32 logits and softmax; (out [G H, B, T, n, R] in the
+    inputs' dtype, logsumexp [B, n, G H, T] float32 of the scaled logits). With G `groups`, head g H + i takes
+    branch c of block c G + g (latent [B, S, n G, R])."""
     f32 = jnp.float32
-    logits = jnp.einsum("hbtnr,bsnr->bnhts", q_latent.astype(f32), latent.astype(f32))
+    heads, b, t, n, r = q_latent.shape
+    s = latent.shape[1]
+    q = q_latent.reshape(groups, heads // groups, b, t, n, r).astype(f32)
+    lat = latent.reshape(b, s, n, groups, r).astype(f32)
+    logits = jnp.einsum("gibtnr,bsngr->bngits", q, lat).reshape(b, n, heads, t, s)
     logits = logits + jnp.einsum("bthd,bsd->bhts", q_rope.astype(f32), k_rope.astype(f32))[:, None]
     logits = logits * scale
-    t, s = logits.shape[-2:]
     causal = jnp.arange(t)[:, None] >= jnp.arange(s)[None, :]
     logits = jnp.where(causal, logits, -jnp.inf)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    probs = jnp.exp(logits - lse[..., None])
-    out = jnp.einsum("bnhts,bsnr->hbtnr", probs, latent.astype(f32))
+    probs = jnp.exp(logits - lse[..., None]).reshape(b, n, groups, heads // groups, t, s)
+    out = jnp.einsum("bngits,bsngr->gibtnr", probs, lat).reshape(heads, b, t, n, r)
     return out.astype(latent.dtype), lse
 
 
@@ -235,7 +241,9 @@ def stream_tiles(fetch: Callable[[Any, Any], None], consumed: Any, stages: int, 
         fetch(i + stages, slot)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "branches", "block_kv", "pingpong", "overlap", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "groups", "branches", "block_kv", "pingpong", "overlap", "interpret")
+)
 def mlra_attention_gpu(
     q_latent: jax.Array,
     q_rope: jax.Array,
@@ -243,6 +251,7 @@ def mlra_attention_gpu(
     k_rope: jax.Array,
     *,
     scale: float,
+    groups: int = 1,
     branches: int | None = 1,
     block_kv: int = BLOCK_KV,
     pingpong: bool = False,
@@ -255,12 +264,16 @@ def mlra_attention_gpu(
     default; None: `plan`'s most); block_kv: keys per pipeline stage, 64 or 128; pingpong: the two compute
     warpgroups take turns on the tensor cores (FA3's schedule); overlap (one branch only): each warpgroup issues a
     key tile's scores with the previous tile's P V and runs its softmax while that P V does (FA3's intra-warpgroup
-    overlap).
+    overlap). groups: head groups G, as in mlra_attention_reference (q_latent [G H, B, T, n, R], q_rope
+    [B, T, G H, Dr], latent [B, S, n G, R]; MLRA-2's two).
     interpret=True runs it in Pallas's GPU interpret mode (on CPU; see the module docstring)."""
-    h, b, t, n, r = q_latent.shape
+    heads, b, t, n, r = q_latent.shape
     s, dr = k_rope.shape[1], k_rope.shape[2]
     dtype = latent.dtype
-    if q_rope.shape != (b, t, h, dr) or latent.shape != (b, s, n, r) or k_rope.shape != (b, s, dr):
+    if groups < 1 or heads % groups:
+        raise ValueError(f"groups={groups} must divide the {heads} query heads")
+    h = heads // groups
+    if q_rope.shape != (b, t, heads, dr) or latent.shape != (b, s, n * groups, r) or k_rope.shape != (b, s, dr):
         raise ValueError(
             f"shapes do not match: q_latent {q_latent.shape}, q_rope {q_rope.shape}, latent {latent.shape}, "
             f"k_rope {k_rope.shape}"
@@ -282,7 +295,7 @@ def mlra_attention_gpu(
         overlap = per_cta == 1
     if overlap and per_cta != 1:
         raise ValueError(f"overlap=True takes one branch per CTA; got branches={per_cta}")
-    groups = n // per_cta
+    sets = n // per_cta  # the CTAs of one head and query tile: per_cta branches each
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
     q_tiles = t // (COMPUTE_WGS * BLOCK_Q)
     scale_log2 = scale * LOG2E
@@ -294,7 +307,8 @@ def mlra_attention_gpu(
     def kernel(ql_ref, qr_ref, lat_ref, kr_ref, out_ref, lse_ref, scoped):
         (qr_smem, ql_smem, kr_smem, lat_smem, lse_smem), (q_barriers, kv_barriers, consumed, turn) = scoped
         head_group, bi = lax.axis_index("head_group"), lax.axis_index("batch")
-        hi, first_block = head_group // groups, lax.rem(head_group, groups) * per_cta
+        hi, first_block = head_group // sets, lax.rem(head_group, sets) * per_cta  # head, its first branch
+        group = hi // h  # branch c of this head reads block c G + group
         q_tile = q_tiles - 1 - lax.axis_index("q_tile")  # the longest rows first
         wg = lax.axis_index("wg")
         max_steps = (q_tile + 1) * (COMPUTE_WGS * BLOCK_Q) // block_kv  # key tiles of the CTA's last rows
@@ -507,7 +521,7 @@ def mlra_attention_gpu(
                 for j in range(per_cta):
                     for c in range(lat_chunks):
                         plgpu.copy_gmem_to_smem(
-                            lat_ref.at[bi, keys, first_block + j, pl.ds(c * CHUNK, CHUNK)],
+                            lat_ref.at[bi, keys, (first_block + j) * groups + group, pl.ds(c * CHUNK, CHUNK)],
                             lat_smem.at[slot, j, c],
                             kv_barriers.at[slot],
                         )
@@ -534,10 +548,10 @@ def mlra_attention_gpu(
     return plgpu.kernel(
         entry,
         out_type=[
-            jax.ShapeDtypeStruct((h, b, t, n, r), dtype),
-            jax.ShapeDtypeStruct((b, n, h, t), jnp.float32),
+            jax.ShapeDtypeStruct((heads, b, t, n, r), dtype),
+            jax.ShapeDtypeStruct((b, n, heads, t), jnp.float32),
         ],
-        grid=(h * groups, q_tiles, b),
+        grid=(heads * sets, q_tiles, b),
         grid_names=("head_group", "q_tile", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",

@@ -8,7 +8,8 @@ O_j = P_j latent_j, dO_j the output's cotangent):
     d q_latent_j = dS_j latent_j,   d q_rope = sum_j dS_j k_rope,
     d latent_j = sum_h (dS_j^T q_latent_j + P_j^T dO_j),   d k_rope = sum_j sum_h dS_j^T q_rope.
 
-The latent block is its branch's key and its value, so its two gradients share one accumulator.
+The latent block is its branch's key and its value, so its two gradients share one accumulator. With head groups
+(mlra_attention_gpu's `groups`), block c G + g serves branch c of group g's heads.
 
 Design (FlashAttention-2's backward, as jax.experimental.pallas.ops.gpu.attention_mgpu's, made causal):
   * D (and the logsumexp in the log2 domain) in jnp before the kernels: one fused XLA reduction.
@@ -179,10 +180,11 @@ def _transforms(dtype) -> tuple:
     return ()
 
 
-def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTuning, interpret: bool):
-    """d latent [B, S, n, R] and the per-block d k_rope [B, n, S, Dr] (to be summed over n). delta: D, or scale * D
-    under tuning.prescale."""
-    h, b, t, n, r = ql.shape
+def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning: BackwardTuning, interpret: bool):
+    """d latent [B, S, n G, R] and the per-block d k_rope [B, n G, S, Dr] (to be summed over the blocks). delta: D,
+    or scale * D under tuning.prescale."""
+    heads, b, t, n, r = ql.shape
+    h = heads // groups  # the query heads of each block
     dr, dtype = kr.shape[-1], lat.dtype
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
     kv_tiles = t // (COMPUTE_WGS * TILE)
@@ -195,6 +197,7 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTuni
         (klat_smem, kkr_smem, ql_smem, qr_smem, do_smem, lse_smem, delta_smem), barriers = scoped
         k_barriers, q_barriers, consumed = barriers
         j, bi, wg = lax.axis_index("block"), lax.axis_index("batch"), lax.axis_index("wg")
+        branch, first_head = j // groups, lax.rem(j, groups) * h  # block c G + g: branch c of heads g H ..
         kv_tile = lax.axis_index("kv_tile")
         first = kv_tile * COMPUTE_WGS  # the first query tile at or after the CTA's first key
         per_head = t // TILE - first
@@ -289,21 +292,21 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTuni
             plgpu.set_max_registers(40, action="decrease")
 
             def fetch(i, slot):
-                hi, rows = i // per_head, pl.ds((first + lax.rem(i, per_head)) * TILE, TILE)
+                hi, rows = first_head + i // per_head, pl.ds((first + lax.rem(i, per_head)) * TILE, TILE)
                 for c in range(lat_chunks):
                     columns = pl.ds(c * CHUNK, CHUNK)
                     plgpu.copy_gmem_to_smem(
-                        ql_ref.at[hi, bi, rows, j, columns], ql_smem.at[slot, c], q_barriers.at[slot]
+                        ql_ref.at[hi, bi, rows, branch, columns], ql_smem.at[slot, c], q_barriers.at[slot]
                     )
                     plgpu.copy_gmem_to_smem(
-                        do_ref.at[hi, bi, rows, j, columns], do_smem.at[slot, c], q_barriers.at[slot]
+                        do_ref.at[hi, bi, rows, branch, columns], do_smem.at[slot, c], q_barriers.at[slot]
                     )
                 for c in range(rope_chunks):
                     plgpu.copy_gmem_to_smem(
                         qr_ref.at[bi, rows, hi, pl.ds(c * CHUNK, CHUNK)], qr_smem.at[slot, c], q_barriers.at[slot]
                     )
-                plgpu.copy_gmem_to_smem(lse_ref.at[bi, j, hi, rows], lse_smem.at[slot], q_barriers.at[slot])
-                plgpu.copy_gmem_to_smem(delta_ref.at[bi, j, hi, rows], delta_smem.at[slot], q_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[bi, branch, hi, rows], lse_smem.at[slot], q_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[bi, branch, hi, rows], delta_smem.at[slot], q_barriers.at[slot])
 
             stream_tiles(fetch, consumed, stages, stages, total)
 
@@ -326,8 +329,8 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTuni
 
     return plgpu.kernel(
         entry,
-        out_type=[jax.ShapeDtypeStruct(lat.shape, dtype), jax.ShapeDtypeStruct((b, n, t, dr), dtype)],
-        grid=(n, kv_tiles, b),
+        out_type=[jax.ShapeDtypeStruct(lat.shape, dtype), jax.ShapeDtypeStruct((b, n * groups, t, dr), dtype)],
+        grid=(n * groups, kv_tiles, b),
         grid_names=("block", "kv_tile", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
@@ -336,10 +339,11 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTuni
     )(ql, qr, lat, kr, do, lse2, delta)
 
 
-def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTuning, interpret: bool):
-    """d q_latent [H, B, T, n, R] and the per-block d q_rope [B, n, T, H, Dr] (to be summed over n). lse2: the
+def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning: BackwardTuning, interpret: bool):
+    """d q_latent [G H, B, T, n, R] and the per-branch d q_rope [B, n, T, G H, Dr] (to be summed over n). lse2: the
     log2-domain logsumexp, less log2(scale) under tuning.prescale."""
-    h, b, t, n, r = ql.shape
+    heads, b, t, n, r = ql.shape
+    h = heads // groups  # the query heads of each block
     dr, dtype = kr.shape[-1], lat.dtype
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
     q_tiles = t // (COMPUTE_WGS * TILE)
@@ -352,7 +356,8 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTunin
         (ql_smem, qr_smem, do_smem, lse_smem, delta_smem, lat_smem, kr_smem), barriers = scoped
         q_barriers, kv_barriers, consumed = barriers
         head, bi, wg = lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("wg")
-        j, hi = head // h, lax.rem(head, h)
+        j, hi = head // heads, lax.rem(head, heads)  # branch c of head hi (group hi // H) reads block c G + hi // H
+        block = j * groups + hi // h
         q_tile = q_tiles - 1 - lax.axis_index("q_tile")  # the longest rows first
         max_steps = (q_tile + 1) * COMPUTE_WGS  # key tiles of the CTA's last rows
 
@@ -440,7 +445,9 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTunin
                 keys = pl.ds(i * TILE, TILE)
                 for c in range(lat_chunks):
                     plgpu.copy_gmem_to_smem(
-                        lat_ref.at[bi, keys, j, pl.ds(c * CHUNK, CHUNK)], lat_smem.at[slot, c], kv_barriers.at[slot]
+                        lat_ref.at[bi, keys, block, pl.ds(c * CHUNK, CHUNK)],
+                        lat_smem.at[slot, c],
+                        kv_barriers.at[slot],
                     )
                 for c in range(rope_chunks):
                     plgpu.copy_gmem_to_smem(
@@ -468,8 +475,8 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTunin
 
     return plgpu.kernel(
         entry,
-        out_type=[jax.ShapeDtypeStruct(ql.shape, dtype), jax.ShapeDtypeStruct((b, n, t, h, dr), dtype)],
-        grid=(n * h, q_tiles, b),
+        out_type=[jax.ShapeDtypeStruct(ql.shape, dtype), jax.ShapeDtypeStruct((b, n, t, heads, dr), dtype)],
+        grid=(n * heads, q_tiles, b),
         grid_names=("head", "q_tile", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
@@ -479,12 +486,14 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, tuning: BackwardTunin
 
 
 def check_backward_shapes(
-    q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, interpret: bool
+    q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, interpret: bool, groups: int = 1
 ):
     """The backward's constraints, as ValueErrors naming the value and the limit."""
-    h, b, t, n, r = q_latent.shape
+    heads, b, t, n, r = q_latent.shape
     s, dr = k_rope.shape[1], k_rope.shape[2]
-    if q_rope.shape != (b, t, h, dr) or latent.shape != (b, s, n, r) or k_rope.shape != (b, s, dr):
+    if groups < 1 or heads % groups:
+        raise ValueError(f"groups={groups} must divide the {heads} query heads")
+    if q_rope.shape != (b, t, heads, dr) or latent.shape != (b, s, n * groups, r) or k_rope.shape != (b, s, dr):
         raise ValueError(
             f"shapes do not match: q_latent {q_latent.shape}, q_rope {q_rope.shape}, latent {latent.shape}, "
             f"k_rope {k_rope.shape}"
@@ -503,7 +512,7 @@ def check_backward_shapes(
         )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "tuning", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "groups", "tuning", "interpret"))
 def mlra_attention_backward(
     q_latent: jax.Array,
     q_rope: jax.Array,
@@ -514,14 +523,15 @@ def mlra_attention_backward(
     d_out: jax.Array,
     *,
     scale: float,
+    groups: int = 1,
     tuning: BackwardTuning = BackwardTuning(),
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The gradients (d q_latent, d q_rope, d latent, d k_rope) of the causal MLRA attention (mlra_attention_gpu's
-    inputs, its output `out` and logsumexp `lse` [B, n, H, T]) for the output's cotangent d_out [H, B, T, n, R].
-    tuning: the kernels' schedules (BackwardTuning; the defaults: the fastest measured).
+    inputs and `groups`, its output `out` and logsumexp `lse` [B, n, G H, T]) for the output's cotangent d_out
+    [G H, B, T, n, R]. tuning: the kernels' schedules (BackwardTuning; the defaults: the fastest measured).
     Constraints (ValueError outside them): T == S a multiple of 128, R and Dr multiples of 64, R + Dr <= 192."""
-    check_backward_shapes(q_latent, q_rope, latent, k_rope, interpret)
+    check_backward_shapes(q_latent, q_rope, latent, k_rope, interpret, groups)
     f32 = jnp.float32
     d_out = d_out.astype(latent.dtype)
     delta = jnp.einsum("hbtnr,hbtnr->bnht", out.astype(f32), d_out.astype(f32))
@@ -531,27 +541,29 @@ def mlra_attention_backward(
         dkv_extra, dq_extra = (lse2, delta * scale), (lse2 - math.log2(scale), delta)
     else:
         dkv_extra = dq_extra = (lse2, delta)
-    d_latent, d_k_rope = _dkv(*args, *dkv_extra, scale=scale, tuning=tuning, interpret=interpret)
-    d_q_latent, d_q_rope = _dq(*args, *dq_extra, scale=scale, tuning=tuning, interpret=interpret)
+    options = dict(scale=scale, groups=groups, tuning=tuning, interpret=interpret)
+    d_latent, d_k_rope = _dkv(*args, *dkv_extra, **options)
+    d_q_latent, d_q_rope = _dq(*args, *dq_extra, **options)
     d_q_rope = d_q_rope.astype(f32).sum(axis=1).astype(q_rope.dtype)
     d_k_rope = d_k_rope.astype(f32).sum(axis=1).astype(k_rope.dtype)
     return d_q_latent, d_q_rope, d_latent, d_k_rope
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _attention(scale, block_kv, tuning, interpret, q_latent, q_rope, latent, k_rope):
-    out, _ = mlra_attention_gpu(q_latent, q_rope, latent, k_rope, scale=scale, block_kv=block_kv, interpret=interpret)
-    return out
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _attention(scale, groups, block_kv, tuning, interpret, q_latent, q_rope, latent, k_rope):
+    return _attention_fwd(scale, groups, block_kv, tuning, interpret, q_latent, q_rope, latent, k_rope)[0]
 
 
-def _attention_fwd(scale, block_kv, tuning, interpret, q_latent, q_rope, latent, k_rope):
-    check_backward_shapes(q_latent, q_rope, latent, k_rope, interpret)
-    out, lse = mlra_attention_gpu(q_latent, q_rope, latent, k_rope, scale=scale, block_kv=block_kv, interpret=interpret)
+def _attention_fwd(scale, groups, block_kv, tuning, interpret, q_latent, q_rope, latent, k_rope):
+    check_backward_shapes(q_latent, q_rope, latent, k_rope, interpret, groups)
+    out, lse = mlra_attention_gpu(
+        q_latent, q_rope, latent, k_rope, scale=scale, groups=groups, block_kv=block_kv, interpret=interpret
+    )
     return out, (q_latent, q_rope, latent, k_rope, out, lse)
 
 
-def _attention_bwd(scale, block_kv, tuning, interpret, residuals, d_out):
-    return mlra_attention_backward(*residuals, d_out, scale=scale, tuning=tuning, interpret=interpret)
+def _attention_bwd(scale, groups, block_kv, tuning, interpret, residuals, d_out):
+    return mlra_attention_backward(*residuals, d_out, scale=scale, groups=groups, tuning=tuning, interpret=interpret)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -564,13 +576,14 @@ def mlra_attention(
     k_rope: jax.Array,
     *,
     scale: float,
+    groups: int = 1,
     block_kv: int = BLOCK_KV,
     tuning: BackwardTuning | str = BackwardTuning(),
     interpret: bool = False,
 ) -> jax.Array:
-    """Causal MLRA attention out [H, B, T, n, R] (mlra_attention_gpu's forward with its defaults) with its
-    gradients by mlra_attention_backward's kernels: jax.grad and jax.vjp run through both. tuning: the backward's
-    schedules (a BackwardTuning or its BackwardTuning.parse spelling)."""
+    """Causal MLRA attention out [G H, B, T, n, R] (mlra_attention_gpu's forward with its defaults; `groups` G as
+    there) with its gradients by mlra_attention_backward's kernels: jax.grad and jax.vjp run through both. tuning:
+    the backward's schedules (a BackwardTuning or its BackwardTuning.parse spelling)."""
     if isinstance(tuning, str):
         tuning = BackwardTuning.parse(tuning)
-    return _attention(scale, block_kv, tuning, interpret, q_latent, q_rope, latent, k_rope)
+    return _attention(scale, groups, block_kv, tuning, interpret, q_latent, q_rope, latent, k_rope)

@@ -29,29 +29,33 @@ from mlra_jax.training.step import loss_fn
 reuse_thread_compiles()  # one compile per simulated warpgroup program, not one per thread per CTA per call
 
 
-def q_shape(shape):
-    """The query side's shape [H, B, T, n, R] (head-major, as the kernels take it) of a case (b, t, n, h, r, dr)."""
+def q_shape(shape, groups=1):
+    """The query side's shape [G H, B, T, n, R] (head-major, as the kernels take it) of a case (b, t, n, h, r, dr)."""
     b, t, n, h, r = shape[:5]
-    return h, b, t, n, r
+    return groups * h, b, t, n, r
 
 
-def inputs(b, t, n, h, r, dr, dtype, seed=0):
+def inputs(b, t, n, h, r, dr, dtype, seed=0, groups=1):
+    """q_latent [G H, B, T, n, R], q_rope [B, T, G H, Dr], latent [B, T, n G, R], k_rope [B, T, Dr]: n branches of
+    h heads in each of `groups` head groups."""
     keys = jax.random.split(jax.random.key(seed), 4)
     return (
-        jax.random.normal(keys[0], (h, b, t, n, r), dtype),
-        jax.random.normal(keys[1], (b, t, h, dr), dtype),
-        jax.random.normal(keys[2], (b, t, n, r), dtype),
+        jax.random.normal(keys[0], (groups * h, b, t, n, r), dtype),
+        jax.random.normal(keys[1], (b, t, groups * h, dr), dtype),
+        jax.random.normal(keys[2], (b, t, n * groups, r), dtype),
         jax.random.normal(keys[3], (b, t, dr), dtype),
     )
 
 
-def check(shape, dtype, tolerance, branches=None, block_kv=64, **schedule):
-    args = inputs(*shape, dtype)
+def check(shape, dtype, tolerance, branches=None, block_kv=64, groups=1, **schedule):
+    args = inputs(*shape, dtype, groups=groups)
     scale = (shape[4] + shape[5]) ** -0.5
-    out, lse = mlra_attention_gpu(*args, scale=scale, branches=branches, block_kv=block_kv, interpret=True, **schedule)
-    want_out, want_lse = mlra_attention_reference(*args, scale=scale)
+    out, lse = mlra_attention_gpu(
+        *args, scale=scale, groups=groups, branches=branches, block_kv=block_kv, interpret=True, **schedule
+    )
+    want_out, want_lse = mlra_attention_reference(*args, scale=scale, groups=groups)
     b, t, n, h, r, _ = shape
-    assert out.shape == (h, b, t, n, r) and out.dtype == dtype and lse.shape == (b, n, h, t)
+    assert out.shape == (groups * h, b, t, n, r) and out.dtype == dtype and lse.shape == (b, n, groups * h, t)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32), **tolerance)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
 
@@ -107,6 +111,19 @@ def test_bfloat16():
     check((1, 128, 2, 2, 64, 64), jnp.bfloat16, dict(rtol=1e-2, atol=1e-2))
 
 
+@pytest.mark.parametrize("branches", [1, 2])
+def test_float32_two_head_groups(branches):
+    """MLRA-2's layout: two head groups of two heads, each head's two branches reading blocks c G + g (one branch per
+    CTA, and both in one CTA over one RoPE score)."""
+    check((1, 128, 2, 2, 64, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5), branches, groups=2)
+
+
+def test_backward_float32_two_head_groups():
+    """The backward with two head groups: each block's dK/dV CTA takes its own group's heads only, each dQ CTA its
+    head's blocks; d k_rope sums over all four blocks, d q_rope over each head's two branches."""
+    check_backward((1, 128, 2, 2, 64, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5), seed=9, groups=2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("branches", [None, 1])
 def test_float32_at_mlra4_block_width(branches):
@@ -114,20 +131,20 @@ def test_float32_at_mlra4_block_width(branches):
     check((1, 128, 4, 2, 128, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5), branches)
 
 
-def reference_gradients(args, d_out, scale):
-    _, vjp = jax.vjp(lambda *x: mlra_attention_reference(*x, scale=scale)[0], *args)
+def reference_gradients(args, d_out, scale, groups=1):
+    _, vjp = jax.vjp(lambda *x: mlra_attention_reference(*x, scale=scale, groups=groups)[0], *args)
     return vjp(d_out)
 
 
-def check_backward(shape, dtype, tolerance, seed=0, tuning=BackwardTuning()):
+def check_backward(shape, dtype, tolerance, seed=0, tuning=BackwardTuning(), groups=1):
     """mlra_attention_backward (with `tuning`) on the forward kernel's output and logsumexp against jax.vjp of the
     reference."""
-    args = inputs(*shape, dtype, seed=seed)
-    d_out = jax.random.normal(jax.random.key(seed + 7), q_shape(shape), dtype)
+    args = inputs(*shape, dtype, seed=seed, groups=groups)
+    d_out = jax.random.normal(jax.random.key(seed + 7), q_shape(shape, groups), dtype)
     scale = (shape[4] + shape[5]) ** -0.5
-    out, lse = mlra_attention_gpu(*args, scale=scale, interpret=True)
-    got = mlra_attention_backward(*args, out, lse, d_out, scale=scale, tuning=tuning, interpret=True)
-    for g, w, x in zip(got, reference_gradients(args, d_out, scale), args):
+    out, lse = mlra_attention_gpu(*args, scale=scale, groups=groups, interpret=True)
+    got = mlra_attention_backward(*args, out, lse, d_out, scale=scale, groups=groups, tuning=tuning, interpret=True)
+    for g, w, x in zip(got, reference_gradients(args, d_out, scale, groups), args):
         assert g.shape == x.shape and g.dtype == dtype
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), **tolerance)
 
@@ -412,16 +429,16 @@ def model_loss_and_grads(cfg, tokens):
 def test_the_model_trains_through_the_kernel(monkeypatch, variant, heads):
     """attention_impl="mlra_kernel" (the kernel in interpret mode standing in for the GPU's): a one-layer model's
     float32 loss and gradients equal the XLA attention's. MLRA-4 passes its tensors as they are (one head group);
-    MLRA-2's two head groups are rows of the kernel's batch, each with its two branches."""
+    MLRA-2's two head groups are the kernel's `groups`, each with its two branches."""
     import dataclasses
 
     from mlra_jax.attention import mlra_kernel
 
     calls = []
 
-    def interpreted(*args, scale):
-        calls.append(tuple(x.shape for x in args))
-        return mlra_attention(*args, scale=scale, interpret=True)
+    def interpreted(*args, scale, groups):
+        calls.append((groups, *(x.shape for x in args)))
+        return mlra_attention(*args, scale=scale, groups=groups, interpret=True)
 
     monkeypatch.setattr(mlra_kernel, "kernel", lambda: interpreted)
     monkeypatch.setattr(mlra_kernel, "device_problem", lambda dtype: None)
@@ -442,9 +459,7 @@ def test_the_model_trains_through_the_kernel(monkeypatch, variant, heads):
     want_loss, want_grads = model_loss_and_grads(dataclasses.replace(cfg, attention_impl="xla"), tokens)
     groups = 2 if variant == "mlra2" else 1
     assert chosen == {"mlra_kernel": 1}
-    assert calls == [
-        ((1, groups, 128, 4 // groups, 64), (groups, 128, 1, 64), (groups, 128, 4 // groups, 64), (groups, 128, 64))
-    ]
+    assert calls == [(groups, (groups, 1, 128, 4 // groups, 64), (1, 128, groups, 64), (1, 128, 4, 64), (1, 128, 64))]
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
         scale = float(jnp.abs(want).max())

@@ -112,10 +112,10 @@ def kernel_stand_in(monkeypatch, chosen_shapes=None):
     mlra_attention_kernel_cases.py)."""
     from mlra_jax.pallas_kernels.mlra_attention_gpu import mlra_attention_reference
 
-    def reference(*args, scale):
+    def reference(*args, scale, groups):
         if chosen_shapes is not None:
-            chosen_shapes.append(tuple(x.shape for x in args))
-        return mlra_attention_reference(*args, scale=scale)[0]
+            chosen_shapes.append((groups, *(x.shape for x in args)))
+        return mlra_attention_reference(*args, scale=scale, groups=groups)[0]
 
     monkeypatch.setattr(mlra_kernel, "kernel", lambda: reference)
     monkeypatch.setattr(mlra_kernel, "device_problem", lambda dtype: None)
@@ -135,16 +135,13 @@ def test_auto_keeps_the_fused_kernels_choice_on_the_cpu():
 
 @pytest.mark.parametrize("variant, groups", [("mlra4", 1), ("mlra2", 2)])
 def test_the_kernel_path_equals_the_fused_path(monkeypatch, variant, groups):
-    """With the kernel (its reference standing in) the float32 loss and gradients are the XLA attention's: MLRA-4's
-    tensors as they are, MLRA-2's two head groups as rows of the kernel's batch, each with its two branches."""
+    """With the kernel (its reference standing in) the float32 loss and gradients are the XLA attention's: every
+    model's tensors as they are, MLRA-2's two head groups (one head each, two branches each) the kernel's `groups`."""
     shapes = []
     kernel_stand_in(monkeypatch, shapes)
     cfg, tokens = kernel_sized(variant), random_tokens(3, (2, 129))
     assert_equal(model_loss_and_grads(cfg, "mlra_kernel", tokens), model_loss_and_grads(cfg, "xla", tokens))
-    c, h = 4 // groups, 2 // groups
-    assert shapes == [
-        ((h, 2 * groups, 128, c, 64), (2 * groups, 128, h, 64), (2 * groups, 128, c, 64), (2 * groups, 128, 64))
-    ]
+    assert shapes == [(groups, (2, 2, 128, 4 // groups, 64), (2, 128, 2, 64), (2, 128, 4, 64), (2, 128, 64))]
 
 
 def test_auto_takes_the_kernel_for_models_with_branches_where_it_runs(monkeypatch):
@@ -178,7 +175,7 @@ def test_the_kernel_runs_on_each_devices_sequences_under_a_mesh(monkeypatch):
     cfg, tokens = kernel_sized("mlra2"), random_tokens(4, (4, 129))
     mesh = make_mesh(MeshConfig(data=2, fsdp=2), jax.devices()[:4])
     assert_equal(model_loss_and_grads(cfg, "mlra_kernel", tokens, mesh), model_loss_and_grads(cfg, "xla", tokens))
-    assert [s[0][1] for s in shapes] == [1 * 2]  # one of four sequences per device, its two head groups
+    assert [s[1][1] for s in shapes] == [1]  # one of four sequences per device
 
 
 @pytest.mark.parametrize("spec", ["btcgir", "gibtcr"])

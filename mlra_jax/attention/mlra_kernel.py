@@ -1,13 +1,13 @@
-"""MLRA's training attention on our Mosaic GPU kernel, in the model: where it runs, auto's choice, the head groups
-folded into its batch, one manual region under a mesh.
+"""MLRA's training attention on our Mosaic GPU kernel, in the model: where it runs, auto's choice, its head groups,
+one manual region under a mesh.
 
 The kernel (mlra_jax.pallas_kernels.mlra_attention_gpu_backward's `mlra_attention`: the forward kernel and the
 backward's under jax.custom_vjp) computes, per latent block j, causal attention of [q_latent_j || q_rope] over keys
 [latent_j || k_rope] and values latent_j, every block sharing one RoPE query. The latent family's absorbed training
 attention on one device (attention/latent.py, `absorbed_attention`) is that problem per head group: block
 j = c G + g serves the heads of group g (branch c), whose RoPE queries the group's blocks share. So the G groups
-are rows of the kernel's batch and a group's C branches its blocks; MLRA-4 (one group) passes its tensors as they
-are, MLRA-2 (two groups) pays a transpose of each input and of the output.
+are the kernel's `groups` (head g H + i reads block c G + g with its branch c): every model passes its tensors as
+they are.
 
 The kernel takes the query side head-major: q_latent [G, H, B, T, C, R] and its output likewise (G head groups of
 H heads); W_UK's product batched over the heads writes q_latent so, and W_UV's reads the output so.
@@ -42,7 +42,7 @@ MAX_COLUMNS = 192  # R + Dr at most (the backward's accumulators)
 
 
 def kernel() -> Callable[..., jax.Array]:
-    """The kernel, forward and backward: mlra_attention(q_latent, q_rope, latent, k_rope, *, scale)."""
+    """The kernel, forward and backward: mlra_attention(q_latent, q_rope, latent, k_rope, *, scale, groups)."""
     from mlra_jax.pallas_kernels.mlra_attention_gpu_backward import mlra_attention
 
     return mlra_attention
@@ -126,18 +126,9 @@ def mlra_kernel_attention(
 
     def run(q_latent, q_rope, latent, k_rope):
         g, h, b, t, c, r = q_latent.shape
-        s = latent.shape[1]
-        if g == 1:
-            return attend(q_latent[0], q_rope[:, :, 0], latent, k_rope, scale=scale)[None]
-        rows = lambda x: x.reshape((b * g,) + x.shape[2:])  # [B, G, ...] -> [B G, ...]
-        out = attend(
-            jnp.moveaxis(q_latent, 0, 2).reshape(h, b * g, t, c, r),
-            rows(jnp.moveaxis(q_rope, 2, 1)),
-            rows(jnp.moveaxis(latent.reshape(b, s, c, g, r), 3, 1)),
-            rows(jnp.broadcast_to(k_rope[:, None], (b, g) + k_rope.shape[1:])),
-            scale=scale,
-        )
-        return jnp.moveaxis(out.reshape(h, b, g, t, c, r), 2, 0)
+        heads_first = q_latent.reshape(g * h, b, t, c, r)  # (free: G and H are adjacent and outermost)
+        out = attend(heads_first, q_rope.reshape(b, t, g * h, -1), latent, k_rope, scale=scale, groups=g)
+        return out.reshape(q_latent.shape)
 
     auto = automatic_axes()
     if not auto:

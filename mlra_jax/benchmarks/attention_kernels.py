@@ -206,44 +206,50 @@ def mlra_layout(model: ModelConfig) -> dict[str, int] | None:
 
 
 def mlra_inputs(batch: int, length: int, layout: dict[str, int], dtype: jnp.dtype) -> tuple[jax.Array, ...]:
-    """Random kernel inputs q_latent (head-major), q_rope, latent, k_rope for `batch` sequences: each head group
-    its own row of the kernel's batch (its queries, blocks and RoPE queries are its own; the RoPE key is the
-    sequence's)."""
-    b, n, h, r, dr = batch * layout["groups"], layout["blocks"], layout["heads"], layout["rank"], layout["rope"]
+    """Random kernel inputs for `batch` sequences: q_latent [G H, B, T, n, R] (head-major), q_rope [B, T, G H, Dr],
+    latent [B, T, n G, R], k_rope [B, T, Dr] (G head groups of H heads, n branches)."""
+    g, n, h, r, dr = layout["groups"], layout["blocks"], layout["heads"], layout["rank"], layout["rope"]
     keys = jax.random.split(jax.random.key(1), 4)
-    shapes = ((h, b, length, n, r), (b, length, h, dr), (b, length, n, r), (b, length, dr))
+    shapes = ((g * h, batch, length, n, r), (batch, length, g * h, dr), (batch, length, n * g, r), (batch, length, dr))
     return tuple(jax.random.normal(key, shape, dtype) for key, shape in zip(keys, shapes))
 
 
-def heads_last(q: jax.Array) -> jax.Array:
-    """A query-side tensor of the kernel, [H, B, T, n, R], as latent_heads_attention has it: [B, T, n, H, R]."""
-    return q.transpose(1, 2, 3, 0, 4)
+def heads_last(q: jax.Array, groups: int) -> jax.Array:
+    """A query-side tensor of the kernel, [G H, B, T, n, R], as latent_heads_attention has it: [B, T, n G, H, R]
+    (block c G + g, then its heads)."""
+    heads, b, t, n, r = q.shape
+    h = heads // groups
+    return q.reshape(groups, h, b, t, n, r).transpose(2, 3, 4, 0, 1, 5).reshape(b, t, n * groups, h, r)
 
 
-def heads_first(q: jax.Array) -> jax.Array:
+def heads_first(x: jax.Array, groups: int) -> jax.Array:
     """The inverse of heads_last."""
-    return q.transpose(3, 0, 1, 2, 4)
+    b, t, blocks, h, r = x.shape
+    n = blocks // groups
+    return x.reshape(b, t, n, groups, h, r).transpose(3, 4, 0, 1, 2, 5).reshape(groups * h, b, t, n, r)
 
 
 QUERY_SIDE = (0, 4)  # the positions of q_latent and the output's cotangent in (q_latent, q_rope, latent, k_rope, do)
 
 
 def first_sequence(tensors: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    """The first row of the kernel's batch of each tensor (the query side's batch is its second axis)."""
+    """The first sequence of each tensor (the query side's batch is its second axis)."""
     return tuple(x[:, :1] if i in QUERY_SIDE else x[:1] for i, x in enumerate(tensors))
 
 
 def absorbed_qkv(
-    q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array
+    q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, groups: int = 1
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The kernel's inputs as latent_heads_attention hands them to cuDNN: q [B, T, n H, R + Dr], one KV head per
-    block, k [B, S, n, R + Dr] and v = latent [B, S, n, R]."""
-    q_latent = heads_last(q_latent)
-    b, t, n, h, r = q_latent.shape
+    """The kernel's inputs as latent_heads_attention hands them to cuDNN: q [B, T, n G H, R + Dr], one KV head per
+    block, k [B, S, n G, R + Dr] and v = latent [B, S, n G, R]."""
+    q_latent = heads_last(q_latent, groups)
+    b, t, blocks, h, r = q_latent.shape
     dr = q_rope.shape[-1]
-    q = jnp.concatenate([q_latent, jnp.broadcast_to(q_rope[:, :, None], (b, t, n, h, dr))], axis=-1)
-    k = jnp.concatenate([latent, jnp.broadcast_to(k_rope[:, :, None], (b, t, n, dr))], axis=-1)
-    return q.reshape(b, t, n * h, r + dr), k, latent
+    rope = q_rope.reshape(b, t, 1, groups, h, dr)  # each block c G + g: its group's RoPE queries
+    rope = jnp.broadcast_to(rope, (b, t, blocks // groups, groups, h, dr)).reshape(b, t, blocks, h, dr)
+    q = jnp.concatenate([q_latent, rope], axis=-1)
+    k = jnp.concatenate([latent, jnp.broadcast_to(k_rope[:, :, None], (b, t, blocks, dr))], axis=-1)
+    return q.reshape(b, t, blocks * h, r + dr), k, latent
 
 
 def errors(out: jax.Array, want: jax.Array, suffix: str) -> dict[str, float]:
@@ -288,15 +294,16 @@ def mlra_rows(
         "dk": dk,
         "dv": dv,
     }
-    args = mlra_inputs(batch, length, layout, jnp.bfloat16)
-    q, k, v = absorbed_qkv(*args)
+    args, groups = mlra_inputs(batch, length, layout, jnp.bfloat16), layout["groups"]
+    q, k, v = absorbed_qkv(*args, groups=groups)
     cudnn = jax.jit(lambda q, k, v: cudnn_attention(q, k, v, scale=scale))
     base = measure(cudnn, (q, k, v), flops, repeats, kernel="cudnn", **labels)
     with jax.default_matmul_precision("highest"):  # the first kernel-batch row: one sequence's head group
-        want, want_lse = jax.jit(functools.partial(mlra_attention_reference, scale=scale))(*first_sequence(args))
+        reference = functools.partial(mlra_attention_reference, scale=scale, groups=groups)
+        want, want_lse = jax.jit(reference)(*first_sequence(args))
     theirs = None
     if "time_s" in base:
-        theirs = heads_first(cudnn(q, k, v).reshape(heads_last(args[0]).shape))
+        theirs = heads_first(cudnn(q, k, v).reshape(heads_last(args[0], groups).shape), groups)
         base.update(errors(theirs[:, :1], want, "vs_reference"))
     rows, tried = [base], set()
     for branches, block_kv, pingpong, overlap in MLRA_TILINGS[:1] if forward_tilings == "default" else MLRA_TILINGS:
@@ -312,6 +319,7 @@ def mlra_rows(
         attend = functools.partial(
             mlra_attention_gpu,
             scale=scale,
+            groups=groups,
             branches=per_cta,
             block_kv=block_kv,
             pingpong=pingpong,
@@ -333,7 +341,7 @@ def mlra_rows(
         rows.append(row)
     if not backward:
         return rows
-    return rows + mlra_backward_rows(args, scale, flops * 3, repeats, labels, interpret, tunings)
+    return rows + mlra_backward_rows(args, scale, flops * 3, repeats, labels, interpret, tunings, groups)
 
 
 def mlra_backward_rows(
@@ -344,6 +352,7 @@ def mlra_backward_rows(
     labels: dict[str, Any],
     interpret: bool,
     tunings: tuple[str, ...] = ("default",),
+    groups: int = 1,
 ) -> list[dict[str, Any]]:
     """Forward + backward (the gradients of sum(out * do) for every input) of cuDNN on the absorbed layout and of
     ours (`mlra_attention`: the default forward and the backward kernels, one row per backward tuning, a
@@ -352,11 +361,11 @@ def mlra_backward_rows(
     reference's (the first sequence). With several tunings cuDNN's row is timed again after ours (drift)."""
     do = jax.random.normal(jax.random.key(2), args[0].shape, args[0].dtype)
     labels = {**labels, "passes": "forward+backward"}
-    q, k, v = absorbed_qkv(*args)
+    q, k, v = absorbed_qkv(*args, groups=groups)
     cudnn = lambda q, k, v: cudnn_attention(q, k, v, scale=scale)  # noqa: E731
 
     def cudnn_row(**extra: Any) -> dict[str, Any]:
-        cotangent = heads_last(do).reshape(q.shape[:3] + do.shape[-1:])
+        cotangent = heads_last(do, groups).reshape(q.shape[:3] + do.shape[-1:])
         return measure(with_backward(cudnn), (q, k, v, cotangent), flops, repeats, kernel="cudnn", **labels, **extra)
 
     def gradients(attend):
@@ -370,7 +379,9 @@ def mlra_backward_rows(
     for spec in tunings:
         tuning = BackwardTuning.parse(spec)  # (a misspelt tuning fails before anything runs)
         tiling = {"backward_tile": 64, "backward": spec}
-        ours = gradients(functools.partial(mlra_attention, scale=scale, tuning=tuning, interpret=interpret))
+        ours = gradients(
+            functools.partial(mlra_attention, scale=scale, groups=groups, tuning=tuning, interpret=interpret)
+        )
         row = measure(ours, (*args, do), flops, repeats, kernel="mlra_mosaic_gpu", tiling=tiling, **labels)
         rows.append(row)
         if "time_s" not in row:
@@ -378,16 +389,19 @@ def mlra_backward_rows(
         got = ours(*args, do)
         if want is None:
             with jax.default_matmul_precision("highest"):
-                reference = lambda *x: mlra_attention_reference(*x, scale=scale)[0]  # noqa: E731
+                reference = lambda *x: mlra_attention_reference(*x, scale=scale, groups=groups)[0]  # noqa: E731
                 want = gradients(reference)(*(x.astype(jnp.float32) for x in first_sequence((*args, do))))
         row["finite"] = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in got)
         for name, g, w in zip(names, first_sequence(got), want):
             row.update(errors(g, w, f"{name}_vs_reference"))
         if "time_s" in base:
             if theirs is None:
-                theirs = gradients(lambda *x: heads_first(cudnn(*absorbed_qkv(*x)).reshape(heads_last(x[0]).shape)))(
-                    *args, do
-                )
+
+                def cudnn_heads_first(*x):
+                    out = cudnn(*absorbed_qkv(*x, groups=groups))
+                    return heads_first(out.reshape(heads_last(x[0], groups).shape), groups)
+
+                theirs = gradients(cudnn_heads_first)(*args, do)
             for name, g, w in zip(names, got, theirs):
                 row.update(errors(g, w, f"{name}_vs_cudnn"))
             row["cudnn_time_s"] = base["time_s"]
