@@ -109,35 +109,55 @@ def _gemm(a: jax.Array, b: jax.Array, scale: jax.Array, out_dtype: jnp.dtype) ->
     return (product.astype(jnp.float32) * scale).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def fp8_matmul(x: jax.Array, w: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """x [M, K] @ w [K, N] -> [M, N], both and the result (and the gradients) in `dtype`, with FP8 operands in
-    the forward and the backward, each scaled by its own amax (dynamic scaling)."""
-    return _forward(x, w, dtype)[0]
+# cuBLASLt's FP8 GEMMs take every dimension in multiples of 16. Where one is not (the 2.9B MLRA-4's and MLA's FFN
+# widths, 9880 and 9448) XLA pads the quantized operand, a transposed copy in a pass of its own (19 ms of pad fusions
+# in one step of the 8-layer MLRA-4 proxy on an H200); padded here, before quantizing, the quantizing fusions write
+# the padded operands and their transposed copies directly (no pad fusion left). The zeros add nothing to a product.
+DIM_MULTIPLE = 16
+
+
+def _padded(x: jax.Array) -> jax.Array:
+    """x [R, C] with zero rows and columns up to multiples of DIM_MULTIPLE."""
+    pads = [(0, -size % DIM_MULTIPLE) for size in x.shape]
+    return jnp.pad(x, pads) if any(high for _, high in pads) else x
 
 
 def _quantized_forward(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array, dtype: jnp.dtype):
-    x8, w8_t = quantize(x, x_scale, E4M3), quantize(w.T, w_scale, E4M3)  # w8_t [N, K]
-    return _gemm(x8, w8_t, x_scale * w_scale, dtype), (x8, w8_t, x_scale, w_scale)
+    (m, _), n = x.shape, w.shape[1]
+    x8, w8_t = quantize(_padded(x), x_scale, E4M3), quantize(_padded(w.T), w_scale, E4M3)  # w8_t [N, K]
+    return _gemm(x8, w8_t, x_scale * w_scale, dtype)[:m, :n], (x8, w8_t, x_scale, w_scale)
 
 
-def _quantized_backward(residuals, grad: jax.Array, g_scale: jax.Array, dtype: jnp.dtype):
+def _quantized_backward(residuals, grad: jax.Array, g_scale: jax.Array, dtype: jnp.dtype, k: int):
+    """The gradients of x [M, K] and w [K, N] for grad [M, N] from the forward's padded FP8 operands."""
     x8, w8_t, x_scale, w_scale = residuals
-    g8 = quantize(grad, g_scale, E5M2)  # [M, N]
-    grad_x = _gemm(g8, w8_t.T, g_scale * w_scale, dtype)  # [M, N] . [K, N] -> [M, K]
-    grad_w = _gemm(x8.T, g8.T, x_scale * g_scale, dtype)  # [K, M] . [N, M] -> [K, N]
+    m, n = grad.shape
+    g8 = quantize(_padded(grad), g_scale, E5M2)  # [M, N]
+    grad_x = _gemm(g8, w8_t.T, g_scale * w_scale, dtype)[:m, :k]  # [M, N] . [K, N] -> [M, K]
+    grad_w = _gemm(x8.T, g8.T, x_scale * g_scale, dtype)[:k, :n]  # [K, M] . [N, M] -> [K, N]
     return grad_x, grad_w
 
 
-def _forward(x: jax.Array, w: jax.Array, dtype: jnp.dtype):
+def fp8_matmul(x: jax.Array, w: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """x [M, K] @ w [K, N] -> [M, N], both and the result (and the gradients) in `dtype`, with FP8 operands in
+    the forward and the backward, each scaled by its own amax (dynamic scaling)."""
+    return _dynamic(x, w, dtype, x.shape[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dynamic(x: jax.Array, w: jax.Array, dtype: jnp.dtype, k: int) -> jax.Array:
+    return _forward(x, w, dtype, k)[0]
+
+
+def _forward(x: jax.Array, w: jax.Array, dtype: jnp.dtype, k: int):
     return _quantized_forward(x, w, scale_of(x, E4M3), scale_of(w, E4M3), dtype)
 
 
-def _backward(dtype: jnp.dtype, residuals, grad: jax.Array):
-    return _quantized_backward(residuals, grad, scale_of(grad, E5M2), dtype)
+def _backward(dtype: jnp.dtype, k: int, residuals, grad: jax.Array):
+    return _quantized_backward(residuals, grad, scale_of(grad, E5M2), dtype, k)
 
 
-fp8_matmul.defvjp(_forward, _backward)
+_dynamic.defvjp(_forward, _backward)
 
 
 def fp8_matmul_delayed(x: jax.Array, w: jax.Array, history: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -147,7 +167,6 @@ def fp8_matmul_delayed(x: jax.Array, w: jax.Array, history: jax.Array, dtype: jn
     return fp8_matmul_delayed_from(x, w, history, history[0], dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def fp8_matmul_delayed_from(
     x: jax.Array, w: jax.Array, history: jax.Array, x_history: jax.Array, dtype: jnp.dtype
 ) -> jax.Array:
@@ -156,24 +175,29 @@ def fp8_matmul_delayed_from(
     same amaxes (each records x's) take one of those rows: x is then quantized by the same operations in each, and
     XLA computes it once (also its amax and its transposed copy for the weight gradient) instead of once per
     product. x_history's cotangent is zero."""
-    return _delayed_forward(x, w, history, x_history, dtype)[0]
+    return _delayed(x, w, history, x_history, dtype, x.shape[1])
 
 
-def _delayed_forward(x: jax.Array, w: jax.Array, history: jax.Array, x_history: jax.Array, dtype: jnp.dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _delayed(x: jax.Array, w: jax.Array, history: jax.Array, x_history: jax.Array, dtype: jnp.dtype, k: int):
+    return _delayed_forward(x, w, history, x_history, dtype, k)[0]
+
+
+def _delayed_forward(x: jax.Array, w: jax.Array, history: jax.Array, x_history: jax.Array, dtype: jnp.dtype, k: int):
     x_scale, w_scale = scale_from_history(x_history, E4M3), scale_from_history(history[1], E4M3)
     product, residuals = _quantized_forward(x, w, x_scale, w_scale, dtype)
     return product, (residuals, history, _amax(x), _amax(w), jnp.zeros_like(x_history))  # amaxes: in the passes
 
 
-def _delayed_backward(dtype: jnp.dtype, residuals, grad: jax.Array):
+def _delayed_backward(dtype: jnp.dtype, k: int, residuals, grad: jax.Array):
     residuals, history, x_amax, w_amax, x_history_cotangent = residuals
-    grad_x, grad_w = _quantized_backward(residuals, grad, scale_from_history(history[2], E5M2), dtype)
+    grad_x, grad_w = _quantized_backward(residuals, grad, scale_from_history(history[2], E5M2), dtype, k)
     amaxes = jnp.stack([x_amax, w_amax, _amax(grad)])[:, None]
     updated = jnp.concatenate([amaxes, history[:, :-1]], axis=1).astype(jnp.float32)
     return grad_x, grad_w, updated, x_history_cotangent
 
 
-fp8_matmul_delayed_from.defvjp(_delayed_forward, _delayed_backward)
+_delayed.defvjp(_delayed_forward, _delayed_backward)
 
 
 def fp8_project(

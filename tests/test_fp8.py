@@ -53,6 +53,38 @@ def test_products_and_gradients_are_the_fp8_quantized_ones():
 
 
 @jax.default_matmul_precision("highest")
+@pytest.mark.parametrize("delayed", [False, True])
+def test_dimensions_off_the_gemms_multiple_are_padded_with_zeros(delayed):
+    """M, K and N that are not multiples of 16 (the FP8 GEMMs' granularity; the 2.9B MLRA-4's FFN width is 9880):
+    the operands are padded with zeros before quantizing, and the product and both gradients come out at the
+    operands' own shapes with the unpadded quantization's values."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(keys[0], (94, 90), jnp.float32)
+    w = jax.random.normal(keys[1], (90, 150), jnp.float32) * 0.05
+    cotangent = jax.random.normal(keys[2], (94, 150), jnp.float32)
+    if delayed:  # a history holding these very amaxes: the dynamic scales
+        amaxes = jnp.stack([jnp.abs(x).max(), jnp.abs(w).max(), jnp.abs(cotangent).max()])
+        history = amaxes[:, None]
+        product = lambda a, b: fp8.fp8_matmul_delayed(a, b, history, jnp.float32)  # noqa: E731
+    else:
+        product = lambda a, b: fp8.fp8_matmul(a, b, jnp.float32)  # noqa: E731
+    out, pullback = jax.vjp(product, x, w)
+    grad_x, grad_w = pullback(cotangent)[:2]
+    dequantized = lambda a, dtype: (  # noqa: E731
+        fp8.quantize(a, fp8.scale_of(a, dtype), dtype).astype(jnp.float32) * fp8.scale_of(a, dtype)
+    )
+    xq, wq, gq = dequantized(x, fp8.E4M3), dequantized(w, fp8.E4M3), dequantized(cotangent, fp8.E5M2)
+    assert out.shape == (94, 150) and grad_x.shape == (94, 90) and grad_w.shape == (90, 150)
+    np.testing.assert_allclose(out, xq @ wq, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grad_x, gq @ wq.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grad_w, xq.T @ gq, rtol=1e-5, atol=1e-5)
+    operands = jax.make_jaxpr(lambda a, b: jax.vjp(product, a, b)[1](cotangent))(x, w)
+    dots = [e for e in operands.jaxpr.eqns if e.primitive.name == "dot_general"]
+    shapes = {tuple(v.aval.shape) for e in dots for v in e.invars}
+    assert dots and all(size % fp8.DIM_MULTIPLE == 0 for shape in shapes for size in shape), shapes
+
+
+@jax.default_matmul_precision("highest")
 def test_products_and_gradients_are_within_fp8_rounding_of_float32():
     """e4m3 keeps 3 mantissa bits, e5m2 2: a few percent of the norm, not more."""
     x, w, cotangent = _operands(1)
