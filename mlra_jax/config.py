@@ -186,7 +186,8 @@ class ModelConfig:
             f"{self.variant!r}; leave it unset",
         )
         _require(
-            self.attention_impl != "mlra_kernel" or (self.latent_form != "expanded" and self.spec.latent_layout),
+            self.attention_impl != "mlra_kernel"
+            or (self.latent_form != "expanded" and self.spec.latent_layout is not None),
             f"attention_impl='mlra_kernel' runs the latent family's absorbed training attention (variant "
             f"{self.variant!r}, latent_form={self.latent_form!r}); set --model.latent_form=absorbed on MLA, GLA or "
             "MLRA (or leave it at auto), or another attention_impl",

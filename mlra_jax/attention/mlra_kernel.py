@@ -17,8 +17,8 @@ kernel cannot take the call: on Hopper GPUs (compute capability 9.x) in bfloat16
 sequence (no explicit mask), T == S a multiple of 128, R and Dr multiples of 64, R + Dr <= 192, on one device's
 whole layer (no tensor parallelism). `"auto"` takes it for the models with branches (MLRA-2, MLRA-4) where it
 runs, and leaves every other call to the fused kernels' choice (attention.fused); latent_form="auto" trains
-absorbed exactly where it runs: the 8-layer MLRA-4 training step ran 5% faster so than in the expanded form on
-cuDNN's attention on an H200 (docs/performance.md).
+absorbed exactly where it runs (one H200: the 8-layer MLRA-4 training step 5% faster that way than in the expanded
+form on cuDNN's attention, MLRA-2's 2%; docs/performance.md).
 """
 
 from __future__ import annotations
