@@ -21,6 +21,7 @@ from mlra_jax.attention.fused import KERNEL_PRIMITIVES
 from mlra_jax.config import ModelConfig
 from mlra_jax.kv_cache import DecodeState, slot_mask
 from mlra_jax.layers import MLP, Embed, RMSNorm
+from mlra_jax.pallas_kernels.remat_names import MLRA_ATTENTION_RESIDUALS
 from mlra_jax.sharding import constrain_batch
 
 
@@ -42,12 +43,14 @@ def _dots_attention_and(*names: str) -> Callable[..., bool]:
 REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
     "full": None,  # save nothing, recompute the whole block
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projections, recompute attention
-    "dots_attn": _dots_and_attention,  # keep projections and fused attention outputs; recompute elementwise work
+    # keep projections and fused attention outputs (our MLRA kernel's by name: its Mosaic GPU call is opaque to
+    # policies); recompute elementwise work
+    "dots_attn": _dots_attention_and(*MLRA_ATTENTION_RESIDUALS),
     # dots_attn and the attention kernel's keys and values (the per-head up-projections with RoPE): the backward
     # reruns no product; it recomputes the norms, the queries' RoPE and the SwiGLU product
-    "dots_attn_kv": _dots_attention_and(*ATTENTION_INPUTS[1:]),
+    "dots_attn_kv": _dots_attention_and(*MLRA_ATTENTION_RESIDUALS, *ATTENTION_INPUTS[1:]),
     # and the queries too: the backward recomputes the norms and the SwiGLU product only
-    "dots_attn_qkv": _dots_attention_and(*ATTENTION_INPUTS),
+    "dots_attn_qkv": _dots_attention_and(*MLRA_ATTENTION_RESIDUALS, *ATTENTION_INPUTS),
 }
 
 

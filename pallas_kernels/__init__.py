@@ -16,7 +16,10 @@ Training's elementwise passes (run by model.fused_elementwise: mlra_jax.fused_el
   * swiglu_gpu               the SwiGLU product's backward (and forward) in one pass.
 
 Training attention:
-  * mlra_attention_gpu       MLRA's causal forward in Pallas Mosaic GPU (the RoPE scores shared by the branches),
-                             with its jnp reference; tested in GPU interpret mode on CPU, timed on an H100 by
-                             `mlra bench attention_kernels --kernels=mlra`; not yet used by the trainer.
+  * mlra_attention_gpu       MLRA's causal forward in Pallas Mosaic GPU (query side head-major, MLRA-2's head groups
+                             inside), with its jnp reference; tested in GPU interpret mode on CPU, timed by
+                             `mlra bench attention_kernels --kernels=mlra`;
+  * mlra_attention_gpu_backward  its backward (dK/dV and dQ kernels) and `mlra_attention`, both under a custom VJP:
+                             what the trainer runs for MLRA-2 and MLRA-4 on Hopper (mlra_jax.attention.mlra_kernel);
+  * remat_names              the names that kernels give the outputs their backward reads, which remat policies keep.
 """

@@ -241,3 +241,24 @@ def test_the_auto_form_trains_absorbed_where_the_kernel_runs(monkeypatch):
     model_loss_and_grads(auto, "xla", tokens)
     assert absorbed == []
     assert kernel_sized("mlra4", form="auto", attention_impl="mlra_kernel").trains_absorbed
+
+
+def test_remat_policies_keep_the_mlra_kernels_outputs_by_name():
+    """The kernel's forward (traced for the GPU, not run) sits in a call that remat policies cannot see into; its
+    output and logsumexp carry names that dots_attn and the policies above it keep, so that the backward does not
+    run the forward again. `dots` keeps neither (it recomputes the attention)."""
+    from jax._src.ad_checkpoint import saved_residuals
+    from mlra_jax.pallas_kernels.mlra_attention_gpu_backward import mlra_attention
+
+    from mlra_jax.model import REMAT_POLICIES
+
+    args = [jnp.zeros(shape, jnp.bfloat16) for shape in ((2, 1, 128, 2, 64), (1, 128, 2, 64), (1, 128, 2, 64))]
+    args.append(jnp.zeros((1, 128, 64), jnp.bfloat16))
+
+    def loss(*x):
+        return jnp.sum(jnp.sin(mlra_attention(*x, scale=0.1).astype(jnp.float32)))
+
+    for policy, kept in [("dots_attn", 2), ("dots_attn_kv", 2), ("dots_attn_qkv", 2), ("dots", 0)]:
+        residuals = saved_residuals(jax.checkpoint(loss, policy=REMAT_POLICIES[policy]), *args)
+        named = [source for _, source in residuals if source.startswith("named 'mlra_attention_")]
+        assert len(named) == kept, (policy, [source for _, source in residuals])
