@@ -551,19 +551,22 @@ def mlra_attention_backward(
     return d_q_latent, d_q_rope, d_latent, d_k_rope
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _attention(scale, groups, tuning, interpret, q_latent, q_rope, latent, k_rope, out, lse):
-    """`out` (the forward kernel's, computed outside), with the backward kernels' gradients for the four inputs."""
-    return out
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _attention(scale, groups, block_kv, tuning, interpret, q_latent, q_rope, latent, k_rope):
+    return _attention_fwd(scale, groups, block_kv, tuning, interpret, q_latent, q_rope, latent, k_rope)[0]
 
 
-def _attention_fwd(scale, groups, tuning, interpret, q_latent, q_rope, latent, k_rope, out, lse):
+def _attention_fwd(scale, groups, block_kv, tuning, interpret, q_latent, q_rope, latent, k_rope):
+    check_backward_shapes(q_latent, q_rope, latent, k_rope, interpret, groups)
+    kernel_outputs = mlra_attention_gpu(
+        q_latent, q_rope, latent, k_rope, scale=scale, groups=groups, block_kv=block_kv, interpret=interpret
+    )
+    out, lse = (checkpoint_name(x, name) for x, name in zip(kernel_outputs, MLRA_ATTENTION_RESIDUALS))
     return out, (q_latent, q_rope, latent, k_rope, out, lse)
 
 
-def _attention_bwd(scale, groups, tuning, interpret, residuals, d_out):
-    grads = mlra_attention_backward(*residuals, d_out, scale=scale, groups=groups, tuning=tuning, interpret=interpret)
-    return (*grads, None, None)  # out and lse come from inputs held constant (stop_gradient)
+def _attention_bwd(scale, groups, block_kv, tuning, interpret, residuals, d_out):
+    return mlra_attention_backward(*residuals, d_out, scale=scale, groups=groups, tuning=tuning, interpret=interpret)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -583,16 +586,9 @@ def mlra_attention(
 ) -> jax.Array:
     """Causal MLRA attention out [G H, B, T, n, R] (mlra_attention_gpu's forward with its defaults; `groups` G as
     there) with its gradients by mlra_attention_backward's kernels: jax.grad and jax.vjp run through both. tuning:
-    the backward's schedules (a BackwardTuning or its BackwardTuning.parse spelling).
-
-    The forward kernel runs outside the custom VJP (on inputs held constant; the VJP gives their gradients) and its
-    out and lse carry the names MLRA_ATTENTION_RESIDUALS: a remat policy that keeps them (dots_attn) does not run the
-    forward again in the backward, as it would for a kernel inside a custom VJP."""
+    the backward's schedules (a BackwardTuning or its BackwardTuning.parse spelling). The forward's out and lse carry
+    the names MLRA_ATTENTION_RESIDUALS, which the dots_attn remat policies keep: Mosaic GPU's kernel call is opaque
+    to the policies, which would otherwise run the forward again in the backward."""
     if isinstance(tuning, str):
         tuning = BackwardTuning.parse(tuning)
-    inputs = (q_latent, q_rope, latent, k_rope)
-    check_backward_shapes(*inputs, interpret, groups)
-    held = (lax.stop_gradient(x) for x in inputs)
-    kernel_outputs = mlra_attention_gpu(*held, scale=scale, groups=groups, block_kv=block_kv, interpret=interpret)
-    out, lse = (checkpoint_name(x, name) for x, name in zip(kernel_outputs, MLRA_ATTENTION_RESIDUALS))
-    return _attention(scale, groups, tuning, interpret, *inputs, out, lse)
+    return _attention(scale, groups, block_kv, tuning, interpret, q_latent, q_rope, latent, k_rope)

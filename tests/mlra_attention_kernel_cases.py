@@ -425,13 +425,20 @@ def model_loss_and_grads(cfg, tokens):
     return jax.jit(jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t)))(params, tokens)
 
 
+def kernel_and_xla(cfg, tokens):
+    """The kernels the model chose with attention_impl="mlra_kernel", its (loss, grads) so, and XLA attention's."""
+    import dataclasses
+
+    with kernels_chosen() as chosen:
+        through_kernel = model_loss_and_grads(dataclasses.replace(cfg, attention_impl="mlra_kernel"), tokens)
+    return chosen, through_kernel, model_loss_and_grads(dataclasses.replace(cfg, attention_impl="xla"), tokens)
+
+
 @pytest.mark.parametrize("variant, heads", [("mlra4", 1), pytest.param("mlra2", 2, marks=pytest.mark.slow)])
 def test_the_model_trains_through_the_kernel(monkeypatch, variant, heads):
     """attention_impl="mlra_kernel" (the kernel in interpret mode standing in for the GPU's): a one-layer model's
     float32 loss and gradients equal the XLA attention's. MLRA-4 passes its tensors as they are (one head group);
     MLRA-2's two head groups are the kernel's `groups`, each with its two branches."""
-    import dataclasses
-
     from mlra_jax.attention import mlra_kernel
 
     calls = []
@@ -454,9 +461,7 @@ def test_the_model_trains_through_the_kernel(monkeypatch, variant, heads):
         scan_layers=False,
     )
     tokens = jax.random.randint(jax.random.key(2), (1, 129), 0, 128)
-    with kernels_chosen() as chosen:
-        loss, grads = model_loss_and_grads(dataclasses.replace(cfg, attention_impl="mlra_kernel"), tokens)
-    want_loss, want_grads = model_loss_and_grads(dataclasses.replace(cfg, attention_impl="xla"), tokens)
+    chosen, (loss, grads), (want_loss, want_grads) = kernel_and_xla(cfg, tokens)
     groups = 2 if variant == "mlra2" else 1
     assert chosen == {"mlra_kernel": 1}
     assert calls == [(groups, (groups, 1, 128, 4 // groups, 64), (1, 128, groups, 64), (1, 128, 4, 64), (1, 128, 64))]
@@ -474,8 +479,6 @@ def test_the_model_trains_through_the_kernel_on_the_gpu(variant):
     """bf16 on the GPU, two layers at the 2.9B block widths (R = 128, Dr = 64): the loss and gradients through the
     kernel (its head-major query side straight from W_UK's product and into W_UV's) are the XLA attention's
     within bf16 rounding."""
-    import dataclasses
-
     cfg = tiny_model(
         variant,
         n_layer=2,
@@ -490,9 +493,7 @@ def test_the_model_trains_through_the_kernel_on_the_gpu(variant):
         scan_layers=False,
     )
     tokens = jax.random.randint(jax.random.key(6), (2, 513), 0, 512)
-    with kernels_chosen() as chosen:
-        loss, grads = model_loss_and_grads(dataclasses.replace(cfg, attention_impl="mlra_kernel"), tokens)
-    want_loss, want_grads = model_loss_and_grads(dataclasses.replace(cfg, attention_impl="xla"), tokens)
+    chosen, (loss, grads), (want_loss, want_grads) = kernel_and_xla(cfg, tokens)
     assert set(chosen) == {"mlra_kernel"}
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=2e-3)
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
