@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from mlra_jax.experiments import benchmarks, get_experiment
 from mlra_jax.experiments.tiny import tiny_model
+from xla_test_flags import IN_PROCESS
 
 from mlra_jax.attention import attention_class
 from mlra_jax.benchmarks import (
@@ -634,7 +635,7 @@ def test_decode_throughput_in_one_process_per_device_group(tmp_path, monkeypatch
     child = tmp_path / "child.py"
     child.write_text(CHILD)
     monkeypatch.setattr(decode_throughput, "PROCESS_COMMAND", [sys.executable, str(child)])
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=2 {IN_PROCESS}")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     out = tmp_path / "throughput.json"
     argv = ["--cpu", "--scopes=model", "--variants=mlra4", "--contexts=64", "--repeats=1", "--copy_gb=0.01"]
