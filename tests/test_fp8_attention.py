@@ -315,7 +315,7 @@ def _fallback_logs(caplog, cfg, length: int, histories=True):
     fp8_attention._report_fallback.cache_clear()
     graphdef, params = _split(cfg)
     tokens = jax.random.randint(jax.random.key(3), (2, length + 1), 0, cfg.vocab_size)
-    grad = jax.grad(lambda p, h: loss_fn(graphdef, p, tokens, training=True, histories=h), argnums=1)
+    grad = jax.jit(jax.grad(lambda p, h: loss_fn(graphdef, p, tokens, training=True, histories=h), argnums=1))
     with caplog.at_level(logging.WARNING, logger="mlra_jax.attention.fp8_attention"), kernels_chosen() as chosen:
         updated = grad(params, fp8_histories(cfg) if histories else {})
     return updated, chosen
