@@ -298,7 +298,7 @@ def mlra_rows(
     q, k, v = absorbed_qkv(*args, groups=groups)
     cudnn = jax.jit(lambda q, k, v: cudnn_attention(q, k, v, scale=scale))
     base = measure(cudnn, (q, k, v), flops, repeats, kernel="cudnn", **labels)
-    with jax.default_matmul_precision("highest"):  # the first kernel-batch row: one sequence's head group
+    with jax.default_matmul_precision("highest"):  # the first sequence, all its head groups
         reference = functools.partial(mlra_attention_reference, scale=scale, groups=groups)
         want, want_lse = jax.jit(reference)(*first_sequence(args))
     theirs = None
