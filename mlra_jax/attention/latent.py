@@ -31,13 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from mlra_jax.attention.base import Attention, CacheComponent, DecodeShape, KVCache, store_entry
 from mlra_jax.attention.core import attention, latent_attention
-from mlra_jax.attention.mlra_kernel import (
-    MLRA_KERNEL,
-    kernel_problem,
-    mlra_kernel_attention,
-    tensor_parallel_error,
-    use_kernel,
-)
+from mlra_jax.attention.mlra_kernel import MLRA_KERNEL, mlra_kernel_attention, tensor_parallel_error, use_kernel
 from mlra_jax.attention.rope import apply_rope
 from mlra_jax.config import ModelConfig
 from mlra_jax.layers import RMSNorm, dense_init, einsum, make_param, project, row_copies
@@ -253,10 +247,11 @@ class LatentAttention(Attention):
         return self.tensor_parallel_blocks(mode, plan, (q_nope, q_rope), kv, self.kv_up[...].astype(self.dtype), mask)
 
     def kernel_takes(self, q_nope: jax.Array, kv: KVCache, mask: jax.Array | None) -> bool:
-        """Under latent_form="auto": whether our MLRA kernel runs this training call (then it trains absorbed)."""
-        if not self.auto_form or self.impl != "auto" or self.branches == 1:
+        """Under latent_form="auto": whether attention_impl "auto" runs this training call on our MLRA kernel (then
+        it trains absorbed; else expanded, with nothing logged about the absorbed form's choice)."""
+        if not self.auto_form:
             return False
-        return kernel_problem(q_nope, kv["latent"], kv["k_rope"], mask is not None) is None
+        return use_kernel(self.impl, self.branches, q_nope, kv["latent"], kv["k_rope"], mask is not None, quiet=True)
 
     def local_blocks(
         self,

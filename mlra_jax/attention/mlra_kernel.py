@@ -85,11 +85,17 @@ def kernel_problem(queries: jax.Array, latent: jax.Array, k_rope: jax.Array, mas
 
 
 def use_kernel(
-    impl: str, branches: int, queries: jax.Array, latent: jax.Array, k_rope: jax.Array, masked: bool
+    impl: str,
+    branches: int,
+    queries: jax.Array,
+    latent: jax.Array,
+    k_rope: jax.Array,
+    masked: bool,
+    quiet: bool = False,
 ) -> bool:
     """Whether the absorbed training attention of one device runs on the kernel: always for 'mlra_kernel' (a
     KernelUnavailable naming the reason where it cannot); for 'auto', on a model with
-    branches where it can (logged once where it cannot); never for the others."""
+    branches where it can (logged once where it cannot, unless `quiet`); never for the others."""
     if impl == MLRA_KERNEL:
         problem = kernel_problem(queries, latent, k_rope, masked)
         if problem is not None:
@@ -101,7 +107,7 @@ def use_kernel(
     if impl != "auto" or branches == 1:
         return False
     problem = kernel_problem(queries, latent, k_rope, masked)
-    if problem is not None:
+    if problem is not None and not quiet:
         log_once(f"attention_impl='auto': MLRA's absorbed training attention takes the fused kernels ({problem})")
     return problem is None
 
