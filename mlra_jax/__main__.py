@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, str] = {
     "latent_kernel": "the Mosaic GPU latent decode kernel: self-check, tuning, bound",
     "row_products": "the batch-1 row kernels against XLA's GEMMs",
     "elementwise": "training's fused norm and SwiGLU kernels against XLA's fusions (model.fused_elementwise)",
+    "dependent_launch": "whether programmatic dependent launch overlaps a chain of Pallas kernels on this GPU",
 }
 
 
