@@ -181,7 +181,8 @@ def measure(
         "remat_setting": requested.model.remat,
         "fsdp_gather": fsdp_gather(setup),  # where FSDP gathers the weights under accumulation (None: no FSDP)
         "latent_form": cfg.latent_form,
-        "trains_absorbed": cfg.trains_absorbed,
+        # the absorbed form where it ran: always (trains_absorbed), or under "auto" on the MLRA kernel's calls
+        "trains_absorbed": cfg.trains_absorbed or (cfg.latent_form == "auto" and chosen.get("mlra_kernel", 0) > 0),
         "latent_keys": cfg.latent_keys,
         "loss_chunk": train.loss_chunk,
         "scan_layers": cfg.scan_layers,
