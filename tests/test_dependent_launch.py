@@ -22,9 +22,13 @@ def test_each_kernel_of_the_chain_adds_its_weight_tiles_to_the_last_output():
 
 @pytest.mark.parametrize(
     "argv,message",
-    [(["--kinds=cuda"], "unknown kind 'cuda'"), ([], "this benchmark times GPU kernels")],
+    [
+        (["--kinds=cuda"], "unknown kind 'cuda'"),
+        (["--layers=1"], "a chain takes at least 2 kernels"),
+        ([], "this benchmark times GPU kernels"),
+    ],
 )
-def test_the_benchmark_refuses_an_unknown_kind_and_a_cpu(tmp_path, capsys, argv, message):
+def test_the_benchmark_refuses_bad_options_and_a_cpu(tmp_path, capsys, argv, message):
     if jax.default_backend() == "gpu" and not argv:
         pytest.skip("checks the CPU refusal")
     with pytest.raises(SystemExit) as exit_info:

@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     kinds = args.kinds.split(",")
     if unknown := set(kinds) - {"mosaic", "triton"}:
         parser.error(f"unknown kind {sorted(unknown)[0]!r}; kinds: mosaic, triton")
+    if args.layers < 2:
+        parser.error(f"--layers={args.layers}: a chain takes at least 2 kernels")
     if args.no_command_buffers:  # read when the backend starts, so before the first use of jax
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
     if jax.default_backend() != "gpu":
