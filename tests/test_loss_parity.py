@@ -5,6 +5,7 @@ import json
 
 import pytest
 from helpers import MICRO
+from xla_test_flags import IN_PROCESS
 
 from mlra_jax.benchmarks import loss_parity
 
@@ -56,6 +57,13 @@ def test_bad_settings_exit_2_before_any_run_starts(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.fixture
+def one_device_children(monkeypatch):
+    """The study's runs inherit this process's environment: each on one CPU device (not the suite's 8) and with
+    the suite's cheapest compile, as their few steps need."""
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=1 {IN_PROCESS}")
+
+
 def _two_micro_runs(tmp_path, *overrides: str) -> list[str]:
     """Arguments of a study of two settings (f32, the reference, and bf16), seed 1, one run each, at once."""
     return [
@@ -71,7 +79,7 @@ def _two_micro_runs(tmp_path, *overrides: str) -> list[str]:
     ]
 
 
-def test_runs_train_in_processes_of_their_own_and_the_record_holds_their_curves(tmp_path):
+def test_runs_train_in_processes_of_their_own_and_the_record_holds_their_curves(tmp_path, one_device_children):
     out = tmp_path / "parity.json"
     argv = _two_micro_runs(tmp_path, *MICRO, "--train.total_steps=3", "--train.eval_every=3")
     argv += ["--after=1", f"--figure={tmp_path / 'parity.png'}"]
@@ -89,7 +97,7 @@ def test_runs_train_in_processes_of_their_own_and_the_record_holds_their_curves(
     assert (tmp_path / "runs" / "bf16" / "seed1_run0" / "train.log").read_text().count("finished at step 3") == 1
 
 
-def test_runs_that_refuse_their_input_exit_2_naming_each_run_and_its_error(tmp_path, capsys):
+def test_runs_that_refuse_their_input_exit_2_naming_each_run_and_its_error(tmp_path, capsys, one_device_children):
     missing = tmp_path / "no_such_dataset"
     assert loss_parity.main(_two_micro_runs(tmp_path, f"--data.dataset={missing}")) == 2
     err = capsys.readouterr().err
