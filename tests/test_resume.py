@@ -138,10 +138,10 @@ def test_checkpoint_from_8_devices_restores_on_1_and_4(tmp_path):
 
 
 def test_two_processes_train_like_one(tmp_path):
-    """launch/local.sh: 2 processes x 4 CPU devices see the same global batches as 1 process x 8."""
+    """launch/local.sh: 2 processes x 2 CPU devices see the same global batches as 1 process x 4."""
     run = ["--train.total_steps=6", "--train.eval_every=3"]
-    run_training(tmp_path / "one", *run, devices=8)
-    env = dict(subprocess_env(), DEVICES_PER_PROCESS="4", PYTHON=sys.executable)
+    run_training(tmp_path / "one", *run, devices=4)
+    env = dict(subprocess_env(), DEVICES_PER_PROCESS="2", PYTHON=sys.executable)
     env["XLA_FLAGS"] = SUBPROCESS  # launch/local.sh adds the device count
     result = subprocess.run(
         ["bash", "launch/local.sh", "2", *train_command(tmp_path / "two", *run)[3:]],
