@@ -1,6 +1,7 @@
 """Resuming with changed settings: data-order and schedule changes need --allow_changed, the data continues
 at the next unseen example, and averaged log lines after a resume equal an uninterrupted run's."""
 
+import functools
 import json
 import shutil
 
@@ -14,6 +15,7 @@ from mlra_jax.cli import apply_overrides
 from mlra_jax.config import DataConfig
 from mlra_jax.data.pipeline import train_dataset
 from mlra_jax.train import main as train_main
+from mlra_jax.training import loop
 from mlra_jax.training.loop import train
 from mlra_jax.training.resume_check import record_experiment
 
@@ -22,7 +24,9 @@ pytestmark = pytest.mark.slow  # trains, launches or compiles: not in the fast s
 ONE_DEVICE = jax.devices()[:1]
 
 
-def test_a_changed_batch_size_is_refused_then_resumes_at_the_next_example_when_allowed(tmp_path, capsys):
+def test_a_changed_batch_size_is_refused_then_resumes_at_the_next_example_when_allowed(tmp_path, capsys, monkeypatch):
+    # the command's runs on one device (not the suite's 8): what they check is the data's order, not the mesh's
+    monkeypatch.setattr(loop, "train", functools.partial(loop.train, devices=ONE_DEVICE))
     run = [f"--workdir={tmp_path}", "--experiment=mlra4_tiny", *MICRO, "--train.eval_every=0"]
     assert train_main([*run, "--train.total_steps=8"]) == 0
     saved = (tmp_path / "experiment.json").read_text()
