@@ -22,4 +22,6 @@ Training attention:
   * mlra_attention_gpu_backward  its backward (dK/dV and dQ kernels) and `mlra_attention`, both under a custom VJP:
                              what the trainer runs for MLRA-2 and MLRA-4 on Hopper (mlra_jax.attention.mlra_kernel);
   * remat_names              the names that kernels give the outputs their backward reads, which remat policies keep.
+
+Shared: gpu_interpret (Pallas's GPU interpret mode for the Mosaic GPU kernels' CPU tests).
 """

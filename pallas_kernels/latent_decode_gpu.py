@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from mlra_jax.pallas_kernels.gpu_interpret import interpret_params
 from mlra_jax.pallas_kernels.latent_decode_common import LOG2E, check_page_table, choose_splits, combine
 
 CHUNK = 64  # columns per SMEM tile and per wgmma N
@@ -147,17 +148,8 @@ def combine_gpu(
         out_type=jax.ShapeDtypeStruct((b, n, heads, r), dtype),
         grid=(r // COMBINE_COLUMNS, heads, b * n),
         grid_names=("column", "head", "bn"),
-        interpret=_gpu_interpret_params() if interpret else None,
+        interpret=interpret_params(interpret),
     )(partial_out, partial_lse)
-
-
-def _gpu_interpret_params():
-    """Pallas's GPU interpret mode (exported as plgpu.InterpretGPUParams in later jax versions)."""
-    if hasattr(plgpu, "InterpretGPUParams"):
-        return plgpu.InterpretGPUParams()
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "block_kv"))

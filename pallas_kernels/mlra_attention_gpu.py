@@ -81,6 +81,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from mlra_jax.pallas_kernels.gpu_interpret import interpret_params
 
 CHUNK = 64  # columns per SMEM tile (the 128-byte swizzle of bf16) and per value accumulator
 BLOCK_Q = 64  # query rows per compute warpgroup (wgmma's M)
@@ -132,15 +133,6 @@ def plan(blocks: int, rank: int, rope: int, branches: int | None = None, block_k
         if stages >= 2:
             return d, min(stages, MAX_STAGES)
     raise ValueError(f"latent blocks of {rank} with RoPE {rope} do not fit the pipeline in shared memory")
-
-
-def _gpu_interpret_params():
-    """Pallas's GPU interpret mode (exported as plgpu.InterpretGPUParams in later jax versions)."""
-    if hasattr(plgpu, "InterpretGPUParams"):
-        return plgpu.InterpretGPUParams()
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
 
 
 def _layout(x: jax.Array, layout, interpret: bool) -> jax.Array:
@@ -556,5 +548,5 @@ def mlra_attention_gpu(
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
-        interpret=_gpu_interpret_params() if interpret else None,
+        interpret=interpret_params(interpret),
     )(q_latent, q_rope, latent, k_rope)

@@ -54,13 +54,13 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from mlra_jax.pallas_kernels.gpu_interpret import interpret_params
 from mlra_jax.pallas_kernels.mlra_attention_gpu import (
     BLOCK_KV,
     CHUNK,
     COMPUTE_WGS,
     LOG2E,
     SMEM_BYTES,
-    _gpu_interpret_params,
     _layout,
     mlra_attention_gpu,
     stream_tiles,
@@ -337,7 +337,7 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning:
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
-        interpret=_gpu_interpret_params() if interpret else None,
+        interpret=interpret_params(interpret),
     )(ql, qr, lat, kr, do, lse2, delta)
 
 
@@ -483,7 +483,7 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning: 
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
-        interpret=_gpu_interpret_params() if interpret else None,
+        interpret=interpret_params(interpret),
     )(ql, qr, lat, kr, do, lse2, delta)
 
 

@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mlra_jax.pallas_kernels.mlra_attention_gpu import _gpu_interpret_params
 
 from mlra_jax.benchmarks import dependent_launch
 
@@ -14,7 +13,7 @@ def test_each_kernel_of_the_chain_adds_its_weight_tiles_to_the_last_output():
     shape = (layers, ctas, dependent_launch.TILES, dependent_launch.ROWS, dependent_launch.COLS)
     weights = jax.random.randint(jax.random.key(0), shape, -3, 4).astype(jnp.bfloat16)
     x = jnp.ones((ctas, dependent_launch.ROWS, dependent_launch.COLS), jnp.bfloat16)
-    layer = dependent_launch.mosaic_layer("plain", ctas=ctas, interpret=_gpu_interpret_params())
+    layer = dependent_launch.mosaic_layer("plain", ctas=ctas, interpret=True)
     got = dependent_launch.chain(layer)(weights, x)
     want = x.astype(jnp.float32) + weights.astype(jnp.float32).sum(axis=(0, 2))
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want))

@@ -37,6 +37,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from mlra_jax.benchmarks.common import save
 from mlra_jax.benchmarks.roofline import copy_bandwidth
+from mlra_jax.pallas_kernels.gpu_interpret import interpret_params
 
 VARIANTS = ("plain", "wait0", "prefetch", "trigger")
 TRITON_VARIANTS = ("plain", "wait0")
@@ -44,8 +45,9 @@ CTAS, ROWS, COLS, TILES = 132, 64, 64, 8  # Mosaic GPU: CTAs, one SMEM tile (128
 TRITON_ROWS, TRITON_K = 8, 2048  # Pallas Triton: rows of W per program, row length (and x's length)
 
 
-def mosaic_layer(variant: str, ctas: int = CTAS, interpret: object = None) -> Callable:
-    """One Mosaic GPU kernel of the chain: (W [ctas, TILES, ROWS, COLS], x [ctas, ROWS, COLS]) -> y like x."""
+def mosaic_layer(variant: str, ctas: int = CTAS, interpret: bool = False) -> Callable:
+    """One Mosaic GPU kernel of the chain: (W [ctas, TILES, ROWS, COLS], x [ctas, ROWS, COLS]) -> y like x;
+    interpret=True runs it in GPU interpret mode (on CPU, for the tests)."""
     transforms = (plgpu.TilingTransform((8, COLS)), plgpu.SwizzleTransform(128))
 
     def body(w_ref, x_ref, y_ref, w_smem, x_smem, w_barrier, x_barrier):
@@ -83,7 +85,7 @@ def mosaic_layer(variant: str, ctas: int = CTAS, interpret: object = None) -> Ca
         out_type=jax.ShapeDtypeStruct((ctas, ROWS, COLS), jnp.bfloat16),
         grid=(ctas,),
         grid_names=("cta",),
-        **({"interpret": interpret} if interpret is not None else {}),
+        interpret=interpret_params(interpret),
     )
 
 
