@@ -38,7 +38,7 @@ ran forward (the default tiling) + backward 1.29x cuDNN's forward + backward on 
 schedule: 1.28x); ptxas spilled 12 and 16 bytes a thread in the two kernels at R = 128 (the older schedule).
 
 Interpret mode (`interpret=True`, on CPU) runs it as the forward's docstring describes, the products as float32
-dots of the same SMEM operands (`mma`). Float32 inputs run only in interpret mode; the GPU takes bf16 or f16.
+dots of the same SMEM operands (`_mma`). Float32 inputs run only in interpret mode; the GPU takes bf16 or f16.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,23 +60,16 @@ from mlra_jax.pallas_kernels.mlra_attention_gpu import (
     CHUNK,
     COMPUTE_WGS,
     LOG2E,
+    SMEM_BYTES,
+    _layout,
     mlra_attention_gpu,
     stream_tiles,
 )
-from mlra_jax.pallas_kernels.mlra_attention_gpu_fused_dq import dkv_dq
-from mlra_jax.pallas_kernels.mlra_backward_parts import (
-    TILE,
-    Reg,
-    iota,
-    mma,
-    smem_transforms,
-    stages_that_fit,
-    vector,
-    zeros_tile,
-)
 from mlra_jax.pallas_kernels.remat_names import MLRA_ATTENTION_RESIDUALS
 
+TILE = 64  # rows of every tile: a warpgroup's keys (dK/dV) or queries (dQ), and the streamed tiles
 BACKWARD_COLUMNS = 192  # R + Dr at most: with S and dP, 320 float32 accumulator columns per warpgroup
+MAX_STAGES = 4
 
 
 class BackwardTuning(NamedTuple):
@@ -91,45 +84,102 @@ class BackwardTuning(NamedTuple):
     prescale: the scale folded into the inputs computed in XLA: the dK/dV kernel takes scale * D and computes
       dS^T = P^T (scale dP^T - scale D); the dQ kernel takes the logsumexp less log2(scale), so that exp2 gives
       scale * P and dS = (scale P) (dP - D). False: the kernels compute dS = (P scale) (dP - D).
-    fused_dq: one kernel (mlra_attention_gpu_fused_dq): the dK/dV kernel also adds dQ into float32 accumulators, and
-      no dQ kernel runs (dkv_stages sets its pipeline; it runs prescaled and walks the first two tiles of each head
-      masked, so skip_masked and prescale do not apply).
-    head_splits: with fused_dq, each block's query heads split over this many CTAs per key tile (see dkv_dq).
     """
 
     dkv_stages: int | None = None
     dq_stages: int | None = None
     skip_masked: bool = True
     prescale: bool = True
-    fused_dq: bool = False
-    head_splits: int = 1
 
     @classmethod
     def parse(cls, spec: str) -> "BackwardTuning":
         """A tuning from words joined by '+': default, noskip, noprescale (the older schedule's halves), skip,
-        prescale (the defaults, explicitly), fused (dQ in the dK/dV kernel), split (a dQ kernel of its own), stagesN
-        (both kernels), dkv_stagesN, dq_stagesN; e.g. 'noskip+noprescale' or 'fused+dkv_stages2'."""
+        prescale (the defaults, explicitly), stagesN (both kernels), dkv_stagesN, dq_stagesN; e.g.
+        'noskip+noprescale' or 'dq_stages3'."""
         fields: dict = {}
         switches = {"skip": ("skip_masked", True), "noskip": ("skip_masked", False)}
         switches |= {"prescale": ("prescale", True), "noprescale": ("prescale", False)}
-        switches |= {"fused": ("fused_dq", True), "split": ("fused_dq", False)}
         for word in spec.split("+"):
             if word == "default":
                 continue
             if word in switches:
                 field, value = switches[word]
                 fields[field] = value
-            elif (match := re.fullmatch(r"head_splits(\d+)", word)) is not None:
-                fields["head_splits"] = int(match.group(1))
             elif (match := re.fullmatch(r"(dkv_|dq_)?stages(\d+)", word)) is not None:
                 for kernel in (match.group(1),) if match.group(1) else ("dkv_", "dq_"):
                     fields[f"{kernel}stages"] = int(match.group(2))
             else:
                 raise ValueError(
                     f"backward tuning {spec!r}: {word!r} is none of default, skip, noskip, prescale, noprescale, "
-                    "fused, split, stagesN, dkv_stagesN, dq_stagesN, head_splitsN"
+                    "stagesN, dkv_stagesN, dq_stagesN"
                 )
         return cls(**fields)
+
+
+class _Reg(NamedTuple):
+    """A wgmma A operand held in registers (the others are SMEM refs)."""
+
+    value: jax.Array
+
+
+def _mma(inits: tuple[jax.Array, ...], terms: Callable[[], list], interpret: bool) -> tuple[jax.Array, ...]:
+    """inits[i] + the sum of a b (b^T where transposed) over terms() = [(i, a, b, transposed)], a an SMEM ref or a
+    _Reg, b an SMEM ref: wgmma into accumulators initialized from inits, all awaited once, on the GPU; float32 dots
+    of the same operands in interpret mode. terms() is called inside the accumulators' scope (see `_scores` in
+    mlra_attention_gpu: views made outside fail to lower)."""
+    if interpret:
+        accs = list(inits)
+        for i, a, b, transposed in terms():
+            lhs = a.value if isinstance(a, _Reg) else a[...]
+            dims = (((1,), (1 if transposed else 0,)), ((), ()))
+            accs[i] = accs[i] + lax.dot_general(
+                lhs, b[...], dims, precision="highest", preferred_element_type=jnp.float32
+            )
+        return tuple(accs)
+
+    def body(refs):
+        for i, a, b, transposed in terms():
+            plgpu.wgmma(
+                refs[i], a.value if isinstance(a, _Reg) else a, plgpu.transpose_ref(b, (1, 0)) if transposed else b
+            )
+
+    return tuple(pl.run_state(body)(tuple(plgpu.ACC.init(x) for x in inits)))
+
+
+def _zeros(shape: tuple[int, int], interpret: bool) -> jax.Array:
+    return _layout(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA, interpret)
+
+
+def _vector(ref, axis: int, interpret: bool) -> jax.Array:
+    """A [TILE] float32 vector from SMEM in the layout of a WGMMA tile reduced over `axis`."""
+    if interpret:
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(axis))
+
+
+def _iota(shape: tuple[int, int], dim: int, interpret: bool) -> jax.Array:
+    if interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _stages(resident: int, streamed: int, requested: int | None = None) -> int:
+    """Pipeline slots of `streamed` bytes beside `resident` bytes of SMEM: `requested` (ValueError where they do not
+    fit), else as many as fit up to MAX_STAGES; at least two."""
+    fit = (SMEM_BYTES - resident) // streamed
+    if fit < 2:
+        raise ValueError("the backward's tiles do not fit shared memory twice")
+    if requested is None:
+        return min(fit, MAX_STAGES)
+    if not 2 <= requested <= fit:
+        raise ValueError(f"stages={requested}: the backward's pipeline takes 2 to {fit} slots of its tiles here")
+    return requested
+
+
+def _transforms(dtype) -> tuple:
+    if jnp.dtype(dtype).itemsize == 2:
+        return (plgpu.TilingTransform((8, CHUNK)), plgpu.SwizzleTransform(128))
+    return ()
 
 
 def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning: BackwardTuning, interpret: bool):
@@ -141,8 +191,8 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning:
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
     kv_tiles = t // (COMPUTE_WGS * TILE)
     size = jnp.dtype(dtype).itemsize
-    stages = stages_that_fit(COMPUTE_WGS * TILE * (r + dr) * size, TILE * ((2 * r + dr) * size + 8), tuning.dkv_stages)
-    scale_log2, transforms = scale * LOG2E, smem_transforms(dtype)
+    stages = _stages(COMPUTE_WGS * TILE * (r + dr) * size, TILE * ((2 * r + dr) * size + 8), tuning.dkv_stages)
+    scale_log2, transforms = scale * LOG2E, _transforms(dtype)
     shape = (TILE, TILE)
 
     def kernel(ql_ref, qr_ref, lat_ref, kr_ref, do_ref, lse_ref, delta_ref, dlat_ref, dkr_ref, scoped):
@@ -188,11 +238,11 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning:
                 """P^T and dS^T of one query tile from S^T and dP^T, in the inputs' dtype."""
                 if masked:  # query q0 + column sees key k0 + row when q >= k
                     q0 = (first + local) * TILE
-                    keep = iota(shape, 1, interpret) + q0 >= iota(shape, 0, interpret) + k0
+                    keep = _iota(shape, 1, interpret) + q0 >= _iota(shape, 0, interpret) + k0
                     s_t = jnp.where(keep, s_t, -jnp.inf)
-                lse = vector(lse_smem.at[slot], 0, interpret)
+                lse = _vector(lse_smem.at[slot], 0, interpret)
                 p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse, shape, [1]))
-                d = lax.broadcast_in_dim(vector(delta_smem.at[slot], 0, interpret), shape, [1])
+                d = lax.broadcast_in_dim(_vector(delta_smem.at[slot], 0, interpret), shape, [1])
                 ds_t = p_t * (dp_t * scale - d) if tuning.prescale else (p_t * scale) * (dp_t - d)
                 return p_t.astype(dtype), ds_t.astype(dtype)
 
@@ -206,9 +256,9 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning:
             def step(i, local, carry, masked):
                 slot = lax.rem(i, jnp.int32(stages))
                 plgpu.barrier_wait(q_barriers.at[slot])
-                s_t, dp_t = mma((zeros_tile(shape, interpret),) * 2, lambda: scores(slot), interpret)
+                s_t, dp_t = _mma((_zeros(shape, interpret),) * 2, lambda: scores(slot), interpret)
                 p16, ds16 = probabilities(s_t, dp_t, local, slot, masked)
-                carry = mma(carry, lambda: grads(slot, Reg(p16), Reg(ds16)), interpret)
+                carry = _mma(carry, lambda: grads(slot, _Reg(p16), _Reg(ds16)), interpret)
                 release(i)
                 return carry
 
@@ -227,7 +277,7 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning:
                 carry = step(base + wg, wg, carry, masked=True)  # the warpgroup's diagonal tile
                 return lax.fori_loop(wg + 1, per_head, lambda m, c: unmasked(base + m, m, c), carry)
 
-            accs = lax.fori_loop(0, h, head, (zeros_tile((TILE, CHUNK), interpret),) * (lat_chunks + rope_chunks))
+            accs = lax.fori_loop(0, h, head, (_zeros((TILE, CHUNK), interpret),) * (lat_chunks + rope_chunks))
             for c in range(lat_chunks):
                 klat_smem.at[wg, c][...] = accs[c].astype(dtype)
             for c in range(rope_chunks):
@@ -300,8 +350,8 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning: 
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
     q_tiles = t // (COMPUTE_WGS * TILE)
     size = jnp.dtype(dtype).itemsize
-    stages = stages_that_fit(COMPUTE_WGS * TILE * ((2 * r + dr) * size + 8), TILE * (r + dr) * size, tuning.dq_stages)
-    scale_log2, transforms = scale * LOG2E, smem_transforms(dtype)
+    stages = _stages(COMPUTE_WGS * TILE * ((2 * r + dr) * size + 8), TILE * (r + dr) * size, tuning.dq_stages)
+    scale_log2, transforms = scale * LOG2E, _transforms(dtype)
     shape = (TILE, TILE)
 
     def kernel(ql_ref, qr_ref, lat_ref, kr_ref, do_ref, lse_ref, delta_ref, dql_ref, dqr_ref, scoped):
@@ -329,7 +379,7 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning: 
             plgpu.copy_gmem_to_smem(lse_ref.at[bi, j, hi, rows], lse_smem.at[wg], q_barriers.at[wg])
             plgpu.copy_gmem_to_smem(delta_ref.at[bi, j, hi, rows], delta_smem.at[wg], q_barriers.at[wg])
             plgpu.barrier_wait(q_barriers.at[wg])
-            lse, d = vector(lse_smem.at[wg], 1, interpret), vector(delta_smem.at[wg], 1, interpret)
+            lse, d = _vector(lse_smem.at[wg], 1, interpret), _vector(delta_smem.at[wg], 1, interpret)
             steps = q0 // TILE + 1  # key tiles these rows read: the last on the diagonal
 
             def scores(slot):  # S = [q_latent || q_rope] [latent || k_rope]^T, dP = dO latent^T
@@ -348,7 +398,7 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning: 
                 """dS of one key tile from S and dP, in the inputs' dtype (prescale: lse is less log2(scale), so
                 that exp2 gives scale P)."""
                 if masked:
-                    keep = iota(shape, 0, interpret) + q0 >= iota(shape, 1, interpret) + i * TILE
+                    keep = _iota(shape, 0, interpret) + q0 >= _iota(shape, 1, interpret) + i * TILE
                     s = jnp.where(keep, s, -jnp.inf)
                 p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(lse, shape, [0]))
                 d_rows = lax.broadcast_in_dim(d, shape, [0])
@@ -362,13 +412,13 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning: 
             def step(i, carry, masked):
                 slot = lax.rem(i, jnp.int32(stages))
                 plgpu.barrier_wait(kv_barriers.at[slot])
-                s, dp = mma((zeros_tile(shape, interpret),) * 2, lambda: scores(slot), interpret)
-                ds16 = Reg(gradient(s, dp, i, masked))
-                carry = mma(carry, lambda: grads(slot, ds16), interpret)
+                s, dp = _mma((_zeros(shape, interpret),) * 2, lambda: scores(slot), interpret)
+                ds16 = _Reg(gradient(s, dp, i, masked))
+                carry = _mma(carry, lambda: grads(slot, ds16), interpret)
                 release(i)
                 return carry
 
-            accs = (zeros_tile((TILE, CHUNK), interpret),) * (lat_chunks + rope_chunks)
+            accs = (_zeros((TILE, CHUNK), interpret),) * (lat_chunks + rope_chunks)
             accs = lax.fori_loop(0, steps - 1, functools.partial(step, masked=False), accs)
             accs = step(steps - 1, accs, masked=True)
 
@@ -489,21 +539,6 @@ def mlra_attention_backward(
     delta = jnp.einsum("hbtnr,hbtnr->bnht", out.astype(f32), d_out.astype(f32))
     lse2 = lse.astype(f32) * LOG2E
     args = (q_latent, q_rope, latent, k_rope, d_out)
-    if tuning.fused_dq:
-        d_latent, d_k_rope, d_q_latent, d_q_rope = dkv_dq(
-            *args,
-            lse2,
-            delta * scale,
-            scale=scale,
-            groups=groups,
-            stages=tuning.dkv_stages,
-            interpret=interpret,
-            head_splits=tuning.head_splits,
-        )
-        d_latent = d_latent[0] if d_latent.shape[0] == 1 else d_latent.astype(f32).sum(axis=0).astype(latent.dtype)
-        d_k_rope = d_k_rope.astype(f32).sum(axis=(0, 2)).astype(k_rope.dtype)
-        d_q_latent, d_q_rope = d_q_latent.astype(q_latent.dtype), d_q_rope.astype(q_rope.dtype)
-        return d_q_latent, d_q_rope, d_latent, lax.optimization_barrier(d_k_rope)
     if tuning.prescale:  # dK/dV: scale D; dQ: exp2 gives scale P
         dkv_extra, dq_extra = (lse2, delta * scale), (lse2 - math.log2(scale), delta)
     else:

@@ -169,28 +169,11 @@ def test_backward_float32_tunings(spec):
     check_backward((1, 256, 1, 1, 64, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5), tuning=BackwardTuning.parse(spec))
 
 
-def test_backward_fused_dq_float32():
-    """dQ accumulated in the dK/dV kernel (`fused`): two CTAs of 128 keys over two query heads of two branches
-    (each head's dQ tiles reduced from both CTAs, its d q_rope from both branches into one accumulator), R = 128
-    (dQ's three column chunks: two for the first warpgroup, one for the second), two sequences."""
-    check_backward(
-        (2, 256, 2, 2, 128, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5), seed=3, tuning=BackwardTuning.parse("fused")
-    )
-
-
-def test_backward_fused_dq_two_head_groups():
-    """`fused` with two head groups: each block's CTAs reduce into their own group's heads only."""
-    tuning = BackwardTuning.parse("fused")
-    check_backward((1, 128, 2, 2, 64, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5), seed=9, groups=2, tuning=tuning)
-
-
 def test_backward_tunings_parse_and_name_their_limits():
     assert BackwardTuning() == BackwardTuning(skip_masked=True, prescale=True)
     assert BackwardTuning.parse("default") == BackwardTuning.parse("skip+prescale") == BackwardTuning()
     assert BackwardTuning.parse("noskip+dq_stages5") == BackwardTuning(dq_stages=5, skip_masked=False)
     assert BackwardTuning.parse("stages3+noprescale") == BackwardTuning(dkv_stages=3, dq_stages=3, prescale=False)
-    assert BackwardTuning.parse("fused+dkv_stages2") == BackwardTuning(dkv_stages=2, fused_dq=True)
-    assert not BackwardTuning.parse("fused+split").fused_dq
     with pytest.raises(ValueError, match="'pingpong' is none of"):
         BackwardTuning.parse("noskip+pingpong")
     args = inputs(1, 128, 1, 1, 64, 64, jnp.float32)
@@ -230,9 +213,9 @@ def test_the_backward_lowers_for_the_gpu():
     assert lowered.as_text().count("mosaic_gpu") >= 2
 
 
-# the backward tunings checked on the GPU (the default, the older schedule, the dQ kernel's most slots, dQ in the
-# dK/dV kernel), and the rest lowered on the CPU: each half of the older schedule and the fewest stages
-GPU_TUNINGS = ("default", "noskip+noprescale", "dq_stages5", "fused")
+# the backward tunings checked on the GPU (the default, the older schedule, the dQ kernel's most slots), and the
+# rest lowered on the CPU: each half of the older schedule and the fewest stages
+GPU_TUNINGS = ("default", "noskip+noprescale", "dq_stages5")
 LOWERED_TUNINGS = (*GPU_TUNINGS, "noskip", "noprescale", "stages2", "stages3")
 
 
