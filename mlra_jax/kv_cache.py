@@ -74,12 +74,13 @@ def init_cache(
     max_len = -(-max_len // SLOT_MULTIPLE) * SLOT_MULTIPLE
     tp = mesh.shape.get("tensor", 1) if mesh is not None else None
     plans = cache_plans(cfg, tp)
-    kv = {
-        c.name: jnp.zeros((cfg.n_layer, batch, max_len, plans[c.name].stored, *c.unit_shape), cfg.dtype)
-        for c in cache_layout(cfg)
-    }
-    if mesh is not None:
-        kv = jax.device_put(kv, cache_shardings(cfg, mesh))
+    shapes = {c.name: (cfg.n_layer, batch, max_len, plans[c.name].stored, *c.unit_shape) for c in cache_layout(cfg)}
+
+    def make() -> dict[str, jax.Array]:
+        return {name: jnp.zeros(shape, cfg.dtype) for name, shape in shapes.items()}
+
+    # under a mesh, made in its shardings: no host copy, and processes of a device each can share the mesh
+    kv = jax.jit(make, out_shardings=cache_shardings(cfg, mesh))() if mesh is not None else make()
     starts = jnp.zeros((batch,), jnp.int32) if starts is None else jnp.asarray(starts, jnp.int32)
     return DecodeState(kv, starts, jnp.zeros((), jnp.int32), tuple(plans.items()))
 

@@ -127,7 +127,12 @@ def benchmark_params(cfg: Any, shardings: Any = None) -> dict[str, Any]:
     from mlra_jax.model import abstract_model
 
     shapes = nnx.to_pure_dict(nnx.state(abstract_model(cfg), nnx.Param))
-    return filled_like(shapes, shardings, scale=0.02, ones=lambda path: path[-1] == jax.tree_util.DictKey("scale"))
+    return filled_like(shapes, shardings, scale=0.02, ones=is_norm_scale)
+
+
+def is_norm_scale(path: tuple) -> bool:
+    """Whether a parameter's key path ends at a norm's scale (filled with ones for timing)."""
+    return path[-1] == jax.tree_util.DictKey("scale")
 
 
 def chained(fn: Callable[..., jax.Array], feed: int, calls: int) -> Callable[..., jax.Array]:

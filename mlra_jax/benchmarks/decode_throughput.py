@@ -61,6 +61,8 @@ from mlra_jax.benchmarks.common import (
     compiled_memory,
     earlier_results,
     environment,
+    filled_like,
+    is_norm_scale,
     median_time,
     profiled_time,
     refilled,
@@ -146,11 +148,12 @@ def measure_attention(
     cfg = with_impl(THROUGHPUT_MODELS[variant], impl)
     tp, dp, _ = deployment(variant, len(devices))
     mesh = make_mesh(MeshConfig(data=dp, tensor=tp), devices)
-    attn = attention_class(variant)(cfg, rngs=nnx.Rngs(params=0))
-    graphdef, params = nnx.split(attn)[0], nnx.to_pure_dict(nnx.state(attn, nnx.Param))
+    attn = nnx.eval_shape(lambda: attention_class(variant)(cfg, rngs=nnx.Rngs(params=0)))
+    graphdef, shapes = nnx.split(attn)[0], nnx.to_pure_dict(nnx.state(attn, nnx.Param))
     axes = {k: v[1:] if v and v[0] == "layers" else v for k, v in logical_axes(attn).items()}
     with jax.set_mesh(mesh):
-        params = jax.device_put(params, tree_shardings(params, axes, mesh))
+        # made in their shardings (as whole models' are), so that processes of a device each can join one mesh
+        params = filled_like(shapes, tree_shardings(shapes, axes, mesh), scale=0.02, ones=is_norm_scale)
         params = layouts.tensor_parallel_weights({"attn": params}, cfg, mesh)["attn"]  # as the serving layer holds them
         read = {k: v for k, v in params.items() if k not in ("o_proj", "gate_proj")}  # what the scope's step reads
 
@@ -163,9 +166,7 @@ def measure_attention(
             return heads, dataclasses.replace(state, kv={k: v[None] for k, v in layer.items()}, index=state.index + 1)
 
         jitted = jax.jit(step, donate_argnums=(2,), compiler_options=serving_compiler_options(batch, tp > 1))
-        x = jax.device_put(
-            jax.random.normal(jax.random.key(0), (batch, 1, cfg.n_embd), jnp.bfloat16), batch_sharding(mesh, 3)
-        )
+        x = filled_like(jax.ShapeDtypeStruct((batch, 1, cfg.n_embd), jnp.bfloat16), batch_sharding(mesh, 3))
         for context in contexts:
             state = init_cache(cfg, batch, context, mesh=mesh)
             kv = refilled(state.kv)
@@ -485,7 +486,7 @@ def child_argv(args: argparse.Namespace, scope: str, variant: str, out: Path) ->
         f"--copy_gb={args.copy_gb}",
         f"--steps_per_call={args.steps_per_call}",
         *(["--timeline"] if args.timeline else []),
-        f"--processes={args.processes if scope == 'model' else 1}",  # one attention layer: one process
+        f"--processes={args.processes}",
         "--no_isolate",
         f"--out={out}",
         *(["--cpu"] if args.cpu else []),
@@ -590,12 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.processes < 1 or (args.process_id is not None and not args.coordinator):
         parser.error(f"--processes={args.processes}: give at least 1 (--process_id comes with --coordinator)")
     if args.isolate and len(scopes) * len(variants) > 1:
-        return measure_isolated(args, scopes, variants)  # the attention scope's processes drive all devices
-    if args.processes > 1 and "attention" in scopes:
-        parser.error(
-            f"--processes={args.processes} measures whole models: the attention scope's one layer runs in one process "
-            "(give --scopes=model, or leave out --no_isolate to measure each scope in a process of its own)"
-        )
+        return measure_isolated(args, scopes, variants)
     if args.processes > 1 and args.process_id is None:
         return measure_in_processes(args, argv)
     if args.process_id is not None:
