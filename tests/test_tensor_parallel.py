@@ -1,6 +1,7 @@
 """Tensor parallelism on 8 CPU devices: every variant equals its unsharded self in training and
 decoding, per-device caches match paper Table 1, and MLRA-4's TP=4 decode never gathers its cache."""
 
+import functools
 import re
 
 import jax
@@ -35,13 +36,26 @@ def mesh_for(tp, devices=8):
 
 
 def shard_params(model, params, mesh):
+    """Placed from host copies: no resharding computation to compile per parameter shape."""
+    params = jax.tree.map(np.asarray, params)
     return jax.device_put(params, tree_shardings(params, logical_axes(model), mesh))
+
+
+@functools.cache
+def initialized(variant, **changes):
+    """(model, graphdef, params) of small(variant, **changes) at seed 0, made once per process: the tests only read
+    them."""
+    model = init_model(small(variant, **changes), seed=0)
+    return model, nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def largest(x) -> float:
+    return float(np.abs(np.asarray(x)).max())
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_loss_and_gradients_match_unsharded(variant):
-    model = init_model(small(variant), seed=0)
-    graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    model, graphdef, params = initialized(variant)
     tokens = jax.random.randint(jax.random.key(0), (8, 9), 0, 128)
     value_and_grad = jax.jit(jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t)))
     loss, grads = value_and_grad(params, tokens)
@@ -49,17 +63,16 @@ def test_loss_and_gradients_match_unsharded(variant):
         mesh = mesh_for(tp)
         with jax.set_mesh(mesh):
             tp_loss, tp_grads = value_and_grad(
-                shard_params(model, params, mesh), jax.device_put(tokens, batch_sharding(mesh))
+                shard_params(model, params, mesh), jax.device_put(np.asarray(tokens), batch_sharding(mesh))
             )
         np.testing.assert_allclose(float(tp_loss), float(loss), rtol=1e-6, err_msg=f"TP={tp}")
         for a, b in zip(jax.tree.leaves(tp_grads), jax.tree.leaves(grads)):
-            np.testing.assert_allclose(
-                np.asarray(a), np.asarray(b), atol=3e-6 * float(jnp.abs(b).max()) + 1e-9, err_msg=f"TP={tp}"
-            )
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=3e-6 * largest(b) + 1e-9, err_msg=f"TP={tp}")
 
 
 def decode(model, params, tokens, mesh=None):
-    """Prefill 4 tokens, then decode the rest one at a time; the logits of every position."""
+    """Prefill 4 tokens, then decode the rest one at a time: the logits of every position, the final cache, and the
+    jitted step (step.lower(params, token, state, True): a decode step's program, its trace reused)."""
     graphdef = nnx.split(model)[0]
     step = jax.jit(lambda p, t, s, absorbed: nnx.merge(graphdef, p).forward_cached(t, s, absorbed), static_argnums=3)
     state = init_cache(model.config, tokens.shape[0], 16, mesh=mesh)
@@ -68,19 +81,25 @@ def decode(model, params, tokens, mesh=None):
     for i in range(4, tokens.shape[1]):
         logits, state = step(params, tokens[:, i : i + 1], state, True)
         outputs.append(logits)
-    return np.asarray(jnp.concatenate(outputs, axis=1)), state
+    return np.concatenate([np.asarray(x) for x in outputs], axis=1), state, step
+
+
+@functools.cache
+def unsharded_decode(variant, seed, **changes):
+    """The unsharded model's decode() logits of the tokens of `seed`, made once per process."""
+    model, _, params = initialized(variant, **changes)
+    tokens = jax.random.randint(jax.random.key(seed), (2, 7), 0, 128)
+    return tokens, decode(model, params, tokens)[0]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decode_with_sharded_cache_matches_unsharded(variant):
-    model = init_model(small(variant), seed=0)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    tokens = jax.random.randint(jax.random.key(1), (2, 7), 0, 128)
-    expected, _ = decode(model, params, tokens)
+    model, _, params = initialized(variant)
+    tokens, expected = unsharded_decode(variant, 1)
     for tp in TP_DEGREES:
         mesh = make_mesh(MeshConfig(data=1, tensor=tp), jax.devices()[:tp])
         with jax.set_mesh(mesh):
-            logits, state = decode(model, shard_params(model, params, mesh), tokens, mesh)
+            logits, state, _ = decode(model, shard_params(model, params, mesh), tokens, mesh)
         np.testing.assert_allclose(logits, expected, atol=2e-5, err_msg=f"TP={tp}")
         assert all(a.sharding.mesh.shape["tensor"] == tp for a in state.kv.values())
 
@@ -93,9 +112,8 @@ def test_measured_per_device_cache_matches_table1(variant):
 
 
 def test_mlra4_tp4_decode_never_gathers_the_latent_cache():
-    cfg = small("mlra4", n_layer=1)
-    model = init_model(cfg, seed=0)
-    graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    model, graphdef, params = initialized("mlra4")  # n_layer=1
+    cfg = model.config
     mesh = make_mesh(MeshConfig(data=1, tensor=4), jax.devices()[:4])
     max_len = 96  # a length no other tensor has
     with jax.set_mesh(mesh):
@@ -124,13 +142,12 @@ def test_tp_degrees_the_latent_family_cannot_use():
 
 def test_kv_heads_that_do_not_divide_are_replicated(caplog):
     """GQA with 6 KV heads at TP=4: the cache falls back to replication and decoding stays exact."""
-    model = init_model(small("mha", n_head=6, head_dim=16), seed=0)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    model, _, params = initialized("mha", n_head=6, head_dim=16)
     tokens = jax.random.randint(jax.random.key(2), (2, 6), 0, 128)
-    expected, _ = decode(model, params, tokens)
+    expected, *_ = decode(model, params, tokens)
     mesh = make_mesh(MeshConfig(data=1, tensor=4), jax.devices()[:4])
     with jax.set_mesh(mesh), caplog.at_level("WARNING"):
-        logits, state = decode(model, shard_params(model, params, mesh), tokens, mesh)
+        logits, state, _ = decode(model, shard_params(model, params, mesh), tokens, mesh)
     np.testing.assert_allclose(logits, expected, atol=2e-5)
     assert "6 slices cannot be divided over TP=4" in caplog.text
     assert per_device_bytes(state.kv["k"]) == state.kv["k"].nbytes
@@ -140,17 +157,14 @@ def test_kv_heads_that_do_not_divide_are_replicated(caplog):
 def test_gqa_kv_heads_stored_by_the_query_heads_that_read_them(data):
     """GQA with 6 KV heads of 24 query heads at TP=4 (the 2.9B GQA's layout): each device stores the 2 KV heads its
     6 query heads read, prefill and decode equal the unsharded model, and no step gathers the cache."""
-    model = init_model(small("gqa", n_head=24, group_size=4, head_dim=8), seed=0)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    tokens = jax.random.randint(jax.random.key(3), (2, 7), 0, 128)
-    expected, _ = decode(model, params, tokens)
+    changes = dict(n_head=24, group_size=4, head_dim=8)
+    model, _, params = initialized("gqa", **changes)
+    tokens, expected = unsharded_decode("gqa", 3, **changes)
     mesh = make_mesh(MeshConfig(data=data, tensor=4), jax.devices()[: 4 * data])
     with jax.set_mesh(mesh):
         sharded = shard_params(model, params, mesh)
-        logits, state = decode(model, sharded, tokens, mesh)
-        graphdef = nnx.split(model)[0]
-        step = jax.jit(lambda p, t, s: nnx.merge(graphdef, p).forward_cached(t, s, True))
-        hlo = step.lower(sharded, tokens[:, :1], state).compile().as_text()
+        logits, state, step = decode(model, sharded, tokens, mesh)
+        hlo = step.lower(sharded, tokens[:, :1], state, True).compile().as_text()
     np.testing.assert_allclose(logits, expected, atol=2e-5)
     plan = dict(state.plans)["k"]
     assert plan.aligned and plan.unit_index.tolist() == [0, 1, 1, 2, 3, 4, 4, 5]
@@ -176,20 +190,17 @@ def test_gqa_decode_reads_split_and_spread_caches_as_stored(n_head, group_size, 
     cache's inner KV-head axis, as the grouped product they replace is."""
     import mlra_jax.attention.gqa as gqa_module
 
-    model = init_model(small("gqa", n_head=n_head, group_size=group_size, head_dim=8), seed=0)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    model, _, params = initialized("gqa", n_head=n_head, group_size=group_size, head_dim=8)
     tokens = jax.random.randint(jax.random.key(5), (2, 7), 0, 128)
-    expected, _ = decode(model, params, tokens)
+    expected, *_ = decode(model, params, tokens)
     mesh = make_mesh(MeshConfig(data=1, tensor=4), jax.devices()[:4])
     transposes = {}
     for slots in (0, gqa_module.MAX_SLOTS_READ_AS_STORED):
         monkeypatch.setattr(gqa_module, "MAX_SLOTS_READ_AS_STORED", slots)
         with jax.set_mesh(mesh):
             sharded = shard_params(model, params, mesh)
-            logits, state = decode(model, sharded, tokens, mesh)
-            graphdef = nnx.split(model)[0]
-            step = jax.jit(lambda p, t, s: nnx.merge(graphdef, p).forward_cached(t, s, True))
-            stablehlo = step.lower(sharded, tokens[:, :1], state).as_text()
+            logits, state, step = decode(model, sharded, tokens, mesh)
+            stablehlo = step.lower(sharded, tokens[:, :1], state, True).as_text()
         np.testing.assert_allclose(logits, expected, atol=2e-5)
         transposes[slots] = products_batched_on_inner_axes(stablehlo)
     plan = dict(state.plans)["k"]
@@ -204,8 +215,7 @@ def test_decode_branch_sums_in_bfloat16_against_float32(monkeypatch):
     stay within bfloat16 rounding of the float32 reduction's."""
     import mlra_jax.tensor_parallel as tp_module
 
-    model = init_model(small("mlra4", compute_dtype="bfloat16"), seed=0)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    model, _, params = initialized("mlra4", compute_dtype="bfloat16")
     tokens = jax.random.randint(jax.random.key(4), (2, 7), 0, 128)
     mesh = make_mesh(MeshConfig(data=1, tensor=4), jax.devices()[:4])
     outputs, reductions = {}, {}
@@ -213,10 +223,8 @@ def test_decode_branch_sums_in_bfloat16_against_float32(monkeypatch):
         monkeypatch.setattr(tp_module, "DECODE_REDUCE_DTYPE", dtype)
         with jax.set_mesh(mesh):
             sharded = shard_params(model, params, mesh)
-            outputs[dtype], state = decode(model, sharded, tokens, mesh)
-            graphdef = nnx.split(model)[0]
-            step = jax.jit(lambda p, t, s: nnx.merge(graphdef, p).forward_cached(t, s, True))
-            hlo = step.lower(sharded, tokens[:, :1], state).as_text()
+            outputs[dtype], state, step = decode(model, sharded, tokens, mesh)
+            hlo = step.lower(sharded, tokens[:, :1], state, True).as_text()
         reductions[dtype] = re.findall(r"stablehlo\.reduce_scatter\".*?\}\) : \(tensor<([^>]*)>", hlo, re.DOTALL)
     assert reductions["compute"] and all(r.endswith("bf16") for r in reductions["compute"]), reductions
     assert reductions["float32"] and all(r.endswith("f32") for r in reductions["float32"]), reductions
@@ -227,17 +235,16 @@ def test_decode_branch_sums_in_bfloat16_against_float32(monkeypatch):
 @pytest.mark.parametrize("variant", ["mla", "mlra4"])
 def test_bfloat16_training_under_tp(variant):
     """bf16 compute through the latent shard_map region, backward included (float32 params)."""
-    model = init_model(small(variant, compute_dtype="bfloat16"), seed=0)
-    graphdef, params = nnx.split(model)[0], nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    model, graphdef, params = initialized(variant, compute_dtype="bfloat16")
     tokens = jax.random.randint(jax.random.key(0), (8, 9), 0, 128)
     value_and_grad = jax.jit(jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t)))
     loss, grads = value_and_grad(params, tokens)
     mesh = mesh_for(4)
     with jax.set_mesh(mesh):
         tp_loss, tp_grads = value_and_grad(
-            shard_params(model, params, mesh), jax.device_put(tokens, batch_sharding(mesh))
+            shard_params(model, params, mesh), jax.device_put(np.asarray(tokens), batch_sharding(mesh))
         )
     np.testing.assert_allclose(float(tp_loss), float(loss), rtol=2e-3)
     for a, b in zip(jax.tree.leaves(tp_grads), jax.tree.leaves(grads)):
         assert a.dtype == jnp.float32
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=0.03 * float(jnp.abs(b).max()) + 1e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=0.03 * largest(b) + 1e-6)
