@@ -322,10 +322,16 @@ def test_equals_the_library_training_path():
         return z
 
     tokens = jax.random.randint(jax.random.key(1), (1, 128), 0, 128)
+    graphdef, state = nnx.split(model)
+
+    def forward(state, tokens):  # jitted: the forward compiles as one program, not op by op
+        nnx.merge(graphdef, state)(tokens)
+        return [x for x in seen[-1][1:] if x is not None]  # the recorded tensors, out of the program
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(LatentAttention, "latent_heads_attention", recording)
-        model(tokens)
-    [(scale, q_latent, q_rope, latent, k_rope, mask, z)] = seen
+        q_latent, q_rope, latent, k_rope, z = jax.jit(forward)(state, tokens)
+    [(scale, *_, mask, _)] = seen
     assert mask is None and q_latent.shape == (1, 128, 4, 1, 64) and latent.shape == (1, 128, 4, 64)
     # every block's queries carry the same RoPE part, and every block's key the same RoPE key: shared in the kernel
     np.testing.assert_array_equal(np.asarray(q_rope), np.broadcast_to(np.asarray(q_rope[:, :, :1]), q_rope.shape))
