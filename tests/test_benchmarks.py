@@ -625,6 +625,7 @@ import sys
 from mlra_jax.benchmarks import decode_throughput
 from mlra_jax.experiments.tiny import tiny_model
 decode_throughput.whole_model = lambda v: tiny_model(v, n_layer=1, n_head=8, vocab_size=128)
+decode_throughput.THROUGHPUT_MODELS = {v: decode_throughput.whole_model(v) for v in ("mlra4", "gla2")}
 sys.exit(decode_throughput.main(sys.argv[1:]))
 """
 
