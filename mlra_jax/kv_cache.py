@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,12 @@ def cache_shardings(
 SLOT_MULTIPLE = 8  # caches hold a multiple of 8 slots (TMA tiles rows in 8s in the GPU decode kernel)
 
 
+def _zeros(shapes: Any, shardings: Any = None) -> Any:
+    """Zero arrays of a tree of ShapeDtypeStructs, made by one jitted call in `shardings` (a tree of the same
+    structure) when given: no host copy, and a mesh may span processes."""
+    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), out_shardings=shardings)()
+
+
 def init_cache(
     cfg: ModelConfig, batch: int, max_len: int, starts: jax.Array | None = None, mesh: jax.sharding.Mesh | None = None
 ) -> DecodeState:
@@ -74,13 +81,11 @@ def init_cache(
     max_len = -(-max_len // SLOT_MULTIPLE) * SLOT_MULTIPLE
     tp = mesh.shape.get("tensor", 1) if mesh is not None else None
     plans = cache_plans(cfg, tp)
-    shapes = {c.name: (cfg.n_layer, batch, max_len, plans[c.name].stored, *c.unit_shape) for c in cache_layout(cfg)}
-
-    def make() -> dict[str, jax.Array]:
-        return {name: jnp.zeros(shape, cfg.dtype) for name, shape in shapes.items()}
-
-    # under a mesh, made in its shardings: no host copy, and processes of a device each can share the mesh
-    kv = jax.jit(make, out_shardings=cache_shardings(cfg, mesh))() if mesh is not None else make()
+    shapes = {
+        c.name: jax.ShapeDtypeStruct((cfg.n_layer, batch, max_len, plans[c.name].stored, *c.unit_shape), cfg.dtype)
+        for c in cache_layout(cfg)
+    }
+    kv = _zeros(shapes, cache_shardings(cfg, mesh) if mesh is not None else None)
     starts = jnp.zeros((batch,), jnp.int32) if starts is None else jnp.asarray(starts, jnp.int32)
     return DecodeState(kv, starts, jnp.zeros((), jnp.int32), tuple(plans.items()))
 
@@ -130,13 +135,12 @@ def init_layer_caches(
         raise ValueError(f"a cache capacity of {capacity} slots is not a multiple of {SLOT_MULTIPLE}")
     tp = mesh.shape.get("tensor", 1) if mesh is not None else None
     plans = cache_plans(cfg, tp)
-    shapes = {c.name: (batch, capacity, plans[c.name].stored, *c.unit_shape) for c in cache_layout(cfg)}
-    shardings = layer_cache_shardings(cfg, mesh) if mesh is not None else None
-
-    def make() -> tuple[dict[str, jax.Array], ...]:
-        return tuple({name: jnp.zeros(shape, cfg.dtype) for name, shape in shapes.items()} for _ in range(cfg.n_layer))
-
-    layers = jax.jit(make, out_shardings=(shardings,) * cfg.n_layer if mesh is not None else None)()
+    layer = {
+        c.name: jax.ShapeDtypeStruct((batch, capacity, plans[c.name].stored, *c.unit_shape), cfg.dtype)
+        for c in cache_layout(cfg)
+    }
+    shardings = (layer_cache_shardings(cfg, mesh),) * cfg.n_layer if mesh is not None else None
+    layers = _zeros((layer,) * cfg.n_layer, shardings)
     starts = jnp.zeros((batch,), jnp.int32) if starts is None else jnp.asarray(starts, jnp.int32)
     return LayerCaches(layers, starts, jnp.zeros((), jnp.int32), tuple(plans.items()))
 
