@@ -14,8 +14,14 @@ Each kernel reads 8.65 MB (Mosaic GPU: 132 CTAs of eight 8 KiB tiles) or 8.4 MB 
 * trigger:  prefetch, after griddepcontrol.launch_dependents first (the next kernel may be scheduled at once).
 
 Pallas Triton kernels take the instructions as inline assembly; whether XLA launches them with PDL shows in the
-time. Each row: the chain's wall time per kernel (the best of 5 runs of 50 calls), the kernel's bytes and their
-floor at the copy bandwidth measured in the same process. Where PDL is not in effect, the wait returns at once and
+time. Kind `mixed` alternates a Pallas Triton kernel with a Mosaic GPU kernel, both of the Mosaic chain's work
+(W_i's 8 tiles per program added to x), as a decode step would if its Triton row kernels were followed by Mosaic
+GPU ones: the Triton kernel `plain` or `trigger` (launch_dependents as inline assembly, before x's load), the Mosaic
+GPU kernel one of the variants above. Whether an early trigger from a kernel that is not itself launched with PDL
+lets the next one load its weights early shows as the pair's time.
+
+Each row: the chain's wall time per kernel (the best of 5 runs of 50 calls), the kernel's bytes and their floor at
+the copy bandwidth measured in the same process. Where PDL is not in effect, the wait returns at once and
 every variant times like `plain`. --no_command_buffers runs the chain outside XLA's command buffers (CUDA graphs).
 """
 
@@ -41,6 +47,8 @@ from mlra_jax.pallas_kernels.gpu_interpret import interpret_params
 
 VARIANTS = ("plain", "wait0", "prefetch", "trigger")
 TRITON_VARIANTS = ("plain", "wait0")
+MIXED_VARIANTS = (("plain", "plain"), ("plain", "prefetch"), ("trigger", "prefetch"), ("trigger", "trigger"))
+KINDS = ("mosaic", "triton", "mixed")
 CTAS, ROWS, COLS, TILES = 132, 64, 64, 8  # Mosaic GPU: CTAs, one SMEM tile (128-byte rows), W tiles per CTA
 TRITON_ROWS, TRITON_K = 8, 2048  # Pallas Triton: rows of W per program, row length (and x's length)
 
@@ -116,6 +124,50 @@ def triton_layer(variant: str) -> Callable:
     )
 
 
+def _asm_zero(instruction: str) -> jax.Array:
+    """0 from inline assembly that runs `instruction` first: an index offset that orders the instruction before
+    the load that takes it."""
+    zeros = jnp.zeros((16,), jnp.int32)
+    offset = pltriton.elementwise_inline_asm(
+        f"{instruction}; mov.u32 $0, $1;",
+        args=[zeros],
+        constraints="=r,r",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(zeros.shape, zeros.dtype)],
+    )[0]
+    return jnp.max(offset)
+
+
+def triton_tile_layer(variant: str, ctas: int = CTAS, interpret: bool = False) -> Callable:
+    """The Mosaic chain's kernel as a Pallas Triton kernel (program i adds W[i]'s tiles to x[i]): `plain`, or
+    `trigger` (griddepcontrol.launch_dependents before x's load)."""
+
+    def kernel(w_ref, x_ref, y_ref):
+        start = _asm_zero("griddepcontrol.launch_dependents") if variant == "trigger" else 0
+        acc = x_ref[pl.ds(start, ROWS), :].astype(jnp.float32)
+        for t in range(TILES):
+            acc = acc + w_ref[t].astype(jnp.float32)
+        y_ref[...] = acc.astype(y_ref.dtype)
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((ctas, ROWS, COLS), jnp.bfloat16),
+        grid=(ctas,),
+        in_specs=[
+            pl.BlockSpec((None, TILES, ROWS, COLS), lambda i: (i, 0, 0, 0)),
+            pl.BlockSpec((None, ROWS, COLS), lambda i: (i, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, ROWS, COLS), lambda i: (i, 0, 0)),
+        compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=1),
+        interpret=interpret,
+    )
+
+
+def alternating(first: Callable, second: Callable) -> Callable:
+    """A layer of the mixed chain: `first` on W[0] of the pair, then `second` on W[1]."""
+    return lambda w, x: second(w[1], first(w[0], x))
+
+
 def chain(layer: Callable) -> Callable:
     """The layers' kernels in one jit, unrolled: x -> layer(W_0, x) -> layer(W_1, ...) ..."""
 
@@ -130,7 +182,9 @@ def chain(layer: Callable) -> Callable:
 
 
 def chain_inputs(kind: str, layers: int) -> tuple[jax.Array, jax.Array]:
-    if kind == "mosaic":
+    if kind == "mixed":
+        shape, x = (layers // 2, 2, CTAS, TILES, ROWS, COLS), jnp.ones((CTAS, ROWS, COLS), jnp.bfloat16)
+    elif kind == "mosaic":
         shape, x = (layers, CTAS, TILES, ROWS, COLS), jnp.ones((CTAS, ROWS, COLS), jnp.bfloat16)
     else:
         shape, x = (layers, TRITON_K, TRITON_K), jnp.ones((TRITON_K,), jnp.bfloat16)
@@ -154,16 +208,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="mlra bench dependent_launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--kinds", default="mosaic,triton", help="mosaic (Mosaic GPU), triton (Pallas Triton)")
+    parser.add_argument(
+        "--kinds", default="mosaic,triton,mixed", help="mosaic (Mosaic GPU), triton (Pallas Triton), mixed (the two)"
+    )
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--no_command_buffers", action="store_true", help="XLA_FLAGS=--xla_gpu_enable_command_buffer=")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/dependent_launch.json"))
     args = parser.parse_args(argv)
     kinds = args.kinds.split(",")
-    if unknown := set(kinds) - {"mosaic", "triton"}:
-        parser.error(f"unknown kind {sorted(unknown)[0]!r}; kinds: mosaic, triton")
-    if args.layers < 2:
-        parser.error(f"--layers={args.layers}: a chain takes at least 2 kernels")
+    if unknown := set(kinds) - set(KINDS):
+        parser.error(f"unknown kind {sorted(unknown)[0]!r}; kinds: {', '.join(KINDS)}")
+    if args.layers < 2 or ("mixed" in kinds and args.layers % 2):
+        parser.error(f"--layers={args.layers}: a chain takes at least 2 kernels (an even count with kind mixed)")
     if args.no_command_buffers:  # read when the backend starts, so before the first use of jax
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
     if jax.default_backend() != "gpu":
@@ -172,9 +228,14 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for kind in kinds:
         weights, x = chain_inputs(kind, args.layers)
-        layer_bytes = weights[0].size * weights.dtype.itemsize + 2 * x.size * x.dtype.itemsize
-        for variant in VARIANTS if kind == "mosaic" else TRITON_VARIANTS:
-            layer = mosaic_layer(variant) if kind == "mosaic" else triton_layer(variant)
+        per_kernel = weights[0].size // (2 if kind == "mixed" else 1)
+        layer_bytes = per_kernel * weights.dtype.itemsize + 2 * x.size * x.dtype.itemsize
+        for variant in {"mosaic": VARIANTS, "triton": TRITON_VARIANTS, "mixed": MIXED_VARIANTS}[kind]:
+            if kind == "mixed":
+                layer = alternating(triton_tile_layer(variant[0]), mosaic_layer(variant[1]))
+                variant = "+".join(variant)
+            else:
+                layer = mosaic_layer(variant) if kind == "mosaic" else triton_layer(variant)
             seconds = best_time(chain(layer), weights, x) / args.layers
             row = {
                 "kind": kind,
