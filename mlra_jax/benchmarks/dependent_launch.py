@@ -97,33 +97,6 @@ def mosaic_layer(variant: str, ctas: int = CTAS, interpret: bool = False) -> Cal
     )
 
 
-def triton_layer(variant: str) -> Callable:
-    """One Pallas Triton kernel of the chain: (W [TRITON_K, TRITON_K], x [TRITON_K]) -> y = W x, like x."""
-
-    def kernel(w_ref, x_ref, y_ref):
-        offset = jnp.zeros((16,), jnp.int32)
-        if variant == "wait0":  # x's load takes its offset (0) from the assembly, so it follows the wait
-            offset = pltriton.elementwise_inline_asm(
-                "griddepcontrol.wait; mov.u32 $0, $1;",
-                args=[offset],
-                constraints="=r,r",
-                pack=1,
-                result_shape_dtypes=[jax.ShapeDtypeStruct(offset.shape, offset.dtype)],
-            )[0]
-        w = w_ref[...].astype(jnp.float32)
-        x = x_ref[pl.ds(jnp.max(offset), TRITON_K)].astype(jnp.float32)
-        y_ref[...] = jnp.sum(w * x[None, :], axis=1).astype(y_ref.dtype)
-
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((TRITON_K,), jnp.bfloat16),
-        grid=(TRITON_K // TRITON_ROWS,),
-        in_specs=[pl.BlockSpec((TRITON_ROWS, TRITON_K), lambda i: (i, 0)), pl.BlockSpec((TRITON_K,), lambda i: (0,))],
-        out_specs=pl.BlockSpec((TRITON_ROWS,), lambda i: (i,)),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-    )
-
-
 def _asm_zero(instruction: str) -> jax.Array:
     """0 from inline assembly that runs `instruction` first: an index offset that orders the instruction before
     the load that takes it."""
@@ -136,6 +109,25 @@ def _asm_zero(instruction: str) -> jax.Array:
         result_shape_dtypes=[jax.ShapeDtypeStruct(zeros.shape, zeros.dtype)],
     )[0]
     return jnp.max(offset)
+
+
+def triton_layer(variant: str) -> Callable:
+    """One Pallas Triton kernel of the chain: (W [TRITON_K, TRITON_K], x [TRITON_K]) -> y = W x, like x."""
+
+    def kernel(w_ref, x_ref, y_ref):
+        start = _asm_zero("griddepcontrol.wait") if variant == "wait0" else 0  # x's load follows the wait
+        w = w_ref[...].astype(jnp.float32)
+        x = x_ref[pl.ds(start, TRITON_K)].astype(jnp.float32)
+        y_ref[...] = jnp.sum(w * x[None, :], axis=1).astype(y_ref.dtype)
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((TRITON_K,), jnp.bfloat16),
+        grid=(TRITON_K // TRITON_ROWS,),
+        in_specs=[pl.BlockSpec((TRITON_ROWS, TRITON_K), lambda i: (i, 0)), pl.BlockSpec((TRITON_K,), lambda i: (0,))],
+        out_specs=pl.BlockSpec((TRITON_ROWS,), lambda i: (i,)),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+    )
 
 
 def triton_tile_layer(variant: str, ctas: int = CTAS, interpret: bool = False) -> Callable:
