@@ -120,18 +120,23 @@ def compiled_memory(compiled: Any) -> dict[str, int]:
 
 
 def benchmark_params(cfg: Any, shardings: Any = None) -> dict[str, Any]:
-    """Parameters of the model of `cfg` for timing (filled_like: 0.02 x normal weights, unit norm scales) in
-    cfg.param_dtype, in `shardings` when given; the model's own initializer compiles for minutes at 2.9B."""
+    """Parameters of the model of `cfg` for timing (filled_params) in cfg.param_dtype, in `shardings` when given;
+    the model's own initializer compiles for minutes at 2.9B."""
     from flax import nnx
 
     from mlra_jax.model import abstract_model
 
-    shapes = nnx.to_pure_dict(nnx.state(abstract_model(cfg), nnx.Param))
-    return filled_like(shapes, shardings, scale=0.02, ones=is_norm_scale)
+    return filled_params(nnx.to_pure_dict(nnx.state(abstract_model(cfg), nnx.Param)), shardings)
 
 
-def is_norm_scale(path: tuple) -> bool:
-    """Whether a parameter's key path ends at a norm's scale (filled with ones for timing)."""
+def filled_params(shapes: Any, shardings: Any = None) -> Any:
+    """Parameters of a tree of shapes for timing (filled_like: 0.02 x normal weights, unit norm scales), in
+    `shardings` when given."""
+    return filled_like(shapes, shardings, scale=0.02, ones=_is_norm_scale)
+
+
+def _is_norm_scale(path: tuple) -> bool:
+    """Whether a parameter's key path ends at a norm's scale."""
     return path[-1] == jax.tree_util.DictKey("scale")
 
 

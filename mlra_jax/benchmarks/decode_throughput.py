@@ -57,12 +57,11 @@ from mlra_jax import tensor_parallel
 from mlra_jax.attention import attention_class
 from mlra_jax.benchmarks import roofline
 from mlra_jax.benchmarks.common import (
-    benchmark_params,
     compiled_memory,
     earlier_results,
     environment,
     filled_like,
-    is_norm_scale,
+    filled_params,
     median_time,
     profiled_time,
     refilled,
@@ -153,7 +152,7 @@ def measure_attention(
     axes = {k: v[1:] if v and v[0] == "layers" else v for k, v in logical_axes(attn).items()}
     with jax.set_mesh(mesh):
         # made in their shardings (as whole models' are), so that processes of a device each can join one mesh
-        params = filled_like(shapes, tree_shardings(shapes, axes, mesh), scale=0.02, ones=is_norm_scale)
+        params = filled_params(shapes, tree_shardings(shapes, axes, mesh))
         params = layouts.tensor_parallel_weights({"attn": params}, cfg, mesh)["attn"]  # as the serving layer holds them
         read = {k: v for k, v in params.items() if k not in ("o_proj", "gate_proj")}  # what the scope's step reads
 
@@ -228,7 +227,7 @@ def measure_model(
     abstract = abstract_model(cfg)
     shapes = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     with jax.set_mesh(mesh):
-        params = benchmark_params(cfg, tree_shardings(shapes, logical_axes(abstract), mesh))
+        params = filled_params(shapes, tree_shardings(shapes, logical_axes(abstract), mesh))
         serving = ServingModel(nnx.merge(nnx.split(abstract)[0], params), mesh=mesh, row_kernels=ROW_KERNELS)
         del params
         tokens = jax.device_put(jnp.zeros((batch, 1), jnp.int32), batch_sharding(mesh, 2))

@@ -48,7 +48,7 @@ from mlra_jax.pallas_kernels.gpu_interpret import interpret_params
 VARIANTS = ("plain", "wait0", "prefetch", "trigger")
 TRITON_VARIANTS = ("plain", "wait0")
 MIXED_VARIANTS = (("plain", "plain"), ("plain", "prefetch"), ("trigger", "prefetch"), ("trigger", "trigger"))
-KINDS = ("mosaic", "triton", "mixed")
+KIND_VARIANTS = {"mosaic": VARIANTS, "triton": TRITON_VARIANTS, "mixed": MIXED_VARIANTS}  # --kinds: their variants
 CTAS, ROWS, COLS, TILES = 132, 64, 64, 8  # Mosaic GPU: CTAs, one SMEM tile (128-byte rows), W tiles per CTA
 TRITON_ROWS, TRITON_K = 8, 2048  # Pallas Triton: rows of W per program, row length (and x's length)
 
@@ -208,8 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("experiments/results/dependent_launch.json"))
     args = parser.parse_args(argv)
     kinds = args.kinds.split(",")
-    if unknown := set(kinds) - set(KINDS):
-        parser.error(f"unknown kind {sorted(unknown)[0]!r}; kinds: {', '.join(KINDS)}")
+    if unknown := set(kinds) - set(KIND_VARIANTS):
+        parser.error(f"unknown kind {sorted(unknown)[0]!r}; kinds: {', '.join(KIND_VARIANTS)}")
     if args.layers < 2 or ("mixed" in kinds and args.layers % 2):
         parser.error(f"--layers={args.layers}: a chain takes at least 2 kernels (an even count with kind mixed)")
     if args.no_command_buffers:  # read when the backend starts, so before the first use of jax
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         weights, x = chain_inputs(kind, args.layers)
         per_kernel = weights[0].size // (2 if kind == "mixed" else 1)
         layer_bytes = per_kernel * weights.dtype.itemsize + 2 * x.size * x.dtype.itemsize
-        for variant in {"mosaic": VARIANTS, "triton": TRITON_VARIANTS, "mixed": MIXED_VARIANTS}[kind]:
+        for variant in KIND_VARIANTS[kind]:
             if kind == "mixed":
                 layer = alternating(triton_tile_layer(variant[0]), mosaic_layer(variant[1]))
                 variant = "+".join(variant)
