@@ -3,7 +3,9 @@
 Each product x [M, K] @ W [K, N] runs as cuBLASLt FP8 GEMMs with per-tensor scales: the forward multiplies
 e4m3 activations by e4m3 weights, the backward multiplies the e5m2 output gradient by each. Every GEMM is
 written with both operands contracting over their last axis, the one layout in which Hopper's FP8 GEMMs run at
-full rate; the transposed copies it needs are made by the quantizing fusions. Products accumulate in float32 with
+full rate; the transposed copies it needs are made with the straight ones, in one pass over each operand: for
+activations and gradients by the FP8 cast kernel where it runs (`model.fp8_casts`, mlra_jax.fp8_casts), else and for
+weights by XLA's quantizing fusions. Products accumulate in float32 with
 cuBLASLt's fast accumulation (XLA's choice for FP8 products of default precision) and are written in the compute
 dtype; the scales are applied to the output, where XLA fuses them into the next elementwise work. Under a remat
 policy that keeps the products, the quantized operands are made again in the backward (elementwise passes), not
@@ -48,6 +50,8 @@ from typing import Any, Iterator
 import jax
 import jax.numpy as jnp
 from flax import nnx, traverse_util
+
+from mlra_jax import fp8_casts
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +101,9 @@ def _amax(x: jax.Array) -> jax.Array:
 
 
 def quantize(x: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """x / scale in `dtype` (saturating at its largest value)."""
-    return jnp.clip(x.astype(jnp.float32) / scale, -_MAX[dtype], _MAX[dtype]).astype(dtype)
+    """x / scale in `dtype` (saturating at its largest value), as x times the scale's reciprocal: the FP8 cast
+    kernel's arithmetic (fp8_casts), so that both paths round alike."""
+    return jnp.clip(x.astype(jnp.float32) * (1.0 / scale), -_MAX[dtype], _MAX[dtype]).astype(dtype)
 
 
 def _gemm(a: jax.Array, b: jax.Array, scale: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
@@ -122,39 +127,60 @@ def _padded(x: jax.Array) -> jax.Array:
     return jnp.pad(x, pads) if any(high for _, high in pads) else x
 
 
-def _quantized_forward(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array, dtype: jnp.dtype):
+def _both_layouts(
+    x: jax.Array, scale: jax.Array, dtype: jnp.dtype, cast_kernel: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(q, q_t, amax) of an activation or gradient x [R, C]: x padded and quantized, its transpose, and max |x|;
+    on the FP8 cast kernel where `cast_kernel` and it takes x (fp8_casts), else by XLA (which fuses the two
+    layouts and the amax)."""
+    on_kernel = fp8_casts.both_layouts(x, 1.0 / scale, dtype, DIM_MULTIPLE) if cast_kernel else None
+    if on_kernel is not None:
+        return on_kernel
+    q = quantize(_padded(x), scale, dtype)
+    return q, q.T, _amax(x)
+
+
+def _quantized_forward(
+    x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array, dtype: jnp.dtype, cast_kernel: bool
+):
+    """x [M, K] @ w [K, N] in FP8, the backward's residuals, and the amaxes of x and w."""
     (m, _), n = x.shape, w.shape[1]
-    x8, w8_t = quantize(_padded(x), x_scale, E4M3), quantize(_padded(w.T), w_scale, E4M3)  # w8_t [N, K]
-    return _gemm(x8, w8_t, x_scale * w_scale, dtype)[:m, :n], (x8, w8_t, x_scale, w_scale)
+    x8, x8_t, x_amax = _both_layouts(x, x_scale, E4M3, cast_kernel)
+    w8 = quantize(_padded(w), w_scale, E4M3)  # [K, N]: the input gradient's operand; XLA makes w8.T with it
+    product = _gemm(x8, w8.T, x_scale * w_scale, dtype)[:m, :n]  # [M, K] . [N, K]
+    return product, (x8_t, w8, x_scale, w_scale), (x_amax, _amax(w))
 
 
-def _quantized_backward(residuals, grad: jax.Array, g_scale: jax.Array, dtype: jnp.dtype, k: int):
-    """The gradients of x [M, K] and w [K, N] for grad [M, N] from the forward's padded FP8 operands."""
-    x8, w8_t, x_scale, w_scale = residuals
+def _quantized_backward(residuals, grad: jax.Array, g_scale: jax.Array, dtype: jnp.dtype, k: int, cast_kernel: bool):
+    """The gradients of x [M, K] and w [K, N] for grad [M, N] from the forward's padded FP8 operands, and the
+    amax of grad."""
+    x8_t, w8, x_scale, w_scale = residuals
     m, n = grad.shape
-    g8 = quantize(_padded(grad), g_scale, E5M2)  # [M, N]
-    grad_x = _gemm(g8, w8_t.T, g_scale * w_scale, dtype)[:m, :k]  # [M, N] . [K, N] -> [M, K]
-    grad_w = _gemm(x8.T, g8.T, x_scale * g_scale, dtype)[:k, :n]  # [K, M] . [N, M] -> [K, N]
-    return grad_x, grad_w
+    g8, g8_t, g_amax = _both_layouts(grad, g_scale, E5M2, cast_kernel)  # [M, N], [N, M]
+    grad_x = _gemm(g8, w8, g_scale * w_scale, dtype)[:m, :k]  # [M, N] . [K, N] -> [M, K]
+    grad_w = _gemm(x8_t, g8_t, x_scale * g_scale, dtype)[:k, :n]  # [K, M] . [N, M] -> [K, N]
+    return grad_x, grad_w, g_amax
 
 
 def fp8_matmul(x: jax.Array, w: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """x [M, K] @ w [K, N] -> [M, N], both and the result (and the gradients) in `dtype`, with FP8 operands in
     the forward and the backward, each scaled by its own amax (dynamic scaling)."""
-    return _dynamic(x, w, dtype, x.shape[1])
+    return _dynamic(x, w, dtype, x.shape[1], fp8_casts.active())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _dynamic(x: jax.Array, w: jax.Array, dtype: jnp.dtype, k: int) -> jax.Array:
-    return _forward(x, w, dtype, k)[0]
+# The custom VJPs take whether the cast kernel runs as an argument: their backward is traced after the forward,
+# outside the `matmuls` context that chose it.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _dynamic(x: jax.Array, w: jax.Array, dtype: jnp.dtype, k: int, cast_kernel: bool) -> jax.Array:
+    return _forward(x, w, dtype, k, cast_kernel)[0]
 
 
-def _forward(x: jax.Array, w: jax.Array, dtype: jnp.dtype, k: int):
-    return _quantized_forward(x, w, scale_of(x, E4M3), scale_of(w, E4M3), dtype)
+def _forward(x: jax.Array, w: jax.Array, dtype: jnp.dtype, k: int, cast_kernel: bool):
+    return _quantized_forward(x, w, scale_of(x, E4M3), scale_of(w, E4M3), dtype, cast_kernel)[:2]
 
 
-def _backward(dtype: jnp.dtype, k: int, residuals, grad: jax.Array):
-    return _quantized_backward(residuals, grad, scale_of(grad, E5M2), dtype, k)
+def _backward(dtype: jnp.dtype, k: int, cast_kernel: bool, residuals, grad: jax.Array):
+    return _quantized_backward(residuals, grad, scale_of(grad, E5M2), dtype, k, cast_kernel)[:2]
 
 
 _dynamic.defvjp(_forward, _backward)
@@ -175,24 +201,29 @@ def fp8_matmul_delayed_from(
     same amaxes (each records x's) take one of those rows: x is then quantized by the same operations in each, and
     XLA computes it once (also its amax and its transposed copy for the weight gradient) instead of once per
     product. x_history's cotangent is zero."""
-    return _delayed(x, w, history, x_history, dtype, x.shape[1])
+    return _delayed(x, w, history, x_history, dtype, x.shape[1], fp8_casts.active())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _delayed(x: jax.Array, w: jax.Array, history: jax.Array, x_history: jax.Array, dtype: jnp.dtype, k: int):
-    return _delayed_forward(x, w, history, x_history, dtype, k)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _delayed(
+    x: jax.Array, w: jax.Array, history: jax.Array, x_history: jax.Array, dtype: jnp.dtype, k: int, cast_kernel: bool
+):
+    return _delayed_forward(x, w, history, x_history, dtype, k, cast_kernel)[0]
 
 
-def _delayed_forward(x: jax.Array, w: jax.Array, history: jax.Array, x_history: jax.Array, dtype: jnp.dtype, k: int):
+def _delayed_forward(
+    x: jax.Array, w: jax.Array, history: jax.Array, x_history: jax.Array, dtype: jnp.dtype, k: int, cast_kernel: bool
+):
     x_scale, w_scale = scale_from_history(x_history, E4M3), scale_from_history(history[1], E4M3)
-    product, residuals = _quantized_forward(x, w, x_scale, w_scale, dtype)
-    return product, (residuals, history, _amax(x), _amax(w), jnp.zeros_like(x_history))  # amaxes: in the passes
+    product, residuals, (x_amax, w_amax) = _quantized_forward(x, w, x_scale, w_scale, dtype, cast_kernel)
+    return product, (residuals, history, x_amax, w_amax, jnp.zeros_like(x_history))  # amaxes: in the passes
 
 
-def _delayed_backward(dtype: jnp.dtype, k: int, residuals, grad: jax.Array):
+def _delayed_backward(dtype: jnp.dtype, k: int, cast_kernel: bool, residuals, grad: jax.Array):
     residuals, history, x_amax, w_amax, x_history_cotangent = residuals
-    grad_x, grad_w = _quantized_backward(residuals, grad, scale_from_history(history[2], E5M2), dtype, k)
-    amaxes = jnp.stack([x_amax, w_amax, _amax(grad)])[:, None]
+    g_scale = scale_from_history(history[2], E5M2)
+    grad_x, grad_w, g_amax = _quantized_backward(residuals, grad, g_scale, dtype, k, cast_kernel)
+    amaxes = jnp.stack([x_amax, w_amax, g_amax])[:, None]
     updated = jnp.concatenate([amaxes, history[:, :-1]], axis=1).astype(jnp.float32)
     return grad_x, grad_w, updated, x_history_cotangent
 
@@ -236,13 +267,14 @@ def active() -> bool:
 
 
 @contextlib.contextmanager
-def matmuls(enabled: bool, histories: dict[str, Any] | None = None) -> Iterator[None]:
+def matmuls(enabled: bool, histories: dict[str, Any] | None = None, casts: str = "auto") -> Iterator[None]:
     """Inside: the projections of a model traced here run as FP8 matmuls when `enabled`, with delayed scaling when
     `histories` (the amax histories of the stacked blocks' projections, nested like their parameters) are given,
-    else dynamic scaling."""
+    else dynamic scaling; their operands quantized as model.fp8_casts=`casts` says."""
     tokens = _ACTIVE.set(enabled), _STACKED.set(histories if enabled else None)
     try:
-        yield
+        with fp8_casts.casts(casts if enabled else "xla"):
+            yield
     finally:
         _STACKED.reset(tokens[1])
         _ACTIVE.reset(tokens[0])

@@ -13,7 +13,9 @@ GQA decode attention (MHA, MQA, GQA):
 
 Training's elementwise passes (run by model.fused_elementwise: mlra_jax.fused_elementwise), Pallas Triton:
   * add_rms_norm_gpu         the residual add with the RMSNorm after it, one pass forward and one backward;
-  * swiglu_gpu               the SwiGLU product's backward (and forward) in one pass.
+  * swiglu_gpu               the SwiGLU product's backward (and forward) in one pass;
+  * fp8_cast_gpu             an FP8 GEMM operand quantized in both layouts, with its amax, in one pass (run by
+                             model.fp8_casts: mlra_jax.fp8_casts).
 
 Training attention:
   * mlra_attention_gpu       MLRA's causal forward in Pallas Mosaic GPU (query side head-major, MLRA-2's head groups

@@ -17,6 +17,7 @@ from jax._src.ad_checkpoint import saved_residuals
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.pallas_kernels import add_rms_norm_gpu as norms
 from mlra_jax.pallas_kernels import swiglu_gpu
+from mlra_jax.pallas_kernels.fp8_cast_gpu import Tiling
 
 from mlra_jax import fused_elementwise
 from mlra_jax.config import ConfigError, MeshConfig
@@ -283,14 +284,18 @@ def test_the_elementwise_benchmark_times_the_same_passes_and_refuses_a_cpu(tmp_p
 
     monkeypatch.setattr(elementwise, "NORM_TILINGS", (norms.Tiling(block_rows=2, programs=2),))
     monkeypatch.setattr(elementwise, "SWIGLU_TILINGS", (swiglu_gpu.Tiling(block=64),))
+    monkeypatch.setattr(elementwise, "CAST_TILINGS", (Tiling(16, 32, 2),))
     outputs = {}
     for item in elementwise.passes(rows=12, d=48, f=40, interpret=True):
         outputs.setdefault(item.name, {})[item.path] = jax.jit(item.fn)(*item.args)
         assert item.floor_bytes(12) == elementwise.FLOOR_BYTES_PER_ELEMENT[item.name] * item.elements * 12
-    assert set(outputs) == {"norm_fwd", "norm_bwd", "swiglu_fwd", "swiglu_bwd"}
+    assert set(outputs) == {"norm_fwd", "norm_bwd", "swiglu_fwd", "swiglu_bwd", "fp8_cast_d", "fp8_cast_f"}
     for name, paths in outputs.items():
         for got, want in zip(jax.tree.leaves(paths["kernel"]), jax.tree.leaves(paths["xla"])):
-            assert_close(got, want, BF16 if BF16 in (got.dtype, want.dtype) or "swiglu" in name else F32)
+            if name.startswith("fp8_cast"):  # bit for bit
+                np.testing.assert_array_equal(np.asarray(got.astype(F32)), np.asarray(want.astype(F32)))
+            else:
+                assert_close(got, want, BF16 if BF16 in (got.dtype, want.dtype) or "swiglu" in name else F32)
     with pytest.raises(SystemExit) as exit_info:
         elementwise.main([f"--out={tmp_path / 'x.json'}"])
     assert exit_info.value.code == 2 and "run on NVIDIA GPUs" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""The fused elementwise kernels of training (model.fused_elementwise) against XLA's fusions, on one GPU.
+"""The fused elementwise kernels of training (model.fused_elementwise, model.fp8_casts) against XLA's fusions, on
+one GPU.
 
     mlra bench elementwise --experiments=gqa_2p9b,mlra4_2p9b --tokens=24576 \\
         --out=experiments/results/elementwise_h100.json
@@ -6,10 +7,11 @@
 For each experiment's widths (d, f) at --tokens rows (24,576: the 8-layer proxies' batch 12 x 2048), each pass
 as the training step runs it, timed apart: the residual add with the RMSNorm after it (a float32 stream, a bf16
 branch and bf16 normed rows), forward and backward, and the SwiGLU product (bf16), forward (the model leaves it to
-XLA) and backward, on XLA (jnp, as the model computes it: the backward from jax.vjp's saved residuals) and on
-the kernel for each tiling of the sweep. Each pass's time is the profiler's device span (median of --repeats),
-with its bytes at the floor (every operand read once, every result written once) over that time and the time
-over the floor at the measured copy bandwidth.
+XLA) and backward, and the FP8 quantization of an operand in both layouts with its amax (a [rows, d] activation in
+e4m3, a [rows, f] gradient in e5m2), on XLA (jnp, as the model computes it: the backward from jax.vjp's saved
+residuals) and on the kernel for each tiling of the sweep. Each pass's time is the profiler's device span (median
+of --repeats), with its bytes at the floor (every operand read once, every result written once) over that time and
+the time over the floor at the measured copy bandwidth.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from mlra_jax.benchmarks.common import profiled_time, save
 from mlra_jax.benchmarks.roofline import copy_bandwidth
 from mlra_jax.layers import rms_norm
 from mlra_jax.pallas_kernels import add_rms_norm_gpu as norms
-from mlra_jax.pallas_kernels import swiglu_gpu
+from mlra_jax.pallas_kernels import fp8_cast_gpu, swiglu_gpu
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 EPS = 1e-6
@@ -35,11 +37,23 @@ NORM_TILINGS = tuple(norms.Tiling(rows, warps) for rows, warps in itertools.prod
 SWIGLU_TILINGS = tuple(
     swiglu_gpu.Tiling(block, warps) for block, warps in itertools.product((1024, 2048, 4096), (4, 8))
 )
+CAST_TILINGS = (
+    fp8_cast_gpu.DEFAULT_TILING,
+    *(fp8_cast_gpu.Tiling(*rows_cols_warps) for rows_cols_warps in ((32, 128, 4), (128, 128, 8), (64, 256, 8))),
+)
 # Bytes per row at the floor: the norm's forward reads x (f32) and the branch (bf16) and writes the stream (f32) and
 # the normed row (bf16); its backward reads the normed row's cotangent (bf16), the stream and its cotangent (f32)
 # and writes the stream's (f32) and the branch's (bf16). The SwiGLU's forward reads gate and up and writes the
-# product, its backward reads gate, up and the product's cotangent and writes two (bf16).
-FLOOR_BYTES_PER_ELEMENT = {"norm_fwd": 12, "norm_bwd": 16, "swiglu_fwd": 6, "swiglu_bwd": 10}
+# product, its backward reads gate, up and the product's cotangent and writes two (bf16). An FP8 cast reads the bf16
+# operand and writes it twice in one byte.
+FLOOR_BYTES_PER_ELEMENT = {
+    "norm_fwd": 12,
+    "norm_bwd": 16,
+    "swiglu_fwd": 6,
+    "swiglu_bwd": 10,
+    "fp8_cast_d": 4,
+    "fp8_cast_f": 4,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +110,16 @@ def passes(rows: int, d: int, f: int, interpret: bool = False) -> list[Pass]:
         forward = lambda g, u, tiling=tiling: swiglu_gpu.swiglu_forward(g, u, tiling=tiling, interpret=interpret)
         result.append(Pass("swiglu_fwd", "kernel", forward, (gate, up), f, tiling))
         result.append(Pass("swiglu_bwd", "kernel", *_backward_of(kernel, (gate, up), d_out), f, tiling))
+    inverse_scale = jnp.float32(64.0)  # |x| up to 7 in e4m3, 895 in e5m2
+    casts = (("fp8_cast_d", branch, jnp.float8_e4m3fn, d), ("fp8_cast_f", d_out, jnp.float8_e5m2, f))
+    for name, operand, dtype, width in casts:
+        reference = lambda x, s, dtype=dtype: fp8_cast_gpu.quantize_both_reference(x, s, dtype)
+        result.append(Pass(name, "xla", reference, (operand, inverse_scale), width))
+        for tiling in CAST_TILINGS:
+            kernel = lambda x, s, dtype=dtype, tiling=tiling: fp8_cast_gpu.quantize_both(
+                x, s, dtype, tiling=tiling, interpret=interpret
+            )
+            result.append(Pass(name, "kernel", kernel, (operand, inverse_scale), width, tiling))
     return result
 
 

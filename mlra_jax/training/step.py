@@ -37,7 +37,8 @@ def loss_fn(
     config = nnx.merge(graphdef, params).config
     dtype = config.dtype
     model = nnx.merge(graphdef, params_for_compute(params, dtype))
-    with fp8.matmuls(training and fp8.training_matmuls(config.matmul_dtype), histories or None):
+    enabled = training and fp8.training_matmuls(config.matmul_dtype)
+    with fp8.matmuls(enabled, histories or None, config.fp8_casts):
         hidden = model.hidden(tokens[:, :-1])
     return chunked_next_token_loss(hidden, model.embed.embedding[...], tokens[:, 1:], dtype, loss_chunk)
 
