@@ -28,7 +28,7 @@ FSDP_GATHER = ("auto", "step", "micro_batch")
 MATMUL_DTYPES = ("compute", "float8")  # compute: the compute dtype
 FP8_SCALINGS = ("delayed", "dynamic")
 FUSED_ELEMENTWISE = ("off", "auto", "on", "norms", "swiglu")
-FP8_CASTS = ("auto", "kernel", "xla")  # mlra_jax.fp8_casts.CASTS
+FP8_CASTS = ("auto", "kernel", "xla")  # mlra_jax.fp8_casts
 # Fields that choose how a model runs, not what it computes: a run may resume with other values.
 RUNTIME_FIELDS = (
     "attention_impl",

@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from mlra_jax.config import FP8_CASTS
 from mlra_jax.platform import nvidia_gpu_problem
 from mlra_jax.sharding import automatic_axes, split_batch_axes
 
 log = logging.getLogger(__name__)
 
-CASTS = ("auto", "kernel", "xla")
 # The kernel in Pallas interpret mode wherever the code runs (the tests, on CPU); never set in the library.
 INTERPRET = False
 
@@ -44,8 +44,8 @@ def _log_once(message: str) -> None:
 
 def kernel_runs(setting: str) -> bool:
     """Whether fp8_casts=`setting` takes the kernel on this backend (a "kernel" that cannot is logged once)."""
-    if setting not in CASTS:
-        raise ValueError(f"fp8_casts={setting!r}: use one of {', '.join(CASTS)}")
+    if setting not in FP8_CASTS:
+        raise ValueError(f"fp8_casts={setting!r}: use one of {', '.join(FP8_CASTS)}")
     if setting == "xla":
         return False
     problem = None if INTERPRET else nvidia_gpu_problem("the FP8 cast kernel runs")
