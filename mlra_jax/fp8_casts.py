@@ -69,16 +69,19 @@ def active() -> bool:
     return _ON.get()
 
 
-def _row_axes(rows: int, multiple: int) -> tuple[str, ...] | None:
+def _row_axes(rows: int, cols: int, multiple: int) -> tuple[str, ...] | None:
     """The mesh axes each device's rows split over (() outside a mesh), or None where the kernel does not apply:
-    another automatic axis splits the work (tensor parallelism), or the rows do not split into whole multiples of
-    `multiple` (each device pads its own rows, which must then need no padding)."""
+    another automatic axis splits the work (tensor parallelism), the rows do not split into whole multiples of
+    `multiple` (each device pads its own rows, which must then need no padding), or a device's operand is too large
+    for the kernel's int32 offsets."""
+    from mlra_jax.pallas_kernels.fp8_cast_gpu import fits
+
     auto = automatic_axes()
     axes = split_batch_axes(rows)
     if any(size > 1 and name not in axes for name, size in auto.items()):
         return None
     per_device = rows // math.prod(auto[a] for a in axes) if axes else rows
-    if axes and per_device % multiple:
+    if (axes and per_device % multiple) or not fits(per_device, cols, multiple):
         return None
     return axes
 
@@ -88,7 +91,7 @@ def both_layouts(
 ) -> tuple[jax.Array, jax.Array, jax.Array] | None:
     """(q, q_t, amax) of an activation or gradient x [rows, cols] on the kernel (fp8_cast_gpu.quantize_both), or
     None where the mesh keeps it from the kernel (then XLA quantizes it)."""
-    axes = _row_axes(x.shape[0], pad_to)
+    axes = _row_axes(*x.shape, pad_to)
     if axes is None:
         return None
     from mlra_jax.pallas_kernels.fp8_cast_gpu import quantize_both

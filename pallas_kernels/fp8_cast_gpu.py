@@ -52,6 +52,14 @@ def padded_size(size: int, pad_to: int) -> int:
     return size + (-size % pad_to)
 
 
+INDEX_LIMIT = 2**31  # Triton computes the kernel's offsets in int32
+
+
+def fits(rows: int, cols: int, pad_to: int = 16) -> bool:
+    """Whether an operand [rows, cols] is small enough for the kernel's int32 offsets, padded."""
+    return padded_size(rows, pad_to) * padded_size(cols, pad_to) < INDEX_LIMIT
+
+
 def quantize_both_reference(
     x: jax.Array, inverse_scale: jax.Array, dtype: jnp.dtype, pad_to: int = 16
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -77,6 +85,8 @@ def quantize_both(
     if x.ndim != 2:
         raise ValueError(f"quantize_both takes a 2-D operand; got shape {x.shape}")
     rows, cols = x.shape
+    if not fits(rows, cols, pad_to):
+        raise ValueError(f"quantize_both indexes in int32: an operand of {rows} x {cols} is too large; split its rows")
     out_rows, out_cols = padded_size(rows, pad_to), padded_size(cols, pad_to)
     grid = (pl.cdiv(out_rows, tiling.rows), pl.cdiv(out_cols, tiling.cols))
     largest = _largest(dtype)

@@ -43,11 +43,16 @@ def test_both_layouts_and_the_amax_equal_the_reference(dtype, shape, tiling):
     assert not np.asarray(got[0][:, shape[1] :].astype(jnp.float32)).any()
 
 
-def test_the_kernel_names_bad_shapes_and_tilings():
+def test_the_kernel_names_bad_shapes_and_tilings(monkeypatch):
     with pytest.raises(ValueError, match="2-D operand"):
         quantize_both(jnp.zeros((2, 3, 4)), jnp.float32(1), jnp.float8_e4m3fn, interpret=True)
     with pytest.raises(ValueError, match="powers of two"):
         Tiling(48, 128)
+    big = jax.ShapeDtypeStruct((2**16, 2**15), jnp.bfloat16)  # 2**31 elements: past the kernel's int32 offsets
+    with pytest.raises(ValueError, match="indexes in int32"):
+        jax.eval_shape(lambda x: quantize_both(x, jnp.float32(1), jnp.float8_e4m3fn, interpret=True), big)
+    monkeypatch.setattr(fp8_casts, "INTERPRET", True)
+    assert fp8_casts.both_layouts(big, jnp.float32(1), jnp.float8_e4m3fn, 16) is None  # XLA quantizes it
 
 
 def test_the_setting_picks_the_kernel_where_it_runs(monkeypatch, caplog):
