@@ -49,6 +49,7 @@ def _largest(dtype: jnp.dtype) -> float:
 
 
 def padded_size(size: int, pad_to: int) -> int:
+    """size rounded up to a multiple of pad_to (the FP8 GEMMs take dimensions in multiples of 16)."""
     return size + (-size % pad_to)
 
 
