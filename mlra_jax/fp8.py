@@ -491,13 +491,19 @@ def describe_histories(histories: dict[str, Any]) -> str:
     return f"FP8 amax histories: {sites} x {length} steps, in the train state and its checkpoints, replicated"
 
 
-def describe(matmul_dtype: str, device: jax.Device | None = None, *, scaling: str = "delayed") -> str:
+def describe(
+    matmul_dtype: str, device: jax.Device | None = None, *, scaling: str = "delayed", casts: str = "auto"
+) -> str:
     """One line on how a train step's projections run on `device` (for --dry_run), with `scaling` "delayed" or
-    "dynamic"."""
+    "dynamic" and model.fp8_casts=`casts`."""
     if matmul_dtype != "float8":
         return "projections: the compute dtype"
     device = device or jax.devices()[0]
     if supported(device):
         scales = {"delayed": f"delayed scaling (amax history of {HISTORY})", "dynamic": "dynamic scaling"}[scaling]
-        return f"projections: FP8 GEMMs (e4m3 / e5m2, per-tensor {scales}) on {device.device_kind}"
+        quantized = "the FP8 cast kernel" if casts != "xla" else "XLA's fusions"
+        return (
+            f"projections: FP8 GEMMs (e4m3 / e5m2, per-tensor {scales}) on {device.device_kind}; activations and "
+            f"gradients quantized by {quantized}"
+        )
     return f"projections: float8 asked for, but {device.device_kind} has no FP8 GEMMs: the compute dtype"

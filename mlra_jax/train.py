@@ -120,7 +120,7 @@ def dry_run(experiment: Experiment, compile_step: bool) -> None:
     print(data)
     print(f"parameters: {setup.num_params:,}")
     cfg = experiment.model
-    print(fp8.describe(cfg.matmul_dtype, setup.mesh.devices.flat[0], scaling=cfg.fp8_scaling))
+    print(fp8.describe(cfg.matmul_dtype, setup.mesh.devices.flat[0], scaling=cfg.fp8_scaling, casts=cfg.fp8_casts))
     print(fp8_attention.describe(cfg, setup.abstract_state["fp8"], train.seq_len, setup.mesh.devices.flat[0]))
     if cfg.keeps_fp8_histories:
         print(fp8.describe_histories(setup.abstract_state["fp8"]))

@@ -301,6 +301,8 @@ def test_supported_reads_the_compute_capability():
     assert "FP8 GEMMs (e4m3 / e5m2" in fp8.describe("float8", Device("9.0"))
     assert f"per-tensor delayed scaling (amax history of {fp8.HISTORY})" in fp8.describe("float8", Device("9.0"))
     assert "per-tensor dynamic scaling" in fp8.describe("float8", Device("9.0"), scaling="dynamic")
+    assert fp8.describe("float8", Device("9.0")).endswith("gradients quantized by the FP8 cast kernel")
+    assert fp8.describe("float8", Device("9.0"), casts="xla").endswith("gradients quantized by XLA's fusions")
     assert "has no FP8 GEMMs: the compute dtype" in fp8.describe("float8", jax.devices("cpu")[0])
     assert fp8.describe("compute") == "projections: the compute dtype"
 
