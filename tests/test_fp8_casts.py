@@ -124,8 +124,8 @@ def test_a_train_step_through_the_kernel_is_xlas(variant, monkeypatch):
 
 @pytest.mark.slow
 def test_with_the_batch_over_four_devices_each_quantizes_its_rows(monkeypatch):
-    """Data parallelism over 4 devices: the kernel runs per device on its rows (its amaxes the maximum over the
-    devices), and the step equals the one-device step; under tensor parallelism XLA quantizes."""
+    """The batch over 4 devices (data 2 x FSDP 2): the kernel runs per device on its rows (its amaxes the maximum over
+    the devices), and the step equals the one-device step; under tensor parallelism XLA quantizes."""
     from mlra_jax.config import MeshConfig
     from mlra_jax.sharding import batch_sharding, make_mesh
 
@@ -135,7 +135,7 @@ def test_with_the_batch_over_four_devices_each_quantizes_its_rows(monkeypatch):
     loss, params, histories = _fp8_loss("gqa", "kernel")
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     want = step(params, histories, tokens)
-    for mesh_config, on_kernel in ((MeshConfig(data=4, fsdp=1, tensor=1), True), (MeshConfig(data=2, tensor=2), False)):
+    for mesh_config, on_kernel in ((MeshConfig(data=2, fsdp=2, tensor=1), True), (MeshConfig(data=2, tensor=2), False)):
         mesh = make_mesh(mesh_config, jax.devices()[:4])
         with jax.set_mesh(mesh):
             placed = jax.device_put(np.asarray(tokens), batch_sharding(mesh))
