@@ -127,25 +127,12 @@ def _padded(x: jax.Array) -> jax.Array:
     return jnp.pad(x, pads) if any(high for _, high in pads) else x
 
 
-def _both_layouts(
-    x: jax.Array, scale: jax.Array, dtype: jnp.dtype, cast_kernel: bool
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(q, q_t, amax) of an activation or gradient x [R, C]: x padded and quantized, its transpose, and max |x|;
-    on the FP8 cast kernel where `cast_kernel` and it takes x (fp8_casts), else by XLA (which fuses the two
-    layouts and the amax)."""
-    on_kernel = fp8_casts.both_layouts(x, 1.0 / scale, dtype, DIM_MULTIPLE) if cast_kernel else None
-    if on_kernel is not None:
-        return on_kernel
-    q = quantize(_padded(x), scale, dtype)
-    return q, q.T, _amax(x)
-
-
 def _quantized_forward(
     x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array, dtype: jnp.dtype, cast_kernel: bool
 ):
     """x [M, K] @ w [K, N] in FP8, the backward's residuals, and the amaxes of x and w."""
     (m, _), n = x.shape, w.shape[1]
-    x8, x8_t, x_amax = _both_layouts(x, x_scale, E4M3, cast_kernel)
+    x8, x8_t, x_amax = fp8_casts.both_layouts(x, 1.0 / x_scale, E4M3, DIM_MULTIPLE, cast_kernel)
     w8 = quantize(_padded(w), w_scale, E4M3)  # [K, N]: the input gradient's operand; XLA makes w8.T with it
     product = _gemm(x8, w8.T, x_scale * w_scale, dtype)[:m, :n]  # [M, K] . [N, K]
     return product, (x8_t, w8, x_scale, w_scale), (x_amax, _amax(w))
@@ -156,7 +143,7 @@ def _quantized_backward(residuals, grad: jax.Array, g_scale: jax.Array, dtype: j
     amax of grad."""
     x8_t, w8, x_scale, w_scale = residuals
     m, n = grad.shape
-    g8, g8_t, g_amax = _both_layouts(grad, g_scale, E5M2, cast_kernel)  # [M, N], [N, M]
+    g8, g8_t, g_amax = fp8_casts.both_layouts(grad, 1.0 / g_scale, E5M2, DIM_MULTIPLE, cast_kernel)  # [M, N], [N, M]
     grad_x = _gemm(g8, w8, g_scale * w_scale, dtype)[:m, :k]  # [M, N] . [K, N] -> [M, K]
     grad_w = _gemm(x8_t, g8_t, x_scale * g_scale, dtype)[:k, :n]  # [K, M] . [N, M] -> [K, N]
     return grad_x, grad_w, g_amax

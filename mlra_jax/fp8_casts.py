@@ -87,15 +87,16 @@ def _row_axes(rows: int, cols: int, multiple: int) -> tuple[str, ...] | None:
 
 
 def both_layouts(
-    x: jax.Array, inverse_scale: jax.Array, dtype: jnp.dtype, pad_to: int
-) -> tuple[jax.Array, jax.Array, jax.Array] | None:
-    """(q, q_t, amax) of an activation or gradient x [rows, cols] on the kernel (fp8_cast_gpu.quantize_both), or
-    None where the mesh keeps it from the kernel (then XLA quantizes it)."""
-    axes = _row_axes(*x.shape, pad_to)
-    if axes is None:
-        return None
-    from mlra_jax.pallas_kernels.fp8_cast_gpu import quantize_both
+    x: jax.Array, inverse_scale: jax.Array, dtype: jnp.dtype, pad_to: int, kernel: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(q, q_t, amax) of an activation or gradient x [rows, cols]: x padded with zeros to multiples of pad_to and
+    quantized, its transpose, and max |x|. On the kernel (fp8_cast_gpu.quantize_both) where `kernel` and the mesh
+    allow, else by XLA (its jnp reference, whose two layouts and amax XLA fuses into one pass)."""
+    from mlra_jax.pallas_kernels.fp8_cast_gpu import quantize_both, quantize_both_reference
 
+    axes = _row_axes(*x.shape, pad_to) if kernel else None
+    if axes is None:
+        return quantize_both_reference(x, inverse_scale, dtype, pad_to)
     run = functools.partial(quantize_both, dtype=dtype, pad_to=pad_to, interpret=INTERPRET)
     if not axes:
         return run(x, inverse_scale)
