@@ -25,5 +25,6 @@ Training attention:
                              what the trainer runs for MLRA-2 and MLRA-4 on Hopper (mlra_jax.attention.mlra_kernel);
   * remat_names              the names that kernels give the outputs their backward reads, which remat policies keep.
 
-Shared: gpu_interpret (Pallas's GPU interpret mode for the Mosaic GPU kernels' CPU tests).
+Shared: gpu_interpret (Pallas's GPU interpret mode for the Mosaic GPU kernels' CPU tests) and block_specs (the
+whole-array BlockSpec of the Triton kernels).
 """

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+from mlra_jax.pallas_kernels.block_specs import whole_block
 
 F32 = jnp.float32
 
@@ -107,9 +108,6 @@ def quantize_both(
         pltriton.store(q_ref.at[pl.ds(r0, block_rows), pl.ds(c0, block_cols)], q, mask=written)
         pltriton.store(q_t_ref.at[pl.ds(c0, block_cols), pl.ds(r0, block_rows)], q.T, mask=written.T)
 
-    def whole(shape) -> pl.BlockSpec:
-        return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-
     q, q_t, amaxes = pl.pallas_call(
         kernel,
         out_shape=(
@@ -118,8 +116,8 @@ def quantize_both(
             jax.ShapeDtypeStruct(grid, F32),
         ),
         grid=grid,
-        in_specs=[whole(x.shape), whole((1,))],
-        out_specs=(whole((out_rows, out_cols)), whole((out_cols, out_rows)), whole(grid)),
+        in_specs=[whole_block(x.shape), whole_block((1,))],
+        out_specs=(whole_block((out_rows, out_cols)), whole_block((out_cols, out_rows)), whole_block(grid)),
         compiler_params=pltriton.CompilerParams(num_warps=tiling.num_warps, num_stages=1),
         interpret=interpret,
         name="fp8_quantize_both",

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+from mlra_jax.pallas_kernels.block_specs import whole_block
 
 F32 = jnp.float32
 QUERY_RANKS = 32  # latent ranks per program of latent_queries
@@ -33,11 +34,6 @@ OUTPUT_RANKS = 128  # latent ranks per tile of latent_output
 
 
 _PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=1)
-
-
-def _whole(a) -> pl.BlockSpec:
-    """The whole array as every program's block (the kernels index it themselves)."""
-    return pl.BlockSpec(a.shape, lambda *_: (0,) * len(a.shape))
 
 
 def _like(*arrays: jax.Array) -> list[jax.ShapeDtypeStruct]:
@@ -184,8 +180,8 @@ def latent_queries(
         kernel,
         out_shape=tuple(out_shape),
         grid=(entries + n * heads * parts,),
-        in_specs=[_whole(a) for a in operands],
-        out_specs=tuple(_whole(o) for o in out_shape),
+        in_specs=[whole_block(a.shape) for a in operands],
+        out_specs=tuple(whole_block(o.shape) for o in out_shape),
         input_output_aliases=aliases,
         compiler_params=_PARAMS,
         interpret=interpret,
@@ -247,7 +243,7 @@ def latent_output(
         kernel,
         out_shape=jax.ShapeDtypeStruct((groups * heads, dh), kv_up.dtype),
         grid=(groups * heads, dh // columns),
-        in_specs=[_whole(z), _whole(kv_up)],
+        in_specs=[whole_block(z.shape), whole_block(kv_up.shape)],
         out_specs=pl.BlockSpec((None, columns), lambda i, j: (i, j)),
         compiler_params=_PARAMS,
         interpret=interpret,

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+from mlra_jax.pallas_kernels.block_specs import whole_block
 
 F32 = jnp.float32
 
@@ -227,7 +228,7 @@ def _row_product(
 
 
 def _whole(shape: tuple[int, ...]) -> Callable[[Tiling], pl.BlockSpec]:
-    return lambda t: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+    return lambda t: whole_block(shape)
 
 
 def _weight_rows(g: int, k: int) -> Callable[[Tiling], pl.BlockSpec]:
