@@ -29,6 +29,7 @@ MATMUL_DTYPES = ("compute", "float8")  # compute: the compute dtype
 FP8_SCALINGS = ("delayed", "dynamic")
 FUSED_ELEMENTWISE = ("off", "auto", "on", "norms", "swiglu")
 FP8_CASTS = ("auto", "kernel", "xla")  # mlra_jax.fp8_casts
+FP8_HEADS = ("off", "gradients", "all")  # mlra_jax.fp8_head
 # Fields that choose how a model runs, not what it computes: a run may resume with other values.
 RUNTIME_FIELDS = (
     "attention_impl",
@@ -42,6 +43,7 @@ RUNTIME_FIELDS = (
     "fp8_casts",
     "fused_elementwise",
     "fp8_attention",
+    "fp8_head",
 )
 
 
@@ -161,6 +163,11 @@ class ModelConfig:
     # runs forward + backward at 0.66x bf16 cuDNN's rate, the GQA proxy's FP8 step takes 3.8% longer with it, and
     # its loss against bf16 has not been measured
     fp8_attention: bool = False
+    # With float8, the tied head's GEMMs in FP8 too (mlra_jax.fp8_head: e4m3 hidden states and embedding scaled by
+    # their own amaxes, the logits' gradient in e5m2 at a fixed scale; no state): "gradients" the two backward
+    # GEMMs (the hidden states' and the embedding's gradients), "all" the logits' too; "off" the head in the compute
+    # dtype
+    fp8_head: str = dataclasses.field(default="off", metadata={"choices": FP8_HEADS})
 
     def __post_init__(self) -> None:
         _check_choice("variant", self.variant, VARIANTS)
@@ -182,6 +189,7 @@ class ModelConfig:
         _check_choice("fp8_scaling", self.fp8_scaling, FP8_SCALINGS)
         _check_choice("fused_elementwise", self.fused_elementwise, FUSED_ELEMENTWISE)
         _check_choice("fp8_casts", self.fp8_casts, FP8_CASTS)
+        _check_choice("fp8_head", self.fp8_head, FP8_HEADS)
         _require(
             self.matmul_dtype != "float8" or self.compute_dtype == "bfloat16",
             f"matmul_dtype='float8' trains with compute_dtype='bfloat16' (now {self.compute_dtype!r}); set "

@@ -14,14 +14,19 @@ kept.
 Two scalings (a tensor's scale maps an absolute maximum, its amax, onto the format's largest value):
 - dynamic (`fp8_matmul`): the scale is the tensor's own amax, taken when the tensor is made, as torchao's
   tensorwise float8 does. Exact, but the tensor is read twice: once for its amax, once to quantize it.
-- delayed (`fp8_matmul_delayed`, as Transformer Engine and flax's fp8_ops do): the scale comes from an amax
-  history of the previous steps, so it is known before the tensor is read, and quantizing the tensor and
-  measuring its amax (for the history) are one pass instead of two. A value above the history's amax saturates
-  at the format's largest value; a fresh (zero) history trains its first step at scale 1.
+- delayed (`fp8_matmul_delayed`, as Transformer Engine and flax's fp8_ops do) for the activation and the output
+  gradient: the scale comes from an amax history of the previous steps, so it is known before the tensor is read,
+  and quantizing the tensor and measuring its amax (for the history) are one pass instead of two. A value above
+  the history's amax saturates at the format's largest value; a fresh (zero) history trains its first step at
+  scale 1. The weight is scaled by its own amax, as under dynamic scaling: one more read of a tensor that is small
+  beside the activations, where a history's amax lags every weight that grows (all do in warmup: its largest
+  values saturate) and a zero-initialized projection's (output_init="zero") flushes its first steps' values to
+  zero.
 Each projection keeps one float32 history [3, H] (`new_history`; H = HISTORY by default): row 0 the activation x,
-row 1 the weight w, row 2 the output gradient, newest amax first. The history is updated by the convention
-"overwrite with gradient" (flax.linen.fp8_ops's): its cotangent is not a gradient but the updated history
-(each row rolled by one, the step's amax at index 0), which the train step takes as the history's new value.
+row 1 the weight w (recorded, not used for its scale), row 2 the output gradient, newest amax first. The history
+is updated by the convention "overwrite with gradient" (flax.linen.fp8_ops's): its cotangent is not a gradient but
+the updated history (each row rolled by one, the step's amax at index 0), which the train step takes as the history's
+new value.
 Micro-batches that started from the same history combine their updated histories with `merge_histories`.
 The projections of one x in a block scale x by the first one's x row (project_param, fp8_matmul_delayed_from):
 the rows hold the same amaxes, and XLA then quantizes x once.
@@ -56,7 +61,7 @@ from mlra_jax import fp8_casts
 log = logging.getLogger(__name__)
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-_MAX = {E4M3: float(jnp.finfo(E4M3).max), E5M2: float(jnp.finfo(E5M2).max)}  # 448, 57344
+MAX = {E4M3: float(jnp.finfo(E4M3).max), E5M2: float(jnp.finfo(E5M2).max)}  # 448, 57344
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("mlra_jax_fp8_matmuls", default=False)
 _STACKED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("mlra_jax_fp8_histories", default=None)
@@ -71,7 +76,7 @@ MARGIN = 0  # delayed scaling's headroom: scales map 2**MARGIN times the history
 def scale_of(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """The per-tensor scale that maps x's absolute maximum onto `dtype`'s largest value (1 for a zero x)."""
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    return jnp.where(amax > 0, amax / _MAX[dtype], 1.0)
+    return jnp.where(amax > 0, amax / MAX[dtype], 1.0)
 
 
 PROJECTION_ROWS = 3  # a projection's history rows: x, w, the output gradient
@@ -87,7 +92,7 @@ def scale_from_history(history_row: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """The scale that maps 2**MARGIN times the largest amax of a history row onto `dtype`'s largest value (1 for a
     zero row)."""
     amax = jnp.max(history_row).astype(jnp.float32)
-    return jnp.where(amax > 0, amax * 2.0**MARGIN / _MAX[dtype], 1.0)
+    return jnp.where(amax > 0, amax * 2.0**MARGIN / MAX[dtype], 1.0)
 
 
 def merge_histories(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -103,14 +108,16 @@ def _amax(x: jax.Array) -> jax.Array:
 def quantize(x: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """x / scale in `dtype` (saturating at its largest value), as x times the scale's reciprocal: the FP8 cast
     kernel's arithmetic (fp8_casts), so that both paths round alike."""
-    return jnp.clip(x.astype(jnp.float32) * (1.0 / scale), -_MAX[dtype], _MAX[dtype]).astype(dtype)
+    return jnp.clip(x.astype(jnp.float32) * (1.0 / scale), -MAX[dtype], MAX[dtype]).astype(dtype)
 
 
-def _gemm(a: jax.Array, b: jax.Array, scale: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
+def gemm(a: jax.Array, b: jax.Array, scale: jax.Array, out_dtype: jnp.dtype, exact_sums: bool = False) -> jax.Array:
     """a [M, K] . b [N, K] -> [M, N] (both contracting their last axis), times `scale`, in `out_dtype`. The GEMM
     accumulates in float32 and writes `out_dtype`, so that a remat policy that keeps the products keeps them
-    in the compute dtype, as it does without FP8 (and as remat="auto" estimates)."""
-    product = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+    in the compute dtype, as it does without FP8 (and as remat="auto" estimates). `exact_sums`: without cuBLASLt's
+    fast accumulation (precision HIGHEST), whose partial sums in the tensor cores lose low bits over a long K."""
+    precision = jax.lax.Precision.HIGHEST if exact_sums else None
+    product = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=out_dtype)
     return (product.astype(jnp.float32) * scale).astype(out_dtype)
 
 
@@ -121,7 +128,7 @@ def _gemm(a: jax.Array, b: jax.Array, scale: jax.Array, out_dtype: jnp.dtype) ->
 DIM_MULTIPLE = 16
 
 
-def _padded(x: jax.Array) -> jax.Array:
+def padded(x: jax.Array) -> jax.Array:
     """x [R, C] with zero rows and columns up to multiples of DIM_MULTIPLE."""
     pads = [(0, -size % DIM_MULTIPLE) for size in x.shape]
     return jnp.pad(x, pads) if any(high for _, high in pads) else x
@@ -133,8 +140,8 @@ def _quantized_forward(
     """x [M, K] @ w [K, N] in FP8, the backward's residuals, and the amaxes of x and w."""
     (m, _), n = x.shape, w.shape[1]
     x8, x8_t, x_amax = fp8_casts.both_layouts(x, 1.0 / x_scale, E4M3, DIM_MULTIPLE, cast_kernel)
-    w8 = quantize(_padded(w), w_scale, E4M3)  # [K, N]: the input gradient's operand; XLA makes w8.T with it
-    product = _gemm(x8, w8.T, x_scale * w_scale, dtype)[:m, :n]  # [M, K] . [N, K]
+    w8 = quantize(padded(w), w_scale, E4M3)  # [K, N]: the input gradient's operand; XLA makes w8.T with it
+    product = gemm(x8, w8.T, x_scale * w_scale, dtype)[:m, :n]  # [M, K] . [N, K]
     return product, (x8_t, w8, x_scale, w_scale), (x_amax, _amax(w))
 
 
@@ -144,8 +151,8 @@ def _quantized_backward(residuals, grad: jax.Array, g_scale: jax.Array, dtype: j
     x8_t, w8, x_scale, w_scale = residuals
     m, n = grad.shape
     g8, g8_t, g_amax = fp8_casts.both_layouts(grad, 1.0 / g_scale, E5M2, DIM_MULTIPLE, cast_kernel)  # [M, N], [N, M]
-    grad_x = _gemm(g8, w8, g_scale * w_scale, dtype)[:m, :k]  # [M, N] . [K, N] -> [M, K]
-    grad_w = _gemm(x8_t, g8_t, x_scale * g_scale, dtype)[:k, :n]  # [K, M] . [N, M] -> [K, N]
+    grad_x = gemm(g8, w8, g_scale * w_scale, dtype)[:m, :k]  # [M, N] . [K, N] -> [M, K]
+    grad_w = gemm(x8_t, g8_t, x_scale * g_scale, dtype)[:k, :n]  # [K, M] . [N, M] -> [K, N]
     return grad_x, grad_w, g_amax
 
 
@@ -174,9 +181,9 @@ _dynamic.defvjp(_forward, _backward)
 
 
 def fp8_matmul_delayed(x: jax.Array, w: jax.Array, history: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """fp8_matmul with delayed scaling: x, w and the output gradient are scaled by history [3, H]'s rows 0, 1 and
-    2. The cotangent of `history` is not a gradient but the updated history ("overwrite with gradient"): each row
-    rolled by one, newest first, with this product's amax of x, w and the output gradient at index 0."""
+    """fp8_matmul with delayed scaling: x and the output gradient are scaled by history [3, H]'s rows 0 and 2, w by
+    its own amax. The cotangent of `history` is not a gradient but the updated history ("overwrite with gradient"):
+    each row rolled by one, newest first, with this product's amax of x, w and the output gradient at index 0."""
     return fp8_matmul_delayed_from(x, w, history, history[0], dtype)
 
 
@@ -201,7 +208,7 @@ def _delayed(
 def _delayed_forward(
     x: jax.Array, w: jax.Array, history: jax.Array, x_history: jax.Array, dtype: jnp.dtype, k: int, cast_kernel: bool
 ):
-    x_scale, w_scale = scale_from_history(x_history, E4M3), scale_from_history(history[1], E4M3)
+    x_scale, w_scale = scale_from_history(x_history, E4M3), scale_of(w, E4M3)  # the weight by its own amax
     product, residuals, (x_amax, w_amax) = _quantized_forward(x, w, x_scale, w_scale, dtype, cast_kernel)
     return product, (residuals, history, x_amax, w_amax, jnp.zeros_like(x_history))  # amaxes: in the passes
 

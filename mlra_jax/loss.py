@@ -6,16 +6,19 @@ over chunks of positions, and whose backward pass only scales them by the incomi
 the [B, T, V] float32 logits never exist at once (one chunk's at a time), and the head's matmul is
 never recomputed: three matmuls per chunk (logits, d_hidden, d_embedding), as many as autodiff of
 the whole logits would run. Called without differentiation (evaluation) it computes the loss only.
+In training with model.fp8_head, some of those matmuls run in FP8 (mlra_jax.fp8_head).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from mlra_jax import fp8_head as fp8_head_gemms
 from mlra_jax.layers import einsum
 from mlra_jax.sharding import constrain_batch
 
@@ -61,13 +64,21 @@ def _chunks(hidden: jax.Array, targets: jax.Array, chunk: int) -> tuple[jax.Arra
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def next_token_loss_and_head(
-    hidden: jax.Array, embedding: jax.Array, targets: jax.Array, dtype: jnp.dtype, chunk: int
+    hidden: jax.Array,
+    embedding: jax.Array,
+    targets: jax.Array,
+    dtype: jnp.dtype,
+    chunk: int,
+    fp8_head: str = "off",
+    cast_kernel: bool = False,
 ) -> jax.Array:
     """next_token_loss(head_logits(hidden, embedding, dtype), targets): hidden [B, T, d] (float32), the tied
     embedding [V, d], targets [B, T]; the head multiplied in `dtype` with float32 accumulation, over chunks
-    of `chunk` positions (0: whole)."""
+    of `chunk` positions (0: whole). Differentiated, its forward pass is _loss_forward's, where `fp8_head` puts
+    some of the head's products in FP8; the loss alone (evaluation) multiplies in `dtype`."""
+    del fp8_head, cast_kernel
     hidden_chunks, target_chunks = _chunks(hidden, targets, chunk)
 
     def body(total: jax.Array, inputs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
@@ -81,27 +92,66 @@ def next_token_loss_and_head(
     return total / targets.size
 
 
-def _loss_forward(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, dtype: jnp.dtype, chunk: int):
+def _loss_forward(
+    hidden: jax.Array,
+    embedding: jax.Array,
+    targets: jax.Array,
+    dtype: jnp.dtype,
+    chunk: int,
+    fp8_head: str = "off",
+    cast_kernel: bool = False,
+):
     """The loss and, per chunk, its gradients: the logits' cotangent (softmax - one-hot) / (B T) rounded to
     `dtype` as under torch autocast, then d_hidden and d_embedding multiplied in `dtype` with float32
-    accumulation; d_embedding summed over the chunks in float32."""
+    accumulation; d_embedding summed over the chunks in float32. `fp8_head` "gradients": the two gradients'
+    products in FP8, "all": the logits' too (mlra_jax.fp8_head; `cast_kernel`: the hidden states quantized on the
+    FP8 cast kernel where it runs)."""
     hidden_chunks, target_chunks = _chunks(hidden, targets, chunk)
     scale = 1.0 / targets.size
+    vocab = embedding.shape[0]
     compute_embedding = embedding.astype(dtype)
+    if fp8_head != "off":
+        embedding8, embedding8_t, e_scale = fp8_head_gemms.quantized_embedding(compute_embedding)
+        scales = (fp8_head_gemms.hidden_scale(hidden.astype(dtype)), e_scale)
+
+    def products(h: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], tuple[jax.Array, jax.Array]]]:
+        """The chunk's float32 logits, and what turns (softmax - one-hot) into d_hidden and d_embedding."""
+        if fp8_head == "off":
+            logits = einsum("btd,vd->btv", h, compute_embedding, preferred_element_type=jnp.float32)
+
+            def backward(g: jax.Array) -> tuple[jax.Array, jax.Array]:
+                g = (g * scale).astype(dtype)
+                return (
+                    einsum("btv,vd->btd", g, compute_embedding, preferred_element_type=jnp.float32),
+                    einsum("btv,btd->vd", g, h, preferred_element_type=jnp.float32),
+                )
+
+            return logits, backward
+        batch, length, width = h.shape
+        h8, h8_t = fp8_head_gemms.quantized_hidden(h.reshape(batch * length, width), scales[0], cast_kernel)
+        if fp8_head == "all":
+            logits = fp8_head_gemms.logits(h8, embedding8, scales, batch * length, vocab).reshape(batch, length, vocab)
+        else:
+            logits = einsum("btd,vd->btv", h, compute_embedding, preferred_element_type=jnp.float32)
+
+        def backward(g: jax.Array) -> tuple[jax.Array, jax.Array]:
+            g = g.reshape(batch * length, vocab)
+            d_hidden, d_embedding = fp8_head_gemms.gradients(g, h8_t, embedding8_t, scales, scale, width, vocab)
+            return d_hidden.reshape(batch, length, width), d_embedding
+
+        return logits, backward
 
     def body(carry: tuple[jax.Array, jax.Array], inputs: tuple[jax.Array, jax.Array]):
         total, d_embedding = carry
         h, t = inputs
-        h = h.astype(dtype)
-        logits = constrain_batch(einsum("btd,vd->btv", h, compute_embedding, preferred_element_type=jnp.float32))
+        logits, backward = products(h.astype(dtype))
+        logits = constrain_batch(logits)
         log_norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
         picked = jnp.take_along_axis(logits, t[..., None], axis=-1)
         total = total + jnp.sum(log_norm - picked)
         probs = jnp.exp(logits - log_norm)
-        d_logits = ((probs - jax.nn.one_hot(t, logits.shape[-1], dtype=probs.dtype)) * scale).astype(dtype)
-        d_hidden = einsum("btv,vd->btd", d_logits, compute_embedding, preferred_element_type=jnp.float32)
-        d_embedding = d_embedding + einsum("btv,btd->vd", d_logits, h, preferred_element_type=jnp.float32)
-        return (total, d_embedding), d_hidden
+        d_hidden, d_chunk_embedding = backward(probs - jax.nn.one_hot(t, logits.shape[-1], dtype=probs.dtype))
+        return (total, d_embedding + d_chunk_embedding), d_hidden
 
     start = (jnp.zeros((), jnp.float32), jnp.zeros(embedding.shape, jnp.float32))
     (total, d_embedding), d_hidden = jax.lax.scan(body, start, (hidden_chunks, target_chunks))
@@ -111,9 +161,14 @@ def _loss_forward(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, d
 
 
 def _loss_backward(
-    dtype: jnp.dtype, chunk: int, residuals: tuple[jax.Array, jax.Array, jax.Array], cotangent: jax.Array
+    dtype: jnp.dtype,
+    chunk: int,
+    fp8_head: str,
+    cast_kernel: bool,
+    residuals: tuple[jax.Array, jax.Array, jax.Array],
+    cotangent: jax.Array,
 ):
-    del dtype, chunk
+    del dtype, chunk, fp8_head, cast_kernel
     d_hidden, d_embedding, targets = residuals
     zero_targets = jnp.zeros(targets.shape, jax.dtypes.float0)
     return (
@@ -127,8 +182,16 @@ next_token_loss_and_head.defvjp(_loss_forward, _loss_backward)
 
 
 def chunked_next_token_loss(
-    hidden: jax.Array, embedding: jax.Array, targets: jax.Array, dtype: jnp.dtype, chunk: int
+    hidden: jax.Array,
+    embedding: jax.Array,
+    targets: jax.Array,
+    dtype: jnp.dtype,
+    chunk: int,
+    fp8_head: str = "off",
+    cast_kernel: bool = False,
 ) -> jax.Array:
     """The training loss (next_token_loss_and_head): value and gradients are those of the whole form
-    next_token_loss(head_logits(hidden, embedding, dtype), targets) up to float32 summation order."""
-    return next_token_loss_and_head(hidden, embedding, targets, dtype, chunk)
+    next_token_loss(head_logits(hidden, embedding, dtype), targets) up to float32 summation order, or with
+    `fp8_head` "gradients" or "all" within FP8 rounding of them (mlra_jax.fp8_head; `cast_kernel`:
+    fp8_casts.both_layouts's choice)."""
+    return next_token_loss_and_head(hidden, embedding, targets, dtype, chunk, fp8_head, cast_kernel)

@@ -108,7 +108,7 @@ def initialize_distributed(args: argparse.Namespace) -> None:
 
 
 def dry_run(experiment: Experiment, compile_step: bool) -> None:
-    from mlra_jax import fp8
+    from mlra_jax import fp8, fp8_head
     from mlra_jax.attention import fp8_attention
     from mlra_jax.data.pipeline import check_data
     from mlra_jax.training.state import build_setup, compiled_memory, fsdp_gather, memory_estimate
@@ -122,6 +122,7 @@ def dry_run(experiment: Experiment, compile_step: bool) -> None:
     cfg = experiment.model
     print(fp8.describe(cfg.matmul_dtype, setup.mesh.devices.flat[0], scaling=cfg.fp8_scaling, casts=cfg.fp8_casts))
     print(fp8_attention.describe(cfg, setup.abstract_state["fp8"], train.seq_len, setup.mesh.devices.flat[0]))
+    print(fp8_head.describe(cfg.matmul_dtype, cfg.fp8_head, setup.mesh.devices.flat[0]))
     if cfg.keeps_fp8_histories:
         print(fp8.describe_histories(setup.abstract_state["fp8"]))
     steps = setup.experiment.train.accumulation_steps

@@ -130,11 +130,12 @@ def _rolled(history, amaxes):
 
 
 @jax.default_matmul_precision("highest")
-def test_delayed_products_and_gradients_use_the_historys_scales():
+def test_delayed_products_and_gradients_use_the_historys_scales_and_the_weights_own():
     x, w, cotangent = _operands(2)
     history = _history()
     out, grad_x, grad_w, _ = _delayed_vjp(x, w, cotangent, history)
-    scales = [float(jnp.max(row)) / fp8._MAX[d] for row, d in zip(history, (fp8.E4M3, fp8.E4M3, fp8.E5M2))]
+    scales = [float(jnp.max(row)) / fp8.MAX[d] for row, d in zip(history, (fp8.E4M3, fp8.E4M3, fp8.E5M2))]
+    scales[1] = float(fp8.scale_of(w, fp8.E4M3))  # the weight by its own amax
     want_out, want_grad_x, want_grad_w = _emulated_with(x, w, cotangent, scales)
     np.testing.assert_allclose(out.reshape(96, 160), want_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(grad_x.reshape(96, 96), want_grad_x, rtol=1e-5, atol=1e-5)
@@ -153,20 +154,37 @@ def test_the_history_cotangent_is_the_rolled_history_with_the_current_amaxes():
 
 
 @jax.default_matmul_precision("highest")
-def test_a_fresh_history_scales_by_one_and_larger_amaxes_saturate():
+def test_a_fresh_history_scales_x_and_the_gradient_by_one_and_larger_amaxes_saturate():
     x, w, cotangent = _operands(4)
     x, cotangent = x * 1000.0, cotangent * 1e5  # beyond e4m3's 448 and e5m2's 57344: saturated at scale 1
     fresh = fp8.new_history()
     assert fresh.shape == (3, fp8.HISTORY) and not bool(fresh.any())
     out, grad_x, grad_w, updated = _delayed_vjp(x, w, cotangent, fresh)
-    want_out, want_grad_x, want_grad_w = _emulated_with(x, w, cotangent, (1.0, 1.0, 1.0))
+    want_out, want_grad_x, want_grad_w = _emulated_with(x, w, cotangent, (1.0, fp8.scale_of(w, fp8.E4M3), 1.0))
     for got, want in ((out, want_out), (grad_x, want_grad_x), (grad_w, want_grad_w)):
         assert bool(jnp.isfinite(got).all())
-        np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
     np.testing.assert_array_equal(updated, _rolled(fresh, [jnp.max(jnp.abs(a)) for a in (x, w, cotangent)]))
     small = _history(1.0, 1.0, 1.0)  # the history's amax 1, the tensor's 1e6: saturates at the format's max
     quantized = fp8.quantize(jnp.array([1e6, -1e6]), fp8.scale_from_history(small[0], fp8.E4M3), fp8.E4M3)
     np.testing.assert_array_equal(quantized.astype(jnp.float32), [448.0, -448.0])
+
+
+@jax.default_matmul_precision("highest")
+def test_a_small_or_growing_weight_is_neither_flushed_nor_saturated():
+    """A zero-initialized projection's first update (1e-5) under a history that recorded its zeros, and a weight
+    10x above its history's amax (warmup grows every weight): each is quantized by its own amax."""
+    x, w, cotangent = _operands(7)
+    for weight, history in ((w * 1e-4, fp8.new_history()), (w, _history(w_amax=0.1 * float(jnp.max(jnp.abs(w)))))):
+        out, grad_x, _, _ = _delayed_vjp(x, weight, cotangent, history)
+        scales = (float(jnp.max(history[0])) / fp8.MAX[fp8.E4M3] or 1.0, fp8.scale_of(weight, fp8.E4M3))
+        scales = (*scales, float(jnp.max(history[2])) / fp8.MAX[fp8.E5M2] or 1.0)
+        want_out, want_grad_x, _ = _emulated_with(x, weight, cotangent, scales)
+        assert float(jnp.abs(out).max()) > 0
+        for got, want in ((out, want_out), (grad_x, want_grad_x)):
+            np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
+        dequantized = fp8.quantize(weight, scales[1], fp8.E4M3).astype(jnp.float32) * scales[1]
+        assert float(jnp.linalg.norm(dequantized - weight) / jnp.linalg.norm(weight)) < 0.05  # FP8's rounding only
 
 
 def test_merged_micro_batch_histories_hold_the_batchs_amax():

@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mlra_jax import fp8
+from mlra_jax import fp8, fp8_casts
 from mlra_jax.loss import chunked_next_token_loss
 from mlra_jax.params import params_for_compute
 
@@ -33,14 +33,18 @@ def loss_fn(
     """Loss of the model on tokens [B, T + 1] (inputs tokens[:, :-1], targets tokens[:, 1:]); the
     cross-entropy runs over chunks of `loss_chunk` positions (0: whole). `training`: the train step's loss,
     whose projections take model.matmul_dtype (FP8 where asked for and available, with delayed scaling from
-    the amax `histories` when given: model.fp8_histories); evaluation's run in the compute dtype."""
+    the amax `histories` when given: model.fp8_histories), and the tied head too with model.fp8_head; evaluation's
+    run in the compute dtype."""
     config = nnx.merge(graphdef, params).config
     dtype = config.dtype
     model = nnx.merge(graphdef, params_for_compute(params, dtype))
     enabled = training and fp8.training_matmuls(config.matmul_dtype)
     with fp8.matmuls(enabled, histories or None, config.fp8_casts):
         hidden = model.hidden(tokens[:, :-1])
-    return chunked_next_token_loss(hidden, model.embed.embedding[...], tokens[:, 1:], dtype, loss_chunk)
+    fp8_head = config.fp8_head if enabled else "off"
+    cast_kernel = fp8_head != "off" and fp8_casts.kernel_runs(config.fp8_casts)
+    embedding = model.embed.embedding[...]
+    return chunked_next_token_loss(hidden, embedding, tokens[:, 1:], dtype, loss_chunk, fp8_head, cast_kernel)
 
 
 def gathered_weights(graphdef: nnx.GraphDef, params: Params, shardings: Any, gathered: Any) -> tuple[Params, Any]:
