@@ -144,9 +144,9 @@ class ModelConfig:
     # dtype, or "float8": FP8 GEMMs with per-tensor scaling on GPUs that have them (mlra_jax.fp8), with a
     # bfloat16 compute_dtype; evaluation, decoding and export stay in the compute dtype
     matmul_dtype: str = dataclasses.field(default="compute", metadata={"choices": MATMUL_DTYPES})
-    # FP8 scales: "delayed" from the tensors' absolute maxima of the previous step (an amax history of
-    # fp8.HISTORY steps, kept in the train state and checkpoints; one pass over each tensor); "dynamic" from each
-    # tensor's own absolute maximum (two passes, no state)
+    # FP8 scales: "delayed" for activations and gradients from their absolute maxima of the previous step (an amax
+    # history of fp8.HISTORY steps, kept in the train state and checkpoints; one pass over each tensor), weights by
+    # their own; "dynamic" from each tensor's own absolute maximum (two passes, no state)
     fp8_scaling: str = dataclasses.field(default="delayed", metadata={"choices": FP8_SCALINGS})
     # How float8 matmuls quantize their activations and gradients, in both layouts their GEMMs read: "auto" (or
     # "kernel") one Pallas Triton pass per operand on NVIDIA GPUs, outside tensor parallelism (mlra_jax.fp8_casts;
