@@ -54,9 +54,8 @@ def logits(
     """float32 logits [rows, vocab] of one chunk's e4m3 hidden states (quantized_hidden) against E8
     (quantized_embedding of a [vocab, d] embedding). `scales`: (the hidden states', E's)."""
     h_scale, e_scale = scales
-    return fp8.gemm(hidden8, embedding8, h_scale * e_scale, jnp.float32, EXACT_SUMS)[
-        :rows, :vocab
-    ]  # [M', d'] . [V', d']
+    product = fp8.gemm(hidden8, embedding8, h_scale * e_scale, jnp.float32, EXACT_SUMS)  # [M', d'] . [V', d']
+    return product[:rows, :vocab]
 
 
 def gradients(
@@ -76,12 +75,9 @@ def gradients(
     g8, g8_t, _ = fp8_casts.both_layouts(
         logits_gradient, jnp.float32(1.0 / GRADIENT_SCALE), fp8.E5M2, fp8.DIM_MULTIPLE, kernel=False
     )
-    d_hidden = fp8.gemm(
-        g8, embedding8_t, GRADIENT_SCALE * multiplier * e_scale, jnp.float32, EXACT_SUMS
-    )  # [M', V'].[d', V']
-    d_embedding = fp8.gemm(
-        g8_t, hidden8_t, GRADIENT_SCALE * multiplier * h_scale, jnp.float32, EXACT_SUMS
-    )  # [V', M'].[d', M']
+    g_scale = GRADIENT_SCALE * multiplier
+    d_hidden = fp8.gemm(g8, embedding8_t, g_scale * e_scale, jnp.float32, EXACT_SUMS)  # [M', V'] . [d', V']
+    d_embedding = fp8.gemm(g8_t, hidden8_t, g_scale * h_scale, jnp.float32, EXACT_SUMS)  # [V', M'] . [d', M']
     return d_hidden[:rows, :width], d_embedding[:vocab, :width]
 
 

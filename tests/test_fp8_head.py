@@ -114,6 +114,9 @@ def test_a_train_step_runs_the_head_in_fp8_only_as_asked(mode, monkeypatch):
     assert (f"tensor<{SMALL_VOCAB}x32xf8E5M2>" in hlo) == (mode != "off")
     fp8_logits = re.compile(rf"dot_general.*f8E4M3FN>\) -> tensor<32x{SMALL_VOCAB}xf32>")
     assert bool(fp8_logits.search(hlo)) == (mode == "all")
+    # the embedding's gradient from the e5m2 logits' gradient, summed over the tokens without fast accumulation
+    exact = re.compile(rf"dot_general.*precision = \[HIGHEST, HIGHEST\] : \(tensor<{SMALL_VOCAB}x32xf8E5M2>")
+    assert bool(exact.search(hlo)) == (mode != "off")
     loss, grads = step(params)
     want_loss = loss_fn(graphdef, params, tokens)  # evaluation: the compute dtype everywhere
     assert abs(float(loss) - float(want_loss)) < 0.02 * float(want_loss)
