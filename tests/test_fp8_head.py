@@ -144,9 +144,11 @@ def test_dry_run_says_how_the_head_runs(capsys):
     assert "tied head: the compute dtype (model.fp8_head=off)" in capsys.readouterr().out
 
 
-def test_a_batch_split_over_devices_quantizes_as_one_device(monkeypatch):
-    """Data 2 x FSDP 4 on 8 CPU devices: the head's scales are the whole tensors' amaxes, so the loss is one
-    device's up to float32 summation order and the (bf16) gradients up to their rounding, well inside FP8's."""
+@pytest.mark.parametrize("mesh_config", [(2, 4, 1), (1, 4, 2)], ids=["data2_fsdp4", "fsdp4_tensor2"])
+def test_a_mesh_quantizes_the_head_as_one_device(mesh_config, monkeypatch):
+    """On 8 CPU devices, with the batch over data and FSDP, and with the embedding's vocabulary split over TP: the
+    head's scales are the whole tensors' amaxes, so the loss is one device's up to float32 summation order and the
+    (bf16) gradients up to their rounding, well inside FP8's."""
     from mlra_jax.config import MeshConfig
     from mlra_jax.params import logical_axes
     from mlra_jax.sharding import batch_sharding, make_mesh, tree_shardings
@@ -156,7 +158,8 @@ def test_a_batch_split_over_devices_quantizes_as_one_device(monkeypatch):
     tokens = jax.random.randint(jax.random.key(5), (8, 33), 0, SMALL_VOCAB)
     step = jax.jit(jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t, training=True, loss_chunk=16)))
     loss, grads = step(params, tokens)
-    mesh = make_mesh(MeshConfig(data=2, fsdp=4, tensor=1), jax.devices()[:8])
+    data, fsdp, tensor = mesh_config
+    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor), jax.devices()[:8])
     with jax.set_mesh(mesh):
         host = jax.tree.map(np.asarray, params)
         sharded = jax.device_put(host, tree_shardings(host, logical_axes(nnx.merge(graphdef, params)), mesh))
