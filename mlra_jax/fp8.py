@@ -128,7 +128,7 @@ def gemm(a: jax.Array, b: jax.Array, scale: jax.Array, out_dtype: jnp.dtype, exa
 DIM_MULTIPLE = 16
 
 
-def padded(x: jax.Array) -> jax.Array:
+def _padded(x: jax.Array) -> jax.Array:
     """x [R, C] with zero rows and columns up to multiples of DIM_MULTIPLE."""
     pads = [(0, -size % DIM_MULTIPLE) for size in x.shape]
     return jnp.pad(x, pads) if any(high for _, high in pads) else x
@@ -140,7 +140,7 @@ def _quantized_forward(
     """x [M, K] @ w [K, N] in FP8, the backward's residuals, and the amaxes of x and w."""
     (m, _), n = x.shape, w.shape[1]
     x8, x8_t, x_amax = fp8_casts.both_layouts(x, 1.0 / x_scale, E4M3, DIM_MULTIPLE, cast_kernel)
-    w8 = quantize(padded(w), w_scale, E4M3)  # [K, N]: the input gradient's operand; XLA makes w8.T with it
+    w8 = quantize(_padded(w), w_scale, E4M3)  # [K, N]: the input gradient's operand; XLA makes w8.T with it
     product = gemm(x8, w8.T, x_scale * w_scale, dtype)[:m, :n]  # [M, K] . [N, K]
     return product, (x8_t, w8, x_scale, w_scale), (x_amax, _amax(w))
 

@@ -31,8 +31,8 @@ def quantized_embedding(embedding: jax.Array) -> tuple[jax.Array, jax.Array, jax
     """(E8 [V', d'], E8 transposed [d', V'], its scale) of the embedding [V, d]: e4m3 by its own amax, padded with
     zeros to multiples of fp8.DIM_MULTIPLE. XLA's fusion makes both layouts (a weight, once per step)."""
     scale = fp8.scale_of(embedding, fp8.E4M3)
-    quantized = fp8.quantize(fp8.padded(embedding), scale, fp8.E4M3)
-    return quantized, quantized.T, scale
+    quantized, quantized_t, _ = fp8_casts.both_layouts(embedding, 1.0 / scale, fp8.E4M3, fp8.DIM_MULTIPLE, kernel=False)
+    return quantized, quantized_t, scale
 
 
 def hidden_scale(hidden: jax.Array) -> jax.Array:
