@@ -58,7 +58,8 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
     assert jax.device_count() == 8
     out = tmp_path / "throughput.json"
     # a bandwidth-reference copy of 10 MB, not the CPU cap of 64 MiB (a second of each call): it scales the floors only
-    decode_throughput.main(["--cpu", "--contexts=64", "--repeats=1", "--copy_gb=0.01", f"--out={out}", "--no_isolate"])
+    argv = ["--cpu", "--contexts=64", "--repeats=1", "--copy_gb=0.01", "--steps_per_call=2", f"--out={out}"]
+    decode_throughput.main([*argv, "--no_isolate"])
     record = json.loads(out.read_text())
     assert record["device_count"] == 8 and record["command"].startswith("python -m") and record["date"]
     assert all("error" not in r for r in record["results"]), record["results"]
@@ -66,6 +67,8 @@ def test_decode_throughput_on_8_devices(tmp_path, small_throughput_models, monke
         deployed = {r["variant"]: (r["tp"], r["dp"], r["batch"]) for r in record["results"] if r["scope"] == scope}
         assert deployed == {"gqa": (8, 1, 128), "mla": (1, 8, 128), "gla2": (2, 4, 128), "mlra4": (4, 2, 128)}
     assert all(r["tokens_per_s"] > 0 for r in record["results"])
+    # both scopes also time calls of steps (the attention scope's layer unrolled in one program)
+    assert all(r["steps_per_call"] == 2 and r["call_step_s"] > 0 for r in record["results"])
     # the roofline of every row: bytes and FLOPs per device, the floor at the measured ceilings, the collectives
     for r in record["results"]:
         assert r["weight_bytes"] > 0 and r["cache_bytes"] > 0 and r["flops"] > 0, r
@@ -664,3 +667,4 @@ def test_decode_throughput_measures_the_attention_scope_across_processes(tmp_pat
     assert all("--processes=4" in a for a in argv.values())
     row = _two_process_row(tmp_path, monkeypatch, "attention", "gla2")
     assert (row["scope"], row["tp"], row["dp"]) == ("attention", 2, 2) and row["tokens_per_s"] > 0
+    assert row["call_step_s"] > 0 and row["call_over_floor"] == pytest.approx(row["call_step_s"] / row["floor_time_s"])

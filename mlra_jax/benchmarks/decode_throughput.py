@@ -9,7 +9,9 @@ length, and times one decode step for the whole batch (tokens/s = batch / step t
 
 * scope `attention`: one layer of DeepSeek-V3's attention shape (THROUGHPUT_MODELS), as the paper
   measures: pre-attention projections, cache write and attention (absorbed for the latent family), with the
-  weights held as the serving layer holds them (decode.layouts.tensor_parallel_weights);
+  weights held as the serving layer holds them (decode.layouts.tensor_parallel_weights); with --steps_per_call=K
+  also calls of K of its steps in one program (`call_step_s`): a single step of one layer is short enough
+  (0.1-0.3 ms) that its dispatch bounds it;
 * scope `model`: the 2.9B model ({variant}_2p9b) on the serving path (decode.serving: bf16 weights
   split per layer, per-layer caches updated in place), embedding to logits; with --steps_per_call=K
   (default: generate's, 8) also calls of K greedy steps that sample, as `generate` runs them, dispatched back to
@@ -164,7 +166,8 @@ def measure_attention(
             )
             return heads, dataclasses.replace(state, kv={k: v[None] for k, v in layer.items()}, index=state.index + 1)
 
-        jitted = jax.jit(step, donate_argnums=(2,), compiler_options=serving_compiler_options(batch, tp > 1))
+        options = serving_compiler_options(batch, tp > 1)
+        jitted = jax.jit(step, donate_argnums=(2,), compiler_options=options)
         x = filled_like(jax.ShapeDtypeStruct((batch, 1, cfg.n_embd), jnp.bfloat16), batch_sharding(mesh, 3))
         for context in contexts:
             state = init_cache(cfg, batch, context, mesh=mesh)
@@ -185,6 +188,8 @@ def measure_attention(
             flops += rows * context * roofline.attention_flops_per_token(cfg, tp)
             cache = roofline.cache_bytes_in_use(holder["state"].kv, context, slot_axis=2)
             timing |= roofline.floor(roofline.shard_bytes(read), cache, flops, ceilings, timing["step_time_s"])
+            if STEPS_PER_CALL > 1:
+                timing |= time_layer_calls(step, options, params, x, holder, batch, context, repeats, timing["floor_time_s"])
             timing |= roofline.collective_census(compiled.as_text()) | memory
             results.append(_record(variant, "attention", cfg, tp, dp, len(devices), batch, context, timing))
             holder.clear()  # the cache's buffers go before the next context's are made
@@ -288,6 +293,46 @@ def time_calls(
         drawn, _, holder["caches"] = compiled(serving.weights, tokens, holder["caches"], key)
         return drawn
 
+    return call_timing(run, steps, calls, batch, floor)
+
+
+def time_layer_calls(
+    step: Callable,
+    options: dict[str, Any] | None,
+    params: Any,
+    x: jax.Array,
+    holder: dict,
+    batch: int,
+    context: int,
+    calls: int,
+    floor: float,
+) -> dict[str, Any]:
+    """Seconds per step of the attention scope's layer in calls of STEPS_PER_CALL steps (one program, the steps
+    unrolled: each writes its token and attends over the cache), `calls` of them dispatched back to back, as
+    time_calls times whole models; a step of this one layer is short enough that dispatching each alone bounds it.
+    Every step's output is returned, so that none of their attentions is dead code."""
+    steps = STEPS_PER_CALL
+
+    def call(params, x, state):
+        outputs = []
+        for _ in range(steps):
+            heads, state = step(params, x, state)
+            outputs.append(heads)
+        return tuple(outputs), state
+
+    holder["state"] = dataclasses.replace(holder["state"], index=jnp.int32(context - calls_slots(steps, calls)))
+    compiled = jax.jit(call, donate_argnums=(2,), compiler_options=options).lower(params, x, holder["state"]).compile()
+
+    def run():
+        outputs, holder["state"] = compiled(params, x, holder["state"])
+        return outputs
+
+    return call_timing(run, steps, calls, batch, floor)
+
+
+def call_timing(run: Callable[[], Any], steps: int, calls: int, batch: int, floor: float) -> dict[str, Any]:
+    """Per-step timing of run(), a call of `steps` steps: `calls` calls dispatched back to back, and on GPUs the
+    profiler's span and the sum of a call's kernels per step."""
     seconds = pipelined_time(run, calls) / steps
     timing = {
         "steps_per_call": steps,
@@ -422,9 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--steps_per_call",
         type=int,
-        default=STEPS_PER_CALL,
-        help="scope model: also time calls of this many decode steps that sample, as `generate` makes them "
-        "(1: single steps only)",
+        default=STEPS_PER_GENERATE_CALL,
+        help="also time calls of this many decode steps (scope model: steps that sample, as `generate` makes "
+        "them; scope attention: the layer's steps in one program) (1: single steps only)",
     )
     parser.add_argument("--copy_gb", type=float, default=2.0, help="size of the bandwidth-reference copy")
     parser.add_argument(
@@ -582,9 +627,9 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     variants = args.variants.split(",")
     slots = calls_slots(args.steps_per_call, args.repeats)
-    if args.steps_per_call < 1 or ("model" in scopes and args.steps_per_call > 1 and min(contexts) <= slots):
+    if args.steps_per_call < 1 or (args.steps_per_call > 1 and min(contexts) <= slots):
         parser.error(
-            f"--steps_per_call={args.steps_per_call}: give at least 1, and with scope model a --contexts above "
+            f"--steps_per_call={args.steps_per_call}: give at least 1, and a --contexts above "
             f"steps_per_call x (repeats + {EXTRA_CALLS}) = {slots} (or --steps_per_call=1)"
         )
     if args.processes < 1 or (args.process_id is not None and not args.coordinator):
