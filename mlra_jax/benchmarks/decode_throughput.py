@@ -189,7 +189,8 @@ def measure_attention(
             cache = roofline.cache_bytes_in_use(holder["state"].kv, context, slot_axis=2)
             timing |= roofline.floor(roofline.shard_bytes(read), cache, flops, ceilings, timing["step_time_s"])
             if STEPS_PER_CALL > 1:
-                timing |= time_layer_calls(step, options, params, x, holder, batch, context, repeats, timing["floor_time_s"])
+                floor = timing["floor_time_s"]
+                timing |= time_layer_calls(step, options, params, x, holder, batch, context, repeats, floor)
             timing |= roofline.collective_census(compiled.as_text()) | memory
             results.append(_record(variant, "attention", cfg, tp, dp, len(devices), batch, context, timing))
             holder.clear()  # the cache's buffers go before the next context's are made
