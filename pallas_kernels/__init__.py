@@ -25,6 +25,11 @@ Training attention:
                              what the trainer runs for MLRA-2 and MLRA-4 on Hopper (mlra_jax.attention.mlra_kernel);
   * remat_names              the names that kernels give the outputs their backward reads, which remat policies keep.
 
+Collectives:
+  * peer_all_reduce_gpu      a one-shot all-reduce of small bf16 arrays among the GPUs of one host, in PTX launched
+                             through jaxlib's Triton kernel call (it reads the peers' partials over NVLink), with its
+                             jnp reference; run by the latent family's TP decode steps (mlra_jax.peer_exchange).
+
 Shared: gpu_interpret (Pallas's GPU interpret mode for the Mosaic GPU kernels' CPU tests) and block_specs (the
 whole-array BlockSpec of the Triton kernels).
 """

@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mlra_jax import tensor_parallel
+from mlra_jax import peer_exchange, tensor_parallel
 from mlra_jax.attention import attention_class
 from mlra_jax.benchmarks import roofline
 from mlra_jax.benchmarks.common import (
@@ -461,9 +461,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--tp_all_reduce",
-        default=serving.TP_ALL_REDUCE,
-        choices=("nccl", "one_shot"),
-        help="how decode steps under TP all-reduce on GPUs: NCCL or XLA's one-shot kernel (decode.serving)",
+        default="peer" if peer_exchange.PEER_ALL_REDUCE else serving.TP_ALL_REDUCE,
+        choices=("peer", "nccl", "one_shot"),
+        help="how decode steps under TP all-reduce the hidden state on GPUs: our kernel that reads the peers' "
+        "partials where a group's GPUs share a host (mlra_jax.peer_exchange; NCCL elsewhere), NCCL, or XLA's "
+        "one-shot kernel (decode.serving)",
     )
     parser.add_argument(
         "--steps_per_call",
@@ -650,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
     region_block.REGION_BLOCKS = args.tp_output == "block"
     region_block.FOLD_ABSORBED = args.absorbed_weights == "folded"
     layouts.PROJECT_IN_REGION = args.tp_output == "in_region"
-    serving.TP_ALL_REDUCE = args.tp_all_reduce
+    peer_exchange.PEER_ALL_REDUCE = args.tp_all_reduce == "peer"
+    serving.TP_ALL_REDUCE = "nccl" if args.tp_all_reduce == "peer" else args.tp_all_reduce
     global ROW_KERNELS
     ROW_KERNELS = args.row_kernels
     global KEEP_TIMELINE

@@ -28,7 +28,7 @@ data-parallel axes where it divides; the cache is read and written where it is s
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,7 @@ from mlra_jax.attention.rope import apply_rope
 from mlra_jax.config import ModelConfig
 from mlra_jax.decode import layouts, serving_block
 from mlra_jax.layers import project, rms_norm, row_copies
+from mlra_jax.peer_exchange import axis_all_reduce
 from mlra_jax.sharding import split_batch_axes
 from mlra_jax.tensor_parallel import TENSOR, LatentPlan, reduce_dtype
 
@@ -197,7 +198,8 @@ def block_step(
         lead,
         P(),
     )
-    body = functools.partial(_on_device, block_def, absorbed, mesh.shape[TENSOR])
+    reduce = axis_all_reduce(mesh, TENSOR)
+    body = functools.partial(_on_device, block_def, absorbed, mesh.shape[TENSOR], reduce)
     mapped = jax.shard_map(
         body, in_specs=specs, out_specs=(lead, cache_specs), axis_names=set(mesh.axis_names), check_vma=False
     )
@@ -208,6 +210,7 @@ def _on_device(
     block_def: nnx.GraphDef,
     absorbed: bool,
     tp: int,
+    reduce: Callable[[jax.Array], jax.Array],
     module: Weights,
     region: Weights,
     x: jax.Array,
@@ -247,9 +250,9 @@ def _on_device(
         hidden = _folded_attention(attn, held, c_q, positions, cache, mask)[: x.shape[0]]
     else:
         hidden = _attention(attn, held, h, c_q, positions, cache, mask, mode, n, g)[: x.shape[0]]
-    x = x + _reduced(hidden, mode, dtype)
+    x = x + _reduced(hidden, mode, dtype, reduce)
     mlp = serving_block.swiglu(region["mlp"], block.mlp_norm(x), False, dtype)
-    return x + _reduced(mlp, mode, dtype), cache
+    return x + _reduced(mlp, mode, dtype, reduce), cache
 
 
 def _folded_attention(
@@ -298,7 +301,7 @@ def _attention(
     return project(out, held["o_proj"], "bthk,hkd->btd", dtype)
 
 
-def _reduced(partial: jax.Array, mode: str, dtype: jnp.dtype) -> jax.Array:
+def _reduced(partial: jax.Array, mode: str, dtype: jnp.dtype, reduce: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """The sum over `tensor` of each device's partial of the hidden state (in the compute dtype in decode steps,
-    tensor_parallel.reduce_dtype)."""
-    return jax.lax.psum(partial.astype(reduce_dtype(mode, dtype)), TENSOR).astype(dtype)
+    tensor_parallel.reduce_dtype), by `reduce` (peer_exchange.axis_all_reduce: the peer kernel or psum)."""
+    return reduce(partial.astype(reduce_dtype(mode, dtype))).astype(dtype)
