@@ -145,13 +145,11 @@ def _shared_handles(mesh: jax.sharding.Mesh, key: str) -> dict[int, tuple[str, b
     return shared
 
 
-def _tables_of(mesh: jax.sharding.Mesh, axis: str, key: str) -> np.ndarray:
-    """uint32 [*mesh.shape, 2 (size + 2)]: every device's kernel.table_row, each as the process that owns the device
-    sees its group. Every process builds the same tables (each publishes its own devices' rows), so that the
-    programs holding them are the same in every process, as XLA requires of them (its autotuning shared between
-    processes is keyed by the program)."""
+def _local_rows(mesh: jax.sharding.Mesh, axis: str, shared: dict[int, tuple[str, bytes]]) -> np.ndarray:
+    """uint32 [*mesh.shape, 2 (size + 2)]: this process's devices' kernel.table_row (its rank along `axis`, its
+    group's exchanges as this process sees them; the peers of other processes from their IPC handles in `shared`),
+    zeros for the other processes' devices."""
     me, size = jax.process_index(), mesh.shape[axis]
-    shared = _shared_handles(mesh, key) if jax.process_count() > 1 else {}
     hosts = {host for host, _ in shared.values()}
     if len(hosts) > 1 and any(len({shared[d.id][0] for d in g}) > 1 for g in groups(mesh, axis)):
         raise DriverError(f"a group of `{axis}` spans hosts ({sorted(hosts)})")
@@ -170,14 +168,23 @@ def _tables_of(mesh: jax.sharding.Mesh, axis: str, key: str) -> np.ndarray:
                 else:
                     addresses.append(_opened(ordinal, shared[peer.id][1]))
             table[coordinates[device.id]] = kernel.table_row(rank, addresses)
-    if jax.process_count() > 1:
-        client = _kv_client()
-        for device in mesh.devices.flat:
-            if device.process_index == me:
-                client.key_value_set(f"{key}/row/{device.id}", table[coordinates[device.id]].tobytes().hex())
-        for device in mesh.devices.flat:
-            row = client.blocking_key_value_get(f"{key}/row/{device.id}", KEY_TIMEOUT_MS)
-            table[coordinates[device.id]] = np.frombuffer(bytes.fromhex(row), np.uint32)
+    return table
+
+
+def _every_row(mesh: jax.sharding.Mesh, local: np.ndarray, key: str) -> np.ndarray:
+    """The tables of every device: each process publishes its devices' rows and reads the others', so that every
+    process holds the same tables and compiles the same programs, as XLA requires of them (its autotuning shared
+    between processes is keyed by the program)."""
+    if jax.process_count() == 1:
+        return local
+    client, table = _kv_client(), local.copy()
+    coordinates = {d.id: c for c, d in np.ndenumerate(mesh.devices)}
+    for device in mesh.devices.flat:
+        if device.process_index == jax.process_index():
+            client.key_value_set(f"{key}/row/{device.id}", local[coordinates[device.id]].tobytes().hex())
+    for device in mesh.devices.flat:
+        row = client.blocking_key_value_get(f"{key}/row/{device.id}", KEY_TIMEOUT_MS)
+        table[coordinates[device.id]] = np.frombuffer(bytes.fromhex(row), np.uint32)
     return table
 
 
@@ -219,12 +226,13 @@ def peer_tables(mesh: jax.sharding.Mesh, axis: str) -> np.ndarray | None:
     name = f"mlra_jax/peer_exchange/{axis}/" + "-".join(str(i) for i in key[0])
     try:
         _debug(f"setting up {name}")
-        table, ok = _tables_of(mesh, axis, name), True
-        _debug("tables ready")
+        shared = _shared_handles(mesh, name) if jax.process_count() > 1 else {}
+        local, ok = _local_rows(mesh, axis, shared), True
     except Exception as error:  # noqa: BLE001 (any failure, here or a peer's timeout: every process keeps psum)
         print(f"mlra_jax: all-reduces over `{axis}` stay on XLA's psum: {error}", file=sys.stderr)
-        table, ok = None, False
-    _tables[key] = table if _agreed(ok, name) else None
+        local, ok = None, False
+    _tables[key] = _every_row(mesh, local, name) if _agreed(ok, name) else None
+    _debug(f"tables {'ready' if _tables[key] is not None else 'not used'}")
     return _tables[key]
 
 

@@ -155,6 +155,28 @@ def test_decode_throughput_refuses_a_cpu_at_once(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("variant", ["mla", "mlra4"])
+def test_the_attention_scope_reads_the_latent_weights_as_serving_holds_them(variant):
+    """Without TP the scope's step reads x_proj, q_up and the head-major kv_up (decode.layouts) as serving does, the
+    same elements as the projections as trained; under TP, and for GQA, it runs the module's own weights."""
+    from flax import nnx
+
+    from mlra_jax.model import init_model
+
+    latent = nnx.to_pure_dict(nnx.state(init_model(tiny_model(variant), seed=0).blocks.attn, nnx.Param))
+    latent = jax.tree.map(lambda a: a[0], latent)  # one layer
+    held = decode_throughput.scope_held_weights(latent, tp=1)
+    assert set(held) == {"x_proj", "q_up", "kv_up"}
+    assert held["kv_up"].shape[0] == 2  # W_UK and W_UV apart, head-major
+    read = decode_throughput.scope_read_weights(latent, held)
+    as_trained = decode_throughput.scope_read_weights(latent, None)
+    size = lambda tree: sum(a.size for a in jax.tree.leaves(tree))  # noqa: E731
+    assert size(read) == size(as_trained) and not {"q_down", "kv_down", "k_rope_proj"} & set(read)
+    assert decode_throughput.scope_held_weights(latent, tp=2) is None
+    gqa = nnx.to_pure_dict(nnx.state(init_model(tiny_model("gqa"), seed=0).blocks.attn, nnx.Param))
+    assert decode_throughput.scope_held_weights(jax.tree.map(lambda a: a[0], gqa), tp=1) is None
+
+
 def test_decode_throughput_refuses_calls_that_the_shortest_context_cannot_hold(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         decode_throughput.main(["--cpu", "--contexts=64,1024", "--repeats=10", f"--out={tmp_path / 'out.json'}"])

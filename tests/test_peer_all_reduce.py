@@ -1,8 +1,12 @@
-"""The peer all-reduce (pallas_kernels.peer_all_reduce_gpu, mlra_jax.peer_exchange): its arithmetic, its limits and
-its PTX on any machine; on NVIDIA GPUs the kernel against its reference on every device, and tensor-parallel
-serving on it against NCCL's logits."""
+"""The peer all-reduce (pallas_kernels.peer_all_reduce_gpu, mlra_jax.peer_exchange): its arithmetic, its limits, its
+PTX, each device's table and the processes' agreement on any machine (the CUDA driver faked); on NVIDIA GPUs the
+kernel against its reference on every device, and tensor-parallel serving on it against NCCL's logits."""
 
+import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +19,7 @@ from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.pallas_kernels import peer_all_reduce_gpu as kernel
 
 from mlra_jax import peer_exchange
+from mlra_jax.benchmarks.decode_throughput import free_port
 from mlra_jax.config import MeshConfig
 from mlra_jax.decode.generator import Generator, left_pad
 from mlra_jax.model import init_model
@@ -146,7 +151,7 @@ def test_each_devices_table_names_its_rank_and_its_groups_exchanges_in_axis_orde
     enabled = []
     monkeypatch.setattr(peer_exchange, "_exchange", lambda ordinal: 1000 * ordinal + 16)
     monkeypatch.setattr(peer_exchange, "_enable_peer_access", lambda ordinal, peer: enabled.append((ordinal, peer)))
-    tables = peer_exchange._tables_of(mesh, "tensor", "test")
+    tables = peer_exchange._local_rows(mesh, "tensor", {})
     assert tables.shape == (*mesh.devices.shape, 2 * (2 + 2)) and tables.dtype == np.uint32
     along = mesh.axis_names.index("tensor")
     rows = np.moveaxis(mesh.devices, along, -1).reshape(-1, 2)  # the groups, each in `tensor` order
@@ -156,3 +161,63 @@ def test_each_devices_table_names_its_rank_and_its_groups_exchanges_in_axis_orde
         assert tables[coordinates].view(np.uint64).tolist() == [coordinates[along], 2, *addresses]
     want = {(a.local_hardware_id, b.local_hardware_id) for row in rows for a in row for b in row if a != b}
     assert sorted(enabled) == sorted(want)
+
+
+_PROCESS = """
+import json, sys
+import jax, numpy as np
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+rank, coordinator, failing = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+jax.distributed.initialize(coordinator, num_processes=2, process_id=rank)
+from mlra_jax import peer_exchange as px
+px.KEY_TIMEOUT_MS = 60_000
+px.hopper_or_later = lambda device: True
+px._enable_peer_access = lambda ordinal, peer: None
+px._exchange = lambda ordinal: 1000 * (10 * rank + ordinal) + 16
+px._ipc_handle = lambda ordinal: bytes([rank, ordinal]) + bytes(62)
+def opened(ordinal, handle):
+    if rank == failing:
+        raise px.DriverError("no peer access")
+    return 500_000 + 1000 * (10 * rank + ordinal) + 10 * handle[0] + handle[1]
+px._opened = opened
+devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))  # [p0 d0, p0 d1, p1 d0, p1 d1]
+mesh = jax.sharding.Mesh(np.array(devices)[[0, 2, 1, 3]].reshape(2, 2), ("data", "tensor"))
+tables = px.peer_tables(mesh, "tensor")
+print(json.dumps(None if tables is None else tables.view(np.uint64).tolist()), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+@pytest.mark.parametrize("failing", [-1, 1])
+def test_processes_build_the_same_tables_or_all_keep_psum(failing):
+    """Two CPU processes of two devices each, `tensor` groups across the processes, the CUDA driver's calls faked:
+    both processes hold every device's row, each as its owner sees its group (its own exchange, the peer's IPC
+    mapping), so that they compile the same programs; where one process cannot open its peer's handle, both keep
+    psum."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PROCESS, str(rank), coordinator, str(failing)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [child.communicate(timeout=120) for child in children]
+    assert all(child.returncode == 0 for child in children), [err[-2000:] for _, err in outputs]
+    tables = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    if failing >= 0:
+        assert tables == [None, None]
+        assert "stay on XLA's psum: no peer access" in outputs[failing][1]
+        return
+    assert tables[0] == tables[1]
+    # mesh [[p0 d0, p1 d0], [p0 d1, p1 d1]]: group i holds device i of each process, ranks by process
+    for i in range(2):
+        for rank in range(2):
+            own = 1000 * (10 * rank + i) + 16
+            peer = 500_000 + 1000 * (10 * rank + i) + 10 * (1 - rank) + i
+            want = [own, peer] if rank == 0 else [peer, own]
+            assert tables[0][i][rank] == [rank, 2, *want]

@@ -70,7 +70,7 @@ from mlra_jax.benchmarks.common import (
     save,
 )
 from mlra_jax.config import MeshConfig, ModelConfig
-from mlra_jax.decode import layouts, region_block, serving
+from mlra_jax.decode import layouts, region_block, serving, serving_block
 from mlra_jax.decode.generator import STEPS_PER_CALL as STEPS_PER_GENERATE_CALL
 from mlra_jax.decode.generator import sample
 from mlra_jax.decode.serving import ServingModel, serving_compiler_options
@@ -156,14 +156,20 @@ def measure_attention(
         # made in their shardings (as whole models' are), so that processes of a device each can join one mesh
         params = filled_params(shapes, tree_shardings(shapes, axes, mesh))
         params = layouts.tensor_parallel_weights({"attn": params}, cfg, mesh)["attn"]  # as the serving layer holds them
-        read = {k: v for k, v in params.items() if k not in ("o_proj", "gate_proj")}  # what the scope's step reads
+        held = scope_held_weights(params, tp)
+        weights = (params, held)
+        read = scope_read_weights(params, held)  # what the scope's step reads
 
-        def step(params, x, state):
+        def step(weights, x, state):
+            params, held = weights
             positions, mask = slot_mask(state, 1)
             layer = {k: v[0] for k, v in state.kv.items()}
-            heads, layer = nnx.merge(graphdef, params).write_and_attend(
-                x, positions, layer, mask, state.index, dict(state.plans), absorbed=True
-            )
+            attention, plans = nnx.merge(graphdef, params), dict(state.plans)
+            if held is None:
+                heads, layer = attention.write_and_attend(x, positions, layer, mask, state.index, plans, absorbed=True)
+            else:
+                args = (x, positions, layer, mask, state.index, plans)
+                heads, layer = serving_block.latent_heads(attention, held, *args, absorbed=True, out_major=False)
             return heads, dataclasses.replace(state, kv={k: v[None] for k, v in layer.items()}, index=state.index + 1)
 
         options = serving_compiler_options(batch, tp > 1)
@@ -175,11 +181,11 @@ def measure_attention(
             holder = {"state": dataclasses.replace(state, kv=kv, index=jnp.int32(context - 4 * repeats - 16))}
             del state, kv
 
-            compiled = jitted.lower(params, x, holder["state"]).compile()
+            compiled = jitted.lower(weights, x, holder["state"]).compile()
             memory = announced_memory(compiled, "attention", variant, context)
 
             def run():
-                heads, holder["state"] = compiled(params, x, holder["state"])
+                heads, holder["state"] = compiled(weights, x, holder["state"])
                 return heads
 
             timing = time_step(run, repeats)
@@ -190,10 +196,27 @@ def measure_attention(
             timing |= roofline.floor(roofline.shard_bytes(read), cache, flops, ceilings, timing["step_time_s"])
             if STEPS_PER_CALL > 1:
                 floor = timing["floor_time_s"]
-                timing |= time_layer_calls(step, options, params, x, holder, batch, context, repeats, floor)
+                timing |= time_layer_calls(step, options, weights, x, holder, batch, context, repeats, floor)
             timing |= roofline.collective_census(compiled.as_text()) | memory
             results.append(_record(variant, "attention", cfg, tp, dp, len(devices), batch, context, timing))
             holder.clear()  # the cache's buffers go before the next context's are made
+
+
+def scope_held_weights(params: dict[str, jax.Array], tp: int) -> dict[str, jax.Array] | None:
+    """The latent family's x_proj, q_up and head-major kv_up as the serving layer holds them on a device that serves
+    every block (decode.layouts.attention_weights), for the attention scope to read as serving does: the module as
+    trained slices W_UK and W_UV out of kv_up in every step, and XLA copies both (about 22 us a step for MLA). None
+    under TP (the scope runs the module's tensor-parallel region) and for the other families."""
+    if tp > 1 or not layouts.is_latent(params):
+        return None
+    return {k: v for k, v in layouts.attention_weights(params, out_major=False).items() if k != "o_proj"}
+
+
+def scope_read_weights(params: dict[str, jax.Array], held: dict[str, jax.Array] | None) -> dict[str, jax.Array]:
+    """The weights the attention scope's step reads (its floor's bytes): all but the output projection and gate, the
+    latent projections from their held layouts where it holds them."""
+    unread = ("o_proj", "gate_proj", *(layouts.LATENT_HELD if held is not None else ()))
+    return {k: v for k, v in params.items() if k not in unread} | (held or {})
 
 
 def announced_memory(compiled: Any, scope: str, variant: str, context: int) -> dict[str, int]:
@@ -300,7 +323,7 @@ def time_calls(
 def time_layer_calls(
     step: Callable,
     options: dict[str, Any] | None,
-    params: Any,
+    weights: Any,
     x: jax.Array,
     holder: dict,
     batch: int,
@@ -314,18 +337,18 @@ def time_layer_calls(
     Every step's output is returned, so that none of their attentions is dead code."""
     steps = STEPS_PER_CALL
 
-    def call(params, x, state):
+    def call(weights, x, state):
         outputs = []
         for _ in range(steps):
-            heads, state = step(params, x, state)
+            heads, state = step(weights, x, state)
             outputs.append(heads)
         return tuple(outputs), state
 
     holder["state"] = dataclasses.replace(holder["state"], index=jnp.int32(context - calls_slots(steps, calls)))
-    compiled = jax.jit(call, donate_argnums=(2,), compiler_options=options).lower(params, x, holder["state"]).compile()
+    compiled = jax.jit(call, donate_argnums=(2,), compiler_options=options).lower(weights, x, holder["state"]).compile()
 
     def run():
-        outputs, holder["state"] = compiled(params, x, holder["state"])
+        outputs, holder["state"] = compiled(weights, x, holder["state"])
         return outputs
 
     return call_timing(run, steps, calls, batch, floor)
