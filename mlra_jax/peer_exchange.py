@@ -129,20 +129,22 @@ def _kv_client():
     return global_state.client
 
 
+def _gathered(mesh: jax.sharding.Mesh, key: str, value_of: Callable[[jax.Device], str]) -> dict[int, str]:
+    """Every mesh device's value_of(device) through jax.distributed's key-value store: each process publishes its
+    own devices' values, then waits for every device's."""
+    client = _kv_client()
+    for device in mesh.devices.flat:
+        if device.process_index == jax.process_index():
+            _debug(f"publishing {key}/{device.id}")
+            client.key_value_set(f"{key}/{device.id}", value_of(device))
+    _debug(f"waiting for {key}")
+    return {d.id: client.blocking_key_value_get(f"{key}/{d.id}", KEY_TIMEOUT_MS) for d in mesh.devices.flat}
+
+
 def _shared_handles(mesh: jax.sharding.Mesh, key: str) -> dict[int, tuple[str, bytes]]:
-    """Every mesh device's (host, IPC handle), published by the process that owns it."""
-    client, me = _kv_client(), jax.process_index()
-    for device in mesh.devices.flat:
-        if device.process_index == me:
-            handle = _ipc_handle(device.local_hardware_id).hex()
-            _debug(f"publishing device {device.id}")
-            client.key_value_set(f"{key}/{device.id}", f"{socket.gethostname()} {handle}")
-    shared = {}
-    for device in mesh.devices.flat:
-        _debug(f"waiting for device {device.id}")
-        host, handle = client.blocking_key_value_get(f"{key}/{device.id}", KEY_TIMEOUT_MS).split()
-        shared[device.id] = (host, bytes.fromhex(handle))
-    return shared
+    """Every mesh device's (host, IPC handle of its exchange), published by the process that owns it."""
+    published = _gathered(mesh, key, lambda d: f"{socket.gethostname()} {_ipc_handle(d.local_hardware_id).hex()}")
+    return {i: (value.split()[0], bytes.fromhex(value.split()[1])) for i, value in published.items()}
 
 
 def _local_rows(mesh: jax.sharding.Mesh, axis: str, shared: dict[int, tuple[str, bytes]]) -> np.ndarray:
@@ -177,14 +179,11 @@ def _every_row(mesh: jax.sharding.Mesh, local: np.ndarray, key: str) -> np.ndarr
     between processes is keyed by the program)."""
     if jax.process_count() == 1:
         return local
-    client, table = _kv_client(), local.copy()
     coordinates = {d.id: c for c, d in np.ndenumerate(mesh.devices)}
-    for device in mesh.devices.flat:
-        if device.process_index == jax.process_index():
-            client.key_value_set(f"{key}/row/{device.id}", local[coordinates[device.id]].tobytes().hex())
-    for device in mesh.devices.flat:
-        row = client.blocking_key_value_get(f"{key}/row/{device.id}", KEY_TIMEOUT_MS)
-        table[coordinates[device.id]] = np.frombuffer(bytes.fromhex(row), np.uint32)
+    rows = _gathered(mesh, f"{key}/row", lambda d: local[coordinates[d.id]].tobytes().hex())
+    table = local.copy()
+    for device_id, row in rows.items():
+        table[coordinates[device_id]] = np.frombuffer(bytes.fromhex(row), np.uint32)
     return table
 
 
