@@ -58,6 +58,7 @@ LONG_FIRST = [
     "test_benchmarks.py::test_decode_throughput_on_8_devices",
     "test_resume.py",
     "test_compilation_cache.py",
+    "test_kernels.py::test_the_mosaic_gpu_kernel_in_interpret_mode",
 ]
 
 

@@ -33,6 +33,23 @@ def on_gpu(test):
 SMALL_VOCAB = 512
 
 
+def run_interpreted_cases(cases: Path, marker: str = "not slow") -> None:
+    """The pytest cases of `cases` (a module pytest does not collect itself) in a pytest process of their own with
+    PJRT_NPROC=4: Pallas's GPU interpreter runs each simulated warpgroup as an XLA CPU computation, and a barrier wait
+    holds one thread of the CPU client's pool (one per core unless PJRT_NPROC says), so a kernel's three warpgroups
+    can deadlock on a 2-core machine. The rest of the suite keeps the default pool."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", str(cases), "-q", "-x", "-p", "no:cacheprovider", "-m", marker],
+        env={**os.environ, "PJRT_NPROC": "4"},
+        cwd=cases.parents[1],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-2000:]
+
+
 def sharded_over(model, mesh: jax.sharding.Mesh):
     """The model with its parameters placed over `mesh` as their logical axes split them."""
     from flax import nnx

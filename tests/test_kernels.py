@@ -3,12 +3,13 @@ kernel and the model's pallas path on a GPU (run there with JAX_PLATFORMS=cuda).
 
 import dataclasses
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import on_gpu, sharded_over
+from helpers import on_gpu, run_interpreted_cases, sharded_over
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.pallas_kernels.latent_decode_common import combine
 from mlra_jax.pallas_kernels.latent_decode_reference import gather_pages, reference
@@ -121,6 +122,26 @@ def test_mosaic_gpu_combine_in_interpret_mode():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-2)
 
 
+def test_the_mosaic_gpu_kernel_in_interpret_mode():
+    """latent_decode_kernel_cases.py: the kernel in each CTA layout against the reference, in Pallas's GPU
+    interpreter (a pytest process of its own: helpers.run_interpreted_cases)."""
+    run_interpreted_cases(Path(__file__).with_name("latent_decode_kernel_cases.py"))
+
+
+def test_the_heads_per_cta():
+    """128 heads a CTA where CTAs of 64 would take more than one wave (MLRA-4's block at TP=4 and batch 128)."""
+    from mlra_jax.pallas_kernels.latent_decode_gpu import heads_per_cta
+
+    assert heads_per_cta(128, 128, programs=128, sms=132) == 128 and heads_per_cta(256, 256, 40, 132) == 128
+    assert heads_per_cta(128, 128, programs=64, sms=132) == 64  # one wave of 64-head CTAs
+    assert heads_per_cta(192, 128, 128) == heads_per_cta(128, 512, 128) == heads_per_cta(64, 128, 512) == 64
+    assert heads_per_cta(128, 128, 1, requested=128) == 128 and heads_per_cta(128, 128, 512, requested=64) == 64
+    with pytest.raises(ValueError, match="cta_heads=128"):
+        heads_per_cta(128, 512, requested=128)
+    with pytest.raises(ValueError, match="cta_heads=128"):
+        heads_per_cta(192, 128, requested=128)
+
+
 def test_ranges_from_mask():
     mask = jnp.array([[[False, True, True, False]], [[True, True, True, True]]])
     starts, ends = ranges_from_mask(mask)
@@ -136,20 +157,24 @@ def test_pallas_impl_needs_an_accelerator():
 
 
 @on_gpu
-@pytest.mark.parametrize("heads,dr,r,blocks", SHAPES + [(8, 64, 128, 1), (96, 64, 128, 1), (12, 64, 256, 1)])
+@pytest.mark.parametrize(
+    "heads,dr,r,blocks",
+    SHAPES + [(8, 64, 128, 1), (96, 64, 128, 1), (12, 64, 256, 1), (128, 64, 128, 1), (256, 64, 256, 2)],
+)
 def test_mosaic_gpu_kernel(heads, dr, r, blocks):
     from mlra_jax.pallas_kernels.latent_decode_gpu import latent_decode_gpu
 
     args = inputs(heads, dr, r, blocks, 4104)  # 4104 = 64 * 64 + 8: a partial last tile
     starts, ends = jnp.array([0, 37, 2050]), jnp.array([4104, 1200, 2051])
-    for splits in (1, 7, None):
-        got = latent_decode_gpu(*args, starts, ends, scale=(dr + r) ** -0.5, splits=splits)
-        want = reference(*args, starts, ends, scale=(dr + r) ** -0.5)
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+    want = reference(*args, starts, ends, scale=(dr + r) ** -0.5)
+    for cta_heads in (None, 128) if heads % 128 == 0 and r <= 256 else (None,):  # "heads" mode where it runs
+        for splits in (1, 7, None):
+            got = latent_decode_gpu(*args, starts, ends, scale=(dr + r) ** -0.5, splits=splits, cta_heads=cta_heads)
+            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
 
 
 @on_gpu
-@pytest.mark.parametrize("heads,dr,r,blocks", SHAPES)
+@pytest.mark.parametrize("heads,dr,r,blocks", SHAPES + [(128, 64, 128, 1)])
 @pytest.mark.parametrize("page", [64, 256])
 def test_mosaic_gpu_kernel_on_a_paged_cache(heads, dr, r, blocks, page):
     from mlra_jax.pallas_kernels.latent_decode_gpu import latent_decode_gpu
@@ -161,7 +186,16 @@ def test_mosaic_gpu_kernel_on_a_paged_cache(heads, dr, r, blocks, page):
     want = reference(q_rope, q_latent, k_rope, latent, starts, ends, scale=scale)
     for splits in (1, None):
         got = latent_decode_gpu(
-            q_rope, q_latent, pool_k, pool_l, starts, ends, scale=scale, splits=splits, page_table=table
+            q_rope,
+            q_latent,
+            pool_k,
+            pool_l,
+            starts,
+            ends,
+            scale=scale,
+            splits=splits,
+            page_table=table,
+            cta_heads=128 if heads == 128 else None,
         )
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
 

@@ -3,11 +3,17 @@
     mlra bench latent_kernel          # max |error| against the jnp reference
     mlra bench latent_kernel tune     # device time per call and each kernel's share
     mlra bench latent_kernel bound --out=experiments/results/latent_kernel_bound_h100.json
+    mlra bench latent_kernel heads --out=experiments/results/latent_kernel_heads_h200.json
 
 `bound`: what limits a 2.9B model's batch-1 decode attention (24 heads, 8K tokens; MLA one 512-wide latent,
 MLRA-4 four 128-wide blocks): the kernel and its merge over split-KV counts, and one program (splits=1) over
 1 to 64 KV tiles, whose slope is the time per tile of one SM (device time: the profiler's span of 8 chained
 calls over 8, median of 10).
+
+`heads`: one device's share of the attention scope at DeepSeek-V3's 128 heads over contexts, against its floor (the
+cache's bytes at the measured copy bandwidth, or its FLOPs at the measured bf16 rate): MLRA-4 at TP=4 (one latent
+block of 128 with a RoPE key of 64) at the paper's per-device load and twice it, with 64 and 128 heads per CTA; MLA
+at DP=4 (512 wide) at the same loads.
 """
 
 from __future__ import annotations
@@ -20,11 +26,26 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from mlra_jax.benchmarks import roofline
 from mlra_jax.benchmarks.common import device_time, save
 from mlra_jax.experiments import get_experiment
 from mlra_jax.pallas_kernels.latent_decode_common import combine
 from mlra_jax.pallas_kernels.latent_decode_gpu import latent_decode_gpu, latent_partials_gpu
 from mlra_jax.pallas_kernels.latent_decode_reference import reference
+
+
+def decode_inputs(batch: int, heads: int, dr: int, r: int, slots: int) -> tuple[jax.Array, ...]:
+    """Random bf16 arguments of the kernel for one latent block (q_rope, q_latent, k_rope, latent), every sequence's
+    range the whole cache (starts, ends)."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    return (
+        jax.random.normal(keys[0], (batch, 1, heads, dr), jnp.bfloat16),
+        jax.random.normal(keys[1], (batch, 1, heads, r), jnp.bfloat16),
+        jax.random.normal(keys[2], (batch, slots, dr), jnp.bfloat16),
+        jax.random.normal(keys[3], (batch, slots, 1, r), jnp.bfloat16),
+        jnp.zeros((batch,), jnp.int32),
+        jnp.full((batch,), slots, jnp.int32),
+    )
 
 
 def tune() -> None:
@@ -42,17 +63,9 @@ def tune() -> None:
         (32, 64, 256, 1, 1 << 17),
         (64, 64, 512, 1, 1 << 17),
     ):
-        keys = jax.random.split(jax.random.key(0), 4)
-        args = (
-            jax.random.normal(keys[0], (batch, 1, heads, dr), jnp.bfloat16),
-            jax.random.normal(keys[1], (batch, 1, heads, r), jnp.bfloat16),
-            jax.random.normal(keys[2], (batch, slots, dr), jnp.bfloat16),
-            jax.random.normal(keys[3], (batch, slots, 1, r), jnp.bfloat16),
-            jnp.zeros((batch,), jnp.int32),
-            jnp.full((batch,), slots, jnp.int32),
-        )
+        args = decode_inputs(batch, heads, dr, r, slots)
         pages = batch * slots // 64
-        table = jax.random.permutation(keys[0], pages).astype(jnp.int32).reshape(batch, -1)
+        table = jax.random.permutation(jax.random.key(0), pages).astype(jnp.int32).reshape(batch, -1)
         paged = (*args[:2], args[2].reshape(pages, 64, dr), args[3].reshape(pages, 64, 1, r), *args[4:])
         moved = batch * slots * (dr + r) * 2
         for label, fn, inputs in (
@@ -148,23 +161,73 @@ def bound(out: Path) -> None:
             save(out, "latent_kernel_bound", results)
 
 
+# DeepSeek-V3's 128 heads over one latent block per device: (name, latent width, batches, (heads per CTA, KV tile
+# rows) settings; None is the kernel's own choice). MLRA-4 at TP=4 (a 128-wide block) at the paper's per-device load
+# and twice it; MLA at DP=4 (512 wide; only 64 heads a CTA) at the same loads over four devices.
+WIDE_SHAPES = (
+    ("mlra4_tp4", 128, (64, 128), ((64, None), (128, 128), (128, 64))),
+    ("mla_dp4", 512, (16, 32), ((None, None),)),
+)
+
+
+def heads(out: Path, contexts: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)) -> None:
+    """One device's share of DeepSeek-V3's attention (128 heads, RoPE key of 64) per WIDE_SHAPES row, with its
+    floor: the cache's bytes at the measured copy bandwidth, or its FLOPs at the measured bf16 rate."""
+    heads_n, rope = 128, 64
+    ceilings = roofline.measured_ceilings()
+    results = []
+    for name, rank, batches, settings in WIDE_SHAPES:
+        for batch in batches:
+            for context in contexts:
+                args = decode_inputs(batch, heads_n, rope, rank, context)
+                cache_bytes = batch * context * (rope + rank) * 2
+                flops = batch * heads_n * context * (2 * (rope + rank) + 2 * rank)
+                want = reference(*args, scale=0.07).astype(jnp.float32)
+                for cta_heads, block_kv in settings:
+                    fn = functools.partial(latent_decode_gpu, scale=0.07, cta_heads=cta_heads, block_kv=block_kv)
+                    error = float(jnp.abs(fn(*args).astype(jnp.float32) - want).max())
+                    timing = device_time(fn, args, 10, feed=1)
+                    row = {
+                        "shape": name,
+                        "latent": rank,
+                        "batch": batch,
+                        "context": context,
+                        "cta_heads": cta_heads,
+                        "block_kv": block_kv,
+                        "max_abs_error": error,
+                        "time_s": timing["time_s"],
+                        "kernels_s": timing["kernels_s"],
+                        "method": timing["method"],
+                        "tflops": flops / timing["time_s"] / 1e12,
+                        **roofline.floor(0, cache_bytes, flops, ceilings, timing["time_s"]),
+                    }
+                    results.append(row)
+                    print(
+                        f"{name:9} batch={batch:<4} context={context:<6} cta_heads={cta_heads!s:<4} "
+                        f"block_kv={block_kv!s:<5}{timing['time_s'] * 1e6:9.1f} us  {row['tflops']:6.1f} TFLOP/s  "
+                        f"{row['time_over_floor']:.2f}x floor ({row['bound']})  error {error:.3g}",
+                        flush=True,
+                    )
+                    save(out, "latent_kernel_heads", results)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="mlra bench latent_kernel",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("mode", nargs="?", choices=("check", "tune", "bound"), default="check")
+    parser.add_argument("mode", nargs="?", choices=("check", "tune", "bound", "heads"), default="check")
     parser.add_argument(
         "--out",
         type=Path,
         default=Path("experiments/results/latent_kernel_bound.json"),
-        help="the JSON record of `bound`",
+        help="the JSON record of `bound` or `heads`",
     )
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         parser.error("the Mosaic GPU kernel runs on Hopper GPUs (the tests check its merge in interpret mode)")
-    {"check": check, "tune": tune, "bound": lambda: bound(args.out)}[args.mode]()
+    {"check": check, "tune": tune, "bound": lambda: bound(args.out), "heads": lambda: heads(args.out)}[args.mode]()
     return 0
 
 
