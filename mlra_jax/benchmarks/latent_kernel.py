@@ -221,13 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path("experiments/results/latent_kernel_bound.json"),
-        help="the JSON record of `bound` or `heads`",
+        default=None,
+        help="the JSON record of `bound` or `heads` (default: experiments/results/latent_kernel_MODE.json)",
     )
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         parser.error("the Mosaic GPU kernel runs on Hopper GPUs (the tests check its merge in interpret mode)")
-    {"check": check, "tune": tune, "bound": lambda: bound(args.out), "heads": lambda: heads(args.out)}[args.mode]()
+    out = args.out or Path(f"experiments/results/latent_kernel_{args.mode}.json")
+    {"check": check, "tune": tune, "bound": lambda: bound(out), "heads": lambda: heads(out)}[args.mode]()
     return 0
 
 
