@@ -14,7 +14,7 @@ from mlra_jax.pallas_kernels.latent_decode_reference import reference
     "heads,r,blocks,cta_heads,block_kv,sms",
     [
         (128, 128, 1, 128, None, 132),  # "heads": 128 heads a CTA, a warpgroup each 64 over every tile
-        (64, 128, 2, None, 64, 132),  # "tiles": the warpgroups alternate tiles, then merge their states
+        (64, 128, 1, None, 64, 132),  # "tiles": the warpgroups alternate tiles, then merge their states
         (24, 512, 1, None, None, 2),  # "columns" (few SMs: no "halves"): warpgroup 0 hands P to warpgroup 1
     ],
 )
