@@ -106,14 +106,13 @@ def sm_count(device: jax.Device | None = None) -> int:
 
 
 def launch_plan(
-    programs: int, slots: int, block_kv: int, by_columns: bool, paged: bool, sms: int, splits: int | None = None
+    programs: int, slots: int, split_keys: int, by_columns: bool, paged: bool, sms: int, splits: int | None = None
 ) -> tuple[int, int]:
     """(KV splits, halves) for `programs` (batch x blocks x head groups) over `sms` SMs: enough splits to fill
-    the GPU (or `splits` as given). "halves": where the "columns" CTAs fill at most half the GPU (MLA at batch 1
-    and a short context), two CTAs per KV split take half the value columns each, their warpgroups alternating
-    tiles as in "tiles" mode: every tile's scores are computed once per CTA, not once per warpgroup, on twice
-    the SMs."""
-    splits = splits or choose_splits(programs, slots, block_kv * COMPUTE_WGS, sms)
+    the GPU, each of at least `split_keys` keys (or `splits` as given). "halves": where the "columns" CTAs fill at
+    most half the GPU (MLA at batch 1 and a short context), two CTAs per KV split take half the value columns each,
+    their warpgroups alternating tiles as in "tiles" mode, on twice the SMs."""
+    splits = splits or choose_splits(programs, slots, split_keys, sms)
     halves = 2 if by_columns and not paged and 2 * splits * programs <= sms else 1
     return splits, halves
 
@@ -240,7 +239,8 @@ def latent_partials_gpu(
                 f"the cache holds {s} slots; TMA tiles rows in 8s, so allocate a multiple of 8 "
                 f"(the library's decode caches are)"
             )
-    cta_heads = heads_per_cta(h, r, b * n, sm_count(), cta_heads)
+    sms = sm_count()
+    cta_heads = heads_per_cta(h, r, b * n, sms, cta_heads)
     head_wgs = cta_heads // HEADS  # 2 in "heads" mode: warpgroup w serves the CTA's heads w * 64 ..
     groups = pl.cdiv(h, cta_heads)
     # Query rows a warpgroup loads and stores. Fewer than 64 heads (GLA-2's 32) fill the first rows of the
@@ -259,8 +259,8 @@ def latent_partials_gpu(
         )
     tile_pages, page_rows = (block_kv // page, page) if 0 < page <= block_kv else (1, block_kv)
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
-    tile_keys = block_kv if head_wgs > 1 else block_kv * COMPUTE_WGS  # keys a CTA takes per round of its pipeline
-    splits, halves = launch_plan(b * n * groups, s, tile_keys, by_columns, paged, sm_count(), splits)
+    split_keys = block_kv if head_wgs > 1 else block_kv * COMPUTE_WGS  # a tile per warpgroup at least
+    splits, halves = launch_plan(b * n * groups, s, split_keys, by_columns, paged, sms, splits)
     by_columns = by_columns and halves == 1
     every_tile = by_columns or head_wgs > 1  # both warpgroups read every tile ("columns", "heads")
     wg_chunks = lat_chunks // COMPUTE_WGS if by_columns else lat_chunks // halves  # value chunks per warpgroup

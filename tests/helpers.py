@@ -33,6 +33,19 @@ def on_gpu(test):
 SMALL_VOCAB = 512
 
 
+def latent_decode_inputs(heads, dr, r, blocks, slots, dtype=None, seed=0, batch=3):
+    """Random (q_rope, q_latent, k_rope, latent) of the latent decode kernels: `batch` sequences, `blocks` latent
+    blocks of width r with `heads` query heads each, a RoPE width dr, `slots` cache slots (bf16 by default)."""
+    dtype = dtype or jax.numpy.bfloat16
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return (
+        jax.random.normal(keys[0], (batch, blocks, heads, dr), dtype),
+        jax.random.normal(keys[1], (batch, blocks, heads, r), dtype),
+        jax.random.normal(keys[2], (batch, slots, dr), dtype),
+        jax.random.normal(keys[3], (batch, slots, blocks, r), dtype),
+    )
+
+
 def run_interpreted_cases(cases: Path, marker: str = "not slow") -> None:
     """The pytest cases of `cases` (a module pytest does not collect itself) in a pytest process of their own with
     PJRT_NPROC=4: Pallas's GPU interpreter runs each simulated warpgroup as an XLA CPU computation, and a barrier wait

@@ -2,10 +2,10 @@
 interpret mode, float32, against the jnp reference: run by test_kernels.py in a pytest process of its own
 (helpers.run_interpreted_cases). The GPU tests (test_kernels.py, `-m gpu`) run every layout on the GPU."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import latent_decode_inputs
 from mlra_jax.pallas_kernels import latent_decode_gpu as kernel
 from mlra_jax.pallas_kernels.latent_decode_reference import reference
 
@@ -22,13 +22,7 @@ def test_the_kernel_equals_the_reference(heads, r, blocks, cta_heads, block_kv, 
     """A range that starts and ends inside KV tiles, over 2 splits (interpret mode has no TMA zero fill: the cache's
     slots are whole tiles)."""
     monkeypatch.setattr(kernel, "sm_count", lambda device=None: sms)
-    keys = jax.random.split(jax.random.key(0), 4)
-    args = (
-        jax.random.normal(keys[0], (1, blocks, heads, 64)),
-        jax.random.normal(keys[1], (1, blocks, heads, r)),
-        jax.random.normal(keys[2], (1, 256, 64)),
-        jax.random.normal(keys[3], (1, 256, blocks, r)),
-    )
+    args = latent_decode_inputs(heads, 64, r, blocks, 256, jnp.float32, batch=1)
     starts, ends = jnp.array([37]), jnp.array([250])
     got = kernel.latent_decode_gpu(
         *args, starts, ends, scale=0.1, splits=2, block_kv=block_kv, cta_heads=cta_heads, interpret=True

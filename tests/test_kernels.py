@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import latent_decode_inputs as inputs
 from helpers import on_gpu, run_interpreted_cases, sharded_over
 from mlra_jax.experiments.tiny import tiny_model
 from mlra_jax.pallas_kernels.latent_decode_common import combine
@@ -21,16 +22,6 @@ from mlra_jax.model import init_model
 
 # Widths of the paper's per-device decode: MLRA-4 (64 heads, 128 latent), GLA-2 (32, 256), MLA (64, 512).
 SHAPES = [(64, 64, 128, 1), (32, 64, 256, 1), (64, 64, 512, 1), (64, 64, 128, 2)]
-
-
-def inputs(heads, dr, r, blocks, slots, dtype=jnp.bfloat16, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    return (
-        jax.random.normal(keys[0], (3, blocks, heads, dr), dtype),
-        jax.random.normal(keys[1], (3, blocks, heads, r), dtype),
-        jax.random.normal(keys[2], (3, slots, dr), dtype),
-        jax.random.normal(keys[3], (3, slots, blocks, r), dtype),
-    )
 
 
 @pytest.mark.parametrize("heads,dr,r,blocks", SHAPES)
@@ -140,6 +131,22 @@ def test_the_heads_per_cta():
         heads_per_cta(128, 512, requested=128)
     with pytest.raises(ValueError, match="cta_heads=128"):
         heads_per_cta(192, 128, requested=128)
+
+
+def test_the_kernels_split_plan_per_cta_layout():
+    """The partials' shape [B, N, splits, heads, R] as the kernel plans it on 132 SMs: the 2.9B MLRA-4 at batch 1
+    and 8K takes 32 splits of at least two 128-key tiles (one per warpgroup); MLRA-4's block at 128 heads and batch
+    128 takes 128 heads a CTA and one split."""
+    from mlra_jax.pallas_kernels.latent_decode_gpu import latent_partials_gpu
+
+    def planned(b, n, h, r, slots):
+        spec = jax.ShapeDtypeStruct
+        args = (spec((b, n, h, 64), jnp.bfloat16), spec((b, n, h, r), jnp.bfloat16), spec((b, slots, 64), jnp.bfloat16))
+        args += (spec((b, slots, n, r), jnp.bfloat16), spec((b,), jnp.int32), spec((b,), jnp.int32))
+        return jax.eval_shape(lambda *x: latent_partials_gpu(*x, scale=0.1), *args)[0].shape
+
+    assert planned(1, 4, 24, 128, 8192) == (1, 4, 32, 24, 128)
+    assert planned(128, 1, 128, 128, 1024) == (128, 1, 1, 128, 128)
 
 
 def test_ranges_from_mask():
@@ -282,7 +289,7 @@ def test_the_gpu_kernel_plans_for_the_devices_sm_count():
         platform, core_count = "gpu", 114
 
     assert sm_count(PCIe()) == 114 and sm_count(jax.devices("cpu")[0]) == DEFAULT_SMS == 132
-    assert launch_plan(1, 8192, 64, True, False, 132) == (64, 2)
-    assert launch_plan(1, 8192, 64, True, False, sm_count(PCIe())) == (64, 1)
-    assert launch_plan(8, 8192, 64, True, False, 132, splits=8) == (8, 2)  # splits as given
-    assert launch_plan(8, 8192, 64, True, False, 114, splits=8) == (8, 1)
+    assert launch_plan(1, 8192, 128, True, False, 132) == (64, 2)
+    assert launch_plan(1, 8192, 128, True, False, sm_count(PCIe())) == (64, 1)
+    assert launch_plan(8, 8192, 128, True, False, 132, splits=8) == (8, 2)  # splits as given
+    assert launch_plan(8, 8192, 128, True, False, 114, splits=8) == (8, 1)
