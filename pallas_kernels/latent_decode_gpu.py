@@ -48,6 +48,7 @@ HEADS = 64  # query rows per CTA (the wgmma M of one warpgroup)
 SMEM_BYTES = 220 * 1024
 DEFAULT_SMS = 132  # an H100 SXM: the plan where the device reports no SM count (interpret mode on a CPU)
 COMBINE_COLUMNS = 128  # values per CTA of the split-KV combine: one per thread of a warpgroup
+COMBINE_HEADS = 8  # heads' rows per CTA of the split-KV combine (where they divide the heads)
 
 
 COMPUTE_WGS = 2
@@ -157,37 +158,59 @@ def latent_decode_gpu(
     heads = q_rope.shape[2]
     if out.shape[2] == 1 or out.shape[-1] % COMBINE_COLUMNS:  # one split: a slice; odd widths: XLA's combine
         return combine(out, lse, latent.dtype)[:, :, :heads]
-    return combine_gpu(out, lse, latent.dtype, heads, interpret=interpret)
+    return combine_gpu(out, lse, latent.dtype, heads, sms=sm_count(), interpret=interpret)
+
+
+def combine_heads(heads: int, row_ctas: int, sms: int) -> int:
+    """Heads per CTA of the split-KV merge, where `row_ctas` CTAs would take one head's row each: the largest power
+    of two up to COMBINE_HEADS that divides `heads` and leaves at least one CTA per SM (at batch 1 a CTA per row)."""
+    rows = COMBINE_HEADS
+    while rows > 1 and (heads % rows or row_ctas // rows < sms):
+        rows //= 2
+    return rows
 
 
 def combine_gpu(
-    partial_out: jax.Array, partial_lse: jax.Array, dtype: jnp.dtype, heads: int, *, interpret: bool = False
+    partial_out: jax.Array,
+    partial_lse: jax.Array,
+    dtype: jnp.dtype,
+    heads: int,
+    *,
+    sms: int = DEFAULT_SMS,
+    heads_per_cta: int | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
     """latent_decode_common.combine as one Mosaic GPU kernel (the same result; XLA takes four kernels, launch-bound
-    at batch 1): partials out [B, N, P, H', R] and lse [B, N, P, H'] -> [B, N, heads, R]. A CTA merges one
-    head's row of COMBINE_COLUMNS values over the P splits: the weights are scalars, the rows 128-wide
-    vectors (one value per thread). interpret=True runs it in GPU interpret mode (on CPU, for the tests)."""
+    at batch 1): partials out [B, N, P, H', R] and lse [B, N, P, H'] -> [B, N, heads, R]. A CTA merges
+    `combine_heads` heads' rows (or `heads_per_cta`, a divisor of `heads`) of COMBINE_COLUMNS values over the P
+    splits (on `sms` SMs), every load issued first: the weights are scalars, the rows 128-wide vectors (one value
+    per thread). interpret=True runs it in GPU interpret mode (on CPU, for the tests)."""
     b, n, p, _, r = partial_out.shape
+    rows = heads_per_cta or combine_heads(heads, heads * (r // COMBINE_COLUMNS) * b * n, sms)
+    if heads % rows:
+        raise ValueError(f"heads_per_cta={rows} does not divide the {heads} heads")
 
     def kernel(out_ref, lse_ref, merged_ref):
-        column, head, bn = lax.axis_index("column"), lax.axis_index("head"), lax.axis_index("bn")
+        column, head_rows, bn = lax.axis_index("column"), lax.axis_index("head_rows"), lax.axis_index("bn")
         bi, ni, cols = bn // n, lax.rem(bn, n), pl.ds(column * COMBINE_COLUMNS, COMBINE_COLUMNS)
-        rows = [out_ref[bi, ni, split, head, cols] for split in range(p)]  # every load issued up front
-        lses = [lse_ref[bi, ni, split, head] for split in range(p)]
-        top = functools.reduce(jnp.maximum, lses)
-        top = jnp.where(top == -jnp.inf, 0.0, top)  # every split empty: zero weights, a zero output
-        acc, total = jnp.zeros((COMBINE_COLUMNS,), jnp.float32), jnp.float32(0)
-        for row, lse in zip(rows, lses):
-            weight = jnp.exp2(lse - top)
-            acc = acc + row.astype(jnp.float32) * weight
-            total = total + weight
-        merged_ref[bi, ni, head, cols] = (acc * (1.0 / jnp.maximum(total, 1e-30))).astype(dtype)
+        first = head_rows * rows
+        values = [[out_ref[bi, ni, split, first + k, cols] for split in range(p)] for k in range(rows)]
+        lses = [[lse_ref[bi, ni, split, first + k] for split in range(p)] for k in range(rows)]
+        for k in range(rows):
+            top = functools.reduce(jnp.maximum, lses[k])
+            top = jnp.where(top == -jnp.inf, 0.0, top)  # every split empty: zero weights, a zero output
+            acc, total = jnp.zeros((COMBINE_COLUMNS,), jnp.float32), jnp.float32(0)
+            for row, lse in zip(values[k], lses[k]):
+                weight = jnp.exp2(lse - top)
+                acc = acc + row.astype(jnp.float32) * weight
+                total = total + weight
+            merged_ref[bi, ni, first + k, cols] = (acc * (1.0 / jnp.maximum(total, 1e-30))).astype(dtype)
 
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((b, n, heads, r), dtype),
-        grid=(r // COMBINE_COLUMNS, heads, b * n),
-        grid_names=("column", "head", "bn"),
+        grid=(r // COMBINE_COLUMNS, heads // rows, b * n),
+        grid_names=("column", "head_rows", "bn"),
         interpret=interpret_params(interpret),
     )(partial_out, partial_lse)
 

@@ -15,12 +15,14 @@ Design (FlashAttention-2's backward, as jax.experimental.pallas.ops.gpu.attentio
   * D (and the logsumexp in the log2 domain) in jnp before the kernels: one fused XLA reduction.
   * dK/dV kernel: a CTA takes one (latent block, 128 keys, sequence): two compute warpgroups of 64 keys each hold
     their key tile [latent || k_rope] in SMEM and the accumulators d latent (R columns) and d k_rope (Dr); the
-    memory warpgroup streams, for every query head of the block, the query tiles of 64 rows from the CTA's
-    diagonal on (causal tile skipping: the tiles above it are never loaded) through `stages` SMEM slots: q_latent,
-    q_rope, dO, the logsumexp and D. Per tile: S^T and dP^T (wgmma, B transposed, one wait), P^T, dS^T, then
-    P^T dO, dS^T q_latent (both onto d latent) and dS^T q_rope (A from registers). Each warpgroup starts each
-    head at its own diagonal tile, the one tile it masks: the second warpgroup only observes and releases the
-    first tile (wholly above its keys). d k_rope leaves per block and is summed over the blocks in XLA.
+    memory warpgroup streams the query tiles of 64 rows at or after the CTA's diagonal (causal tile skipping: the
+    tiles above it are never loaded) through `stages` SMEM slots: q_latent, q_rope, dO, the logsumexp and D. It
+    walks them from the sequence's last tile down to the diagonal, each tile for every query head of the block in
+    turn, so that the CTAs of one block and sequence, which start together, read the same tiles at the same time.
+    Per tile: S^T and dP^T (wgmma, B transposed, one wait), P^T, dS^T, then P^T dO, dS^T q_latent (both onto d
+    latent) and dS^T q_rope (A from registers). The two diagonal tiles come last and are masked; the second
+    warpgroup only observes and releases the first (wholly above its keys). d k_rope leaves per block and is
+    summed over the blocks in XLA.
   * dQ kernel: a CTA takes one (latent block, query head, 128 queries, sequence): the compute warpgroups hold
     their rows' q_latent, q_rope, dO, logsumexp and D, the memory warpgroup streams key tiles of 64 up to the
     diagonal (the forward's walk: the first warpgroup observes and releases the tile past its diagonal). Per tile:
@@ -77,28 +79,33 @@ class BackwardTuning(NamedTuple):
 
     dkv_stages, dq_stages: pipeline slots of the streamed tiles (None: as many as fit SMEM, at most MAX_STAGES;
       a number: that many, at least 2, ValueError where they do not fit).
-    skip_masked: the dK/dV kernel's warpgroups start each head's query walk at their own diagonal tile: the second
-      warpgroup only observes and releases the first tile (wholly above its keys) and the first warpgroup's second
-      tile runs unmasked (wholly below its keys). False: both warpgroups run the first two tiles masked (the
-      second's first tile adds zeros).
+    skip_masked: in the dK/dV kernel the second warpgroup only observes and releases each head's first tile (wholly
+      above its keys; without lockstep the first warpgroup's second tile also runs unmasked). False: both
+      warpgroups run the first two tiles masked (the second's first tile adds zeros).
     prescale: the scale folded into the inputs computed in XLA: the dK/dV kernel takes scale * D and computes
       dS^T = P^T (scale dP^T - scale D); the dQ kernel takes the logsumexp less log2(scale), so that exp2 gives
       scale * P and dS = (scale P) (dP - D). False: the kernels compute dS = (P scale) (dP - D).
+    lockstep: the dK/dV kernel walks the query tiles from the sequence's last down to the CTA's diagonal, every
+      head's tile in turn, so that the CTAs of one block and sequence that start together read the same tiles at
+      the same time (once from HBM, then from L2). False: each head's tiles in turn, from the diagonal on (the
+      CTAs drift apart after the first head).
     """
 
     dkv_stages: int | None = None
     dq_stages: int | None = None
     skip_masked: bool = True
     prescale: bool = True
+    lockstep: bool = True
 
     @classmethod
     def parse(cls, spec: str) -> "BackwardTuning":
-        """A tuning from words joined by '+': default, noskip, noprescale (the older schedule's halves), skip,
-        prescale (the defaults, explicitly), stagesN (both kernels), dkv_stagesN, dq_stagesN; e.g.
+        """A tuning from words joined by '+': default, noskip, noprescale, nolockstep (the older schedules), skip,
+        prescale, lockstep (the defaults, explicitly), stagesN (both kernels), dkv_stagesN, dq_stagesN; e.g.
         'noskip+noprescale' or 'dq_stages3'."""
         fields: dict = {}
         switches = {"skip": ("skip_masked", True), "noskip": ("skip_masked", False)}
         switches |= {"prescale": ("prescale", True), "noprescale": ("prescale", False)}
+        switches |= {"lockstep": ("lockstep", True), "nolockstep": ("lockstep", False)}
         for word in spec.split("+"):
             if word == "default":
                 continue
@@ -111,7 +118,7 @@ class BackwardTuning(NamedTuple):
             else:
                 raise ValueError(
                     f"backward tuning {spec!r}: {word!r} is none of default, skip, noskip, prescale, noprescale, "
-                    "stagesN, dkv_stagesN, dq_stagesN"
+                    "lockstep, nolockstep, stagesN, dkv_stagesN, dq_stagesN"
                 )
         return cls(**fields)
 
@@ -262,11 +269,11 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning:
                 release(i)
                 return carry
 
+            unmasked, masked = functools.partial(step, masked=False), functools.partial(step, masked=True)
+
             def head(hi, carry):  # the head's query tiles from the CTA's diagonal on
                 base = hi * per_head
-                unmasked = functools.partial(step, masked=False)
                 if not tuning.skip_masked:  # the first two tiles masked for both warpgroups
-                    masked = functools.partial(step, masked=True)
                     carry = lax.fori_loop(0, COMPUTE_WGS, lambda m, c: masked(base + m, m, c), carry)
                     return lax.fori_loop(COMPUTE_WGS, per_head, lambda m, c: unmasked(base + m, m, c), carry)
 
@@ -277,7 +284,28 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning:
                 carry = step(base + wg, wg, carry, masked=True)  # the warpgroup's diagonal tile
                 return lax.fori_loop(wg + 1, per_head, lambda m, c: unmasked(base + m, m, c), carry)
 
-            accs = lax.fori_loop(0, h, head, (_zeros((TILE, CHUNK), interpret),) * (lat_chunks + rope_chunks))
+            def tile_of_heads(walk, carry, run):  # every head's tile local = per_head - 1 - walk, by `run`
+                local = per_head - 1 - walk
+                return lax.fori_loop(0, h, lambda hi, c: run(walk * h + hi, local, c), carry)
+
+            accs = (_zeros((TILE, CHUNK), interpret),) * (lat_chunks + rope_chunks)
+            if not tuning.lockstep:
+                accs = lax.fori_loop(0, h, head, accs)
+            else:  # the tiles below both warpgroups' keys, then the two diagonal tiles (local 1, then local 0)
+                below = per_head - COMPUTE_WGS
+                accs = lax.fori_loop(0, below, lambda w, c: tile_of_heads(w, c, unmasked), accs)
+                # local 1: wholly below the first warpgroup's keys (masked anyway: the mask keeps it whole), the
+                # second's diagonal
+                accs = tile_of_heads(below, accs, masked)
+                if tuning.skip_masked:  # local 0: the first warpgroup's diagonal, wholly above the second's keys
+                    accs = lax.fori_loop(0, h * (1 - wg), lambda hi, c: masked((below + 1) * h + hi, 0, c), accs)
+
+                    @pl.loop(0, h * wg)
+                    def _above(hi):
+                        skipped((below + 1) * h + hi)
+
+                else:
+                    accs = tile_of_heads(below + 1, accs, masked)
             for c in range(lat_chunks):
                 klat_smem.at[wg, c][...] = accs[c].astype(dtype)
             for c in range(rope_chunks):
@@ -294,7 +322,11 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning:
             plgpu.set_max_registers(40, action="decrease")
 
             def fetch(i, slot):
-                hi, rows = first_head + i // per_head, pl.ds((first + lax.rem(i, per_head)) * TILE, TILE)
+                if tuning.lockstep:  # tile per_head - 1 - i // h of head i % h
+                    hi, local = first_head + lax.rem(i, h), per_head - 1 - i // h
+                else:  # tile i % per_head of head i // per_head
+                    hi, local = first_head + i // per_head, lax.rem(i, per_head)
+                rows = pl.ds((first + local) * TILE, TILE)
                 for c in range(lat_chunks):
                     columns = pl.ds(c * CHUNK, CHUNK)
                     plgpu.copy_gmem_to_smem(

@@ -46,13 +46,13 @@ SHARED_FIXTURE_MODULES = {
 }
 # Tests that share a module fixture with each other only (the module's other tests go one by one): module ->
 # the names' beginnings
-SHARED_FIXTURE_TESTS = {"test_resume.py": ("test_six_kills", "test_sigterm")}  # the uninterrupted run
+SHARED_FIXTURE_TESTS = {"test_resume.py": ("test_four_kills", "test_sigterm")}  # the uninterrupted run
 # Handed out first, longest first (the tests of half a minute or more, by their durations on 2 cores), so that no
 # long test starts near the end of the run while the other worker runs out of work
 LONG_FIRST = [
     "test_mlra_attention_kernel.py",
     "test_readme.py::test_the_commands_after_the_quick_start_run_as_printed",
-    "test_resume.py::test_six_kills",
+    "test_resume.py::test_four_kills",
     "test_launch_slurm.py",
     "test_notebooks.py::test_runs_top_to_bottom_on_a_cpu",
     "test_benchmarks.py::test_decode_throughput_on_8_devices",

@@ -392,6 +392,24 @@ def test_latent_kernel_benchmark_refuses_a_cpu(tmp_path, capsys):
     assert not (tmp_path / "bound.json").exists()
 
 
+def test_latent_kernel_merge_times_each_heads_per_cta_against_its_bytes(tmp_path, monkeypatch):
+    """`mlra bench latent_kernel merge` on CPU: the merge kernel in interpret mode, a fixed timer; a row per divisor
+    of the heads up to 8 and the kernel's own choice, each exact against combine, with the bytes it moves."""
+    import functools
+    import json
+
+    monkeypatch.setattr(latent_kernel, "combine_gpu", functools.partial(latent_kernel.combine_gpu, interpret=True))
+    monkeypatch.setattr(latent_kernel, "profiled_time", lambda fn, repeats: (fn(), {"time_s": 2e-6})[1])
+    monkeypatch.setattr(latent_kernel, "MERGE_SHAPES", (("tiny", 1, 1, 3, 16, 8, 128),))
+    out = tmp_path / "merge.json"
+    latent_kernel.merge(out)
+    rows = json.loads(out.read_text())["results"]
+    assert [row["heads_per_cta"] for row in rows] == [None, 1, 2, 4, 8]
+    assert all(row["chosen"] == 1 for row in rows)  # 8 CTAs of one row each on the CPU's stand-in 132 SMs
+    assert all(row["max_abs_error"] < 1e-2 and row["time_s"] == 2e-6 for row in rows)
+    assert rows[0]["cache_bytes"] == 8 * (3 * (128 * 2 + 4) + 128 * 2)
+
+
 @pytest.mark.parametrize("experiment", ["gqa_2p9b", "mlra4_2p9b", "mla_2p9b"])
 def test_attention_kernels_count_the_flops_that_mfu_counts(experiment):
     """One causal forward + backward of a layer's attention over one sequence is a layer's share of

@@ -296,7 +296,8 @@ def test_the_attention_kernels_benchmark_times_fp8_beside_bf16(monkeypatch, stan
     positions = jnp.broadcast_to(jnp.arange(128), (1, 128))
     xla = lambda q, k, v, scale: xla_attention(q, k, v, scale=scale, mask=causal_mask(positions, positions))  # noqa: E731
     monkeypatch.setattr(attention_kernels, "cudnn_attention", xla)
-    monkeypatch.setattr(attention_kernels, "profiled_time", lambda fn, repeats: (fn(), {"time_s": 1e-3})[1])
+    timing = {"time_s": 1e-3, "kernels_s": {"attention": 1e-3}, "timeline": [("attention", 0.0, 1e3)]}
+    monkeypatch.setattr(attention_kernels, "profiled_time", lambda fn, repeats: (fn(), timing)[1])
     rows = attention_kernels.case_rows("gqa_tiny", 1, 1, ("cudnn_fp8",))
     assert [(r["kernel"], r["passes"]) for r in rows] == [
         ("cudnn", "forward"),

@@ -100,14 +100,26 @@ def test_split_kv_partials_combine_to_the_whole():
     np.testing.assert_array_equal(np.asarray(single, np.float32), np.asarray(parts[1].astype(jnp.bfloat16), np.float32))
 
 
+def test_the_combines_heads_per_cta():
+    """A CTA merges up to 8 heads' rows where the CTAs still cover the SMs: MLA's 128 heads at batch 32 (four
+    128-wide columns), MLRA-4's 128 at batch 64; at batch 1 (24 heads) a row each; 12 heads take 4."""
+    from mlra_jax.pallas_kernels.latent_decode_gpu import combine_heads
+
+    assert combine_heads(128, 128 * 4 * 32, 132) == 8 and combine_heads(128, 128 * 64, 132) == 8
+    assert combine_heads(24, 24 * 4, 132) == 1 and combine_heads(12, 96, 1) == 4 and combine_heads(12, 96, 24) == 4
+    assert combine_heads(128, 128 * 4, 132) == 2
+
+
 def test_mosaic_gpu_combine_in_interpret_mode():
-    """The split-KV merge kernel against combine: padded heads, an empty split, a head whose splits are all empty."""
+    """The split-KV merge kernel against combine: padded heads, an empty split, a head whose splits are all empty;
+    4 heads' rows per CTA (on 24 SMs; test_latent_kernel_merge_times_each_heads_per_cta_against_its_bytes runs 1,
+    2, 4 and 8)."""
     from mlra_jax.pallas_kernels.latent_decode_gpu import COMBINE_COLUMNS, combine_gpu
 
     keys = jax.random.split(jax.random.key(3), 2)
     out = jax.random.normal(keys[0], (2, 2, 5, 16, 2 * COMBINE_COLUMNS), jnp.bfloat16)
     lse = (jax.random.normal(keys[1], (2, 2, 5, 16)) * 4).at[0, 1, 2].set(-jnp.inf).at[1, 0, :, 3].set(-jnp.inf)
-    got = combine_gpu(out, lse, jnp.bfloat16, heads=12, interpret=True)
+    got = combine_gpu(out, lse, jnp.bfloat16, heads=12, sms=24, interpret=True)
     want = combine(out, lse, jnp.bfloat16)[:, :, :12]
     assert got.shape == want.shape == (2, 2, 12, 2 * COMBINE_COLUMNS) and not np.asarray(got[1, 0, 3], np.float32).any()
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-2)

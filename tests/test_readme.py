@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers import GPT2, MICRO
+from xla_test_flags import SUBPROCESS
 
 ROOT = Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", ROOT / "docs" / "getting-started.md"]
@@ -95,6 +96,7 @@ def test_the_commands_after_the_quick_start_run_as_printed(tmp_path):
     dropped = ("JAX_PLATFORMS", "XLA_FLAGS", "VIRTUAL_ENV", "TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")
     env = {k: v for k, v in os.environ.items() if k not in dropped}
     env["PYTHONPATH"] = str(ROOT)  # this checkout's code, whichever checkout the venv was installed from
+    env["XLA_FLAGS"] = SUBPROCESS  # the training subprocesses' compile settings (they change no result)
 
     # the quick start's training as printed, on a terminal, made tiny by overrides
     training = f"{quick_start_training(PAGES[0])} {shlex.join(MICRO + GPT2)}"

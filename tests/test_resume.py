@@ -87,9 +87,9 @@ def final_weights(workdir):
     return ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(STEPS) / "state")
 
 
-def test_six_kills_at_random_moments_leave_metrics_and_weights_bit_identical(tmp_path, uninterrupted):
+def test_four_kills_at_random_moments_leave_metrics_and_weights_bit_identical(tmp_path, uninterrupted):
     rng, workdir = random.Random(2026), tmp_path / "killed"
-    in_save = [kill_at_a_random_moment(workdir, rng, mid_save=k % 2 == 1) for k in range(6)]
+    in_save = [kill_at_a_random_moment(workdir, rng, mid_save=k % 2 == 1) for k in range(4)]
     assert any(in_save), "no kill landed in a save"
     assert max(saved_steps(workdir)) < STEPS
     run_training(workdir, *MANY)

@@ -85,12 +85,22 @@ def padded(x: jax.Array, width: int) -> jax.Array:
 
 
 def measure(fn: Callable[..., Any], args: tuple, flops: float, repeats: int, **row: Any) -> dict[str, Any]:
-    """One row: the GPU time of fn(*args) and its rate, or the error that stopped it."""
+    """One row: the GPU time of fn(*args), its rate, each kernel's median time in us by name and the median call's
+    kernels in order (name, us: our kernels share one name), or the error that stopped it."""
     try:
-        seconds = profiled_time(lambda: fn(*args), repeats)["time_s"]
+        timing = profiled_time(lambda: fn(*args), repeats)
     except Exception as error:  # a kernel that cannot take this call: recorded, the others still run
         return {**row, "error": f"{type(error).__name__}: {str(error)[:300]}"}
-    return {**row, "time_s": seconds, "model_tflops_per_s": flops / seconds / 1e12}
+    seconds = timing["time_s"]
+    kernels_us = {name: round(s * 1e6, 1) for name, s in sorted(timing["kernels_s"].items(), key=lambda x: -x[1])}
+    timeline_us = [(name[:60], duration) for name, _, duration in timing["timeline"]]
+    return {
+        **row,
+        "time_s": seconds,
+        "model_tflops_per_s": flops / seconds / 1e12,
+        "kernels_us": kernels_us,
+        "timeline_us": timeline_us,
+    }
 
 
 def case_rows(

@@ -4,6 +4,7 @@
     mlra bench latent_kernel tune     # device time per call and each kernel's share
     mlra bench latent_kernel bound --out=experiments/results/latent_kernel_bound_h100.json
     mlra bench latent_kernel heads --out=experiments/results/latent_kernel_heads_h200.json
+    mlra bench latent_kernel merge --out=experiments/results/latent_kernel_merge_h200.json
 
 `bound`: what limits a 2.9B model's batch-1 decode attention (24 heads, 8K tokens; MLA one 512-wide latent,
 MLRA-4 four 128-wide blocks): the kernel and its merge over split-KV counts, and one program (splits=1) over
@@ -14,6 +15,8 @@ calls over 8, median of 10).
 cache's bytes at the measured copy bandwidth, or its FLOPs at the measured bf16 rate): MLRA-4 at TP=4 (one latent
 block of 128 with a RoPE key of 64) at the paper's per-device load and twice it, with 64 and 128 heads per CTA; MLA
 at DP=4 (512 wide) at the same loads.
+
+`merge`: the split-KV merge kernel alone with 1 to 8 heads a CTA, against the bytes it moves.
 """
 
 from __future__ import annotations
@@ -27,10 +30,17 @@ import jax
 import jax.numpy as jnp
 
 from mlra_jax.benchmarks import roofline
-from mlra_jax.benchmarks.common import device_time, save
+from mlra_jax.benchmarks.common import device_time, profiled_time, save
 from mlra_jax.experiments import get_experiment
 from mlra_jax.pallas_kernels.latent_decode_common import combine
-from mlra_jax.pallas_kernels.latent_decode_gpu import latent_decode_gpu, latent_partials_gpu
+from mlra_jax.pallas_kernels.latent_decode_gpu import (
+    COMBINE_COLUMNS,
+    combine_gpu,
+    combine_heads,
+    latent_decode_gpu,
+    latent_partials_gpu,
+    sm_count,
+)
 from mlra_jax.pallas_kernels.latent_decode_reference import reference
 
 
@@ -211,24 +221,78 @@ def heads(out: Path, contexts: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)
                     save(out, "latent_kernel_heads", results)
 
 
+# The split-KV merge's calls: (name, batch, blocks, splits, padded heads, heads, latent width): the heads mode's
+# 128 heads at batch 64 (two splits), MLA's 128 at batch 32 (two), the 2.9B models at batch 1 and 8K (32 splits)
+MERGE_SHAPES = (
+    ("mlra4_tp4", 64, 1, 2, 128, 128, 128),
+    ("mla_dp4", 32, 1, 2, 128, 128, 512),
+    ("mlra4_2p9b_batch1", 1, 4, 32, 64, 24, 128),
+    ("mla_2p9b_batch1", 1, 1, 32, 64, 24, 512),
+)
+
+
+def merge(out: Path) -> None:
+    """The split-KV merge kernel (combine_gpu) per MERGE_SHAPES row with 1, 2, 4 and 8 heads a CTA (and the
+    kernel's own choice), against its floor: the partials' and the output's bytes at the measured copy bandwidth."""
+    ceilings = roofline.measured_ceilings()
+    results = []
+    for name, batch, blocks, splits, padded, heads_n, rank in MERGE_SHAPES:
+        keys = jax.random.split(jax.random.key(0), 2)
+        partial_out = jax.random.normal(keys[0], (batch, blocks, splits, padded, rank), jnp.bfloat16)
+        lse = jax.random.normal(keys[1], (batch, blocks, splits, padded)) * 4
+        moved = batch * blocks * heads_n * (splits * (rank * 2 + 4) + rank * 2)
+        want = combine(partial_out, lse, jnp.bfloat16)[:, :, :heads_n].astype(jnp.float32)
+        for rows in (None, 1, 2, 4, 8):
+            if rows and heads_n % rows:
+                continue
+            fn = jax.jit(
+                functools.partial(combine_gpu, dtype=jnp.bfloat16, heads=heads_n, sms=sm_count(), heads_per_cta=rows)
+            )
+            error = float(jnp.abs(fn(partial_out, lse).astype(jnp.float32) - want).max())
+            timing = profiled_time(lambda: fn(partial_out, lse), 20)  # one kernel a call: its span
+            row = {
+                "shape": name,
+                "batch": batch,
+                "blocks": blocks,
+                "splits": splits,
+                "heads": heads_n,
+                "latent": rank,
+                "heads_per_cta": rows,
+                "chosen": combine_heads(heads_n, heads_n * (rank // COMBINE_COLUMNS) * batch * blocks, sm_count()),
+                "max_abs_error": error,
+                "time_s": timing["time_s"],
+                "method": "profiler span of one call, median of 20",
+                **roofline.floor(0, moved, 0, ceilings, timing["time_s"]),
+            }
+            results.append(row)
+            print(
+                f"{name:18} heads_per_cta={rows!s:<4} (chosen {row['chosen']}) {timing['time_s'] * 1e6:7.2f} us  "
+                f"{row['time_over_floor']:.2f}x floor  error {error:.3g}",
+                flush=True,
+            )
+            save(out, "latent_kernel_merge", results)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="mlra bench latent_kernel",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("mode", nargs="?", choices=("check", "tune", "bound", "heads"), default="check")
+    parser.add_argument("mode", nargs="?", choices=("check", "tune", "bound", "heads", "merge"), default="check")
     parser.add_argument(
         "--out",
         type=Path,
         default=None,
-        help="the JSON record of `bound` or `heads` (default: experiments/results/latent_kernel_MODE.json)",
+        help="the JSON record of `bound`, `heads` or `merge` (default: experiments/results/latent_kernel_MODE.json)",
     )
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         parser.error("the Mosaic GPU kernel runs on Hopper GPUs (the tests check its merge in interpret mode)")
     out = args.out or Path(f"experiments/results/latent_kernel_{args.mode}.json")
-    {"check": check, "tune": tune, "bound": lambda: bound(out), "heads": lambda: heads(out)}[args.mode]()
+    modes = {"check": check, "tune": tune, "bound": lambda: bound(out), "heads": lambda: heads(out)}
+    modes["merge"] = lambda: merge(out)
+    modes[args.mode]()
     return 0
 
 
