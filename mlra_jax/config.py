@@ -30,6 +30,7 @@ FP8_SCALINGS = ("delayed", "dynamic")
 FUSED_ELEMENTWISE = ("off", "auto", "on", "norms", "swiglu")
 FP8_CASTS = ("auto", "kernel", "xla")  # mlra_jax.fp8_casts
 FP8_HEADS = ("off", "gradients", "all")  # mlra_jax.fp8_head
+MLRA_BACKWARDS = ("auto", "stored_ds", "recomputed_ds")  # the MLRA kernel's backward (attention.mlra_kernel)
 # Fields that choose how a model runs, not what it computes: a run may resume with other values.
 RUNTIME_FIELDS = (
     "attention_impl",
@@ -38,6 +39,7 @@ RUNTIME_FIELDS = (
     "compute_dtype",
     "latent_form",
     "latent_keys",
+    "mlra_backward",
     "matmul_dtype",
     "fp8_scaling",
     "fp8_casts",
@@ -140,6 +142,12 @@ class ModelConfig:
     # "concat" up-projects k_nope and concatenates the RoPE key to it. "auto": product where a block is at most
     # LatentAttention.PRODUCT_KEYS_MAX_RANK wide (where it measured faster), concat elsewhere.
     latent_keys: str = dataclasses.field(default="auto", metadata={"choices": LATENT_KEYS})
+    # The backward of our MLRA kernel (where it trains the absorbed form): "stored_ds": its dK/dV kernel stores the
+    # score gradients dS (bf16, batch x query heads x T^2 bytes per layer while that layer's backward runs) and its
+    # dQ kernel reads them (MLRA-4's layer 10% faster on an H200); "recomputed_ds": the dQ kernel recomputes them
+    # (more FLOPs, no extra memory); "auto": stored where a layer's dS takes at most 8 GiB on a device
+    # (attention.mlra_kernel.STORED_DS_BYTES: MLRA-4 at 2,048 tokens up to 20 sequences a device, at 8,192 one)
+    mlra_backward: str = dataclasses.field(default="auto", metadata={"choices": MLRA_BACKWARDS})
     # Training's projections (attention and MLP; not the tied head, kv_up or the attention core) in the compute
     # dtype, or "float8": FP8 GEMMs with per-tensor scaling on GPUs that have them (mlra_jax.fp8), with a
     # bfloat16 compute_dtype; evaluation, decoding and export stay in the compute dtype
@@ -185,6 +193,7 @@ class ModelConfig:
         _check_choice("remat", self.remat, REMAT_POLICIES)
         _check_choice("latent_form", self.latent_form, LATENT_FORMS)
         _check_choice("latent_keys", self.latent_keys, LATENT_KEYS)
+        _check_choice("mlra_backward", self.mlra_backward, MLRA_BACKWARDS)
         _check_choice("matmul_dtype", self.matmul_dtype, MATMUL_DTYPES)
         _check_choice("fp8_scaling", self.fp8_scaling, FP8_SCALINGS)
         _check_choice("fused_elementwise", self.fused_elementwise, FUSED_ELEMENTWISE)

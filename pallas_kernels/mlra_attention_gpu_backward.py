@@ -23,21 +23,26 @@ Design (FlashAttention-2's backward, as jax.experimental.pallas.ops.gpu.attentio
     latent) and dS^T q_rope (A from registers). The two diagonal tiles come last and are masked; the second
     warpgroup only observes and releases the first (wholly above its keys). d k_rope leaves per block and is
     summed over the blocks in XLA.
-  * dQ kernel: a CTA takes one (latent block, query head, 128 queries, sequence): the compute warpgroups hold
-    their rows' q_latent, q_rope, dO, logsumexp and D, the memory warpgroup streams key tiles of 64 up to the
-    diagonal (the forward's walk: the first warpgroup observes and releases the tile past its diagonal). Per tile:
-    S and dP (one wait), P, dS, then dS latent and dS k_rope. d q_rope leaves per block and is summed in XLA.
+  * The dK/dV kernel also stores each dS^T tile it computes (bf16, 64 keys by 64 queries, only the causal half's
+    tiles, packed row by row: B x n G x H x T^2 / 2 values), through two SMEM buffers a warpgroup and TMA stores
+    that run under the next tile's products (`stored_ds`, the default).
+  * dQ kernel: a CTA takes one (latent block, query head, 128 queries, sequence): the memory warpgroup streams key
+    tiles of 64 up to the diagonal with both warpgroups' dS^T tiles (the first warpgroup observes and releases the
+    tile past its diagonal), and each warpgroup adds dS [latent || k_rope] (dS^T read transposed by wgmma): 192
+    multiply-adds per query, key and head. Without stored_ds the compute warpgroups hold their rows' q_latent,
+    q_rope, dO, logsumexp and D and recompute S and dP (one wait), P and dS per tile first (512). d q_rope leaves
+    per block and is summed in XLA.
   Every warpgroup's accumulators: 64 + 64 + R + Dr float32 columns (BACKWARD_COLUMNS bounds R + Dr). The per-block
   RoPE gradients are written in the inputs' dtype and summed in float32.
   * The scale is folded into the inputs computed in XLA: the dK/dV kernel takes scale * D, the dQ kernel the
     logsumexp less log2(scale) (exp2 gives scale * P).
-  * `BackwardTuning` (`tuning=`): either kernel's pipeline depth, and the older schedule (every warpgroup masking
-    the first two tiles of each head, the scale applied in the kernels) for A/Bs; the benchmark's
-    `--mlra_backward` times them side by side.
+  * `BackwardTuning` (`tuning=`): either kernel's pipeline depth, dS stored or recomputed, and the older
+    schedules (the dK/dV walk head by head, every warpgroup masking the first two tiles of each head, the scale
+    applied in the kernels) for A/Bs; the benchmark's `--mlra_backward` times them side by side.
 
-On an H100 (jax 0.11; experiments/results/attention_kernels_mlra_h100_backward_tunings.json) MLRA-4 2.9B's layer
-ran forward (the default tiling) + backward 1.29x cuDNN's forward + backward on the same inputs (the older
-schedule: 1.28x); ptxas spilled 12 and 16 bytes a thread in the two kernels at R = 128 (the older schedule).
+On an H200 (jax 0.11; experiments/results/attention_kernels_mlra_stored_ds_h200.json) MLRA-4 2.9B's layer ran
+forward (the default tiling) + backward 1.36x cuDNN's forward + backward on the same inputs at batch 8 (1.23x with dS
+recomputed); ptxas spilled 12 and 16 bytes a thread in the two recomputing kernels at R = 128 on an H100.
 
 Interpret mode (`interpret=True`, on CPU) runs it as the forward's docstring describes, the products as float32
 dots of the same SMEM operands (`_mma`). Float32 inputs run only in interpret mode; the GPU takes bf16 or f16.
@@ -89,6 +94,10 @@ class BackwardTuning(NamedTuple):
       head's tile in turn, so that the CTAs of one block and sequence that start together read the same tiles at
       the same time (once from HBM, then from L2). False: each head's tiles in turn, from the diagonal on (the
       CTAs drift apart after the first head).
+    stored_ds: the dK/dV kernel stores dS (bf16, the causal half's 64 x 64 tiles) and the dQ kernel reads it (dS K
+      per key tile) instead of recomputing S, P, dP and dS: 832 multiply-adds per query, key and head instead of
+      1,152, for B H T^2 bytes written and read. Takes lockstep and skip_masked (parse turns it off with either
+      unless it is asked for).
     """
 
     dkv_stages: int | None = None
@@ -96,16 +105,18 @@ class BackwardTuning(NamedTuple):
     skip_masked: bool = True
     prescale: bool = True
     lockstep: bool = True
+    stored_ds: bool = True
 
     @classmethod
     def parse(cls, spec: str) -> "BackwardTuning":
         """A tuning from words joined by '+': default, noskip, noprescale, nolockstep (the older schedules), skip,
-        prescale, lockstep (the defaults, explicitly), stagesN (both kernels), dkv_stagesN, dq_stagesN; e.g.
-        'noskip+noprescale' or 'dq_stages3'."""
+        prescale, lockstep (the defaults, explicitly), stored_ds or recomputed_ds, stagesN (both kernels),
+        dkv_stagesN, dq_stagesN; e.g. 'noskip+noprescale' or 'dq_stages3'."""
         fields: dict = {}
         switches = {"skip": ("skip_masked", True), "noskip": ("skip_masked", False)}
         switches |= {"prescale": ("prescale", True), "noprescale": ("prescale", False)}
         switches |= {"lockstep": ("lockstep", True), "nolockstep": ("lockstep", False)}
+        switches |= {"stored_ds": ("stored_ds", True), "recomputed_ds": ("stored_ds", False)}
         for word in spec.split("+"):
             if word == "default":
                 continue
@@ -118,15 +129,30 @@ class BackwardTuning(NamedTuple):
             else:
                 raise ValueError(
                     f"backward tuning {spec!r}: {word!r} is none of default, skip, noskip, prescale, noprescale, "
-                    "lockstep, nolockstep, stagesN, dkv_stagesN, dq_stagesN"
+                    "lockstep, nolockstep, stored_ds, recomputed_ds, stagesN, dkv_stagesN, dq_stagesN"
                 )
-        return cls(**fields)
+        if not (fields.get("lockstep", True) and fields.get("skip_masked", True)):
+            fields.setdefault("stored_ds", False)
+        tuning = cls(**fields)
+        tuning.check()
+        return tuning
+
+    def check(self) -> None:
+        """ValueError for a combination the kernels do not run."""
+        if self.stored_ds and not (self.lockstep and self.skip_masked):
+            raise ValueError("the backward's stored_ds takes lockstep and skip_masked (stored_ds=False runs either)")
 
 
 class _Reg(NamedTuple):
     """A wgmma A operand held in registers (the others are SMEM refs)."""
 
     value: jax.Array
+
+
+class _Transposed(NamedTuple):
+    """A wgmma A operand read transposed from an SMEM ref."""
+
+    ref: object
 
 
 def _mma(inits: tuple[jax.Array, ...], terms: Callable[[], list], interpret: bool) -> tuple[jax.Array, ...]:
@@ -137,18 +163,21 @@ def _mma(inits: tuple[jax.Array, ...], terms: Callable[[], list], interpret: boo
     if interpret:
         accs = list(inits)
         for i, a, b, transposed in terms():
-            lhs = a.value if isinstance(a, _Reg) else a[...]
+            lhs = a.value if isinstance(a, _Reg) else a.ref[...].T if isinstance(a, _Transposed) else a[...]
             dims = (((1,), (1 if transposed else 0,)), ((), ()))
             accs[i] = accs[i] + lax.dot_general(
                 lhs, b[...], dims, precision="highest", preferred_element_type=jnp.float32
             )
         return tuple(accs)
 
+    def operand(a):
+        if isinstance(a, _Reg):
+            return a.value
+        return plgpu.transpose_ref(a.ref, (1, 0)) if isinstance(a, _Transposed) else a
+
     def body(refs):
         for i, a, b, transposed in terms():
-            plgpu.wgmma(
-                refs[i], a.value if isinstance(a, _Reg) else a, plgpu.transpose_ref(b, (1, 0)) if transposed else b
-            )
+            plgpu.wgmma(refs[i], operand(a), plgpu.transpose_ref(b, (1, 0)) if transposed else b)
 
     return tuple(pl.run_state(body)(tuple(plgpu.ACC.init(x) for x in inits)))
 
@@ -183,6 +212,46 @@ def _stages(resident: int, streamed: int, requested: int | None = None) -> int:
     return requested
 
 
+def packed(query_tile, key_tile):
+    """The place of the 64 x 64 tile (query_tile >= key_tile) in the causal half's tiles, row by row (with
+    key_tile = 0, query_tile past the last: their count)."""
+    return query_tile * (query_tile + 1) // 2 + key_tile
+
+
+def _skip_past_diagonal(kv_barriers, consumed, stages: int, steps, max_steps) -> None:
+    """The dQ kernels' first warpgroup: the key tiles past its diagonal (steps .. max_steps), observed and released."""
+
+    @pl.loop(steps, max_steps)
+    def _skipped(i):
+        slot = lax.rem(i, jnp.int32(stages))
+        plgpu.barrier_wait(kv_barriers.at[slot])
+        pl.when(i + stages < max_steps)(lambda: plgpu.barrier_arrive(consumed.at[slot]))
+
+
+def _write_dq(accs, lat_smem, rope_smem, dql_ref, dqr_ref, at: tuple, dtype) -> None:
+    """A warpgroup's d q_latent and d q_rope accumulators out through its SMEM tiles (lat_smem, rope_smem: its
+    chunks); at = (head, sequence, rows, branch)."""
+    hi, bi, rows, j = at
+    lat_chunks = len(accs) - rope_smem.shape[0]
+    for c, acc in enumerate(accs):
+        (lat_smem.at[c] if c < lat_chunks else rope_smem.at[c - lat_chunks])[...] = acc.astype(dtype)
+    plgpu.commit_smem()
+    for c in range(lat_chunks):
+        plgpu.copy_smem_to_gmem(lat_smem.at[c], dql_ref.at[hi, bi, rows, j, pl.ds(c * CHUNK, CHUNK)])
+    for c in range(len(accs) - lat_chunks):
+        plgpu.copy_smem_to_gmem(rope_smem.at[c], dqr_ref.at[bi, j, rows, hi, pl.ds(c * CHUNK, CHUNK)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _fetch_keys(lat_ref, kr_ref, lat_smem, kr_smem, barrier, bi, i, block) -> None:
+    """Key tile i (64 rows of latent block `block` and of k_rope, sequence bi) into one slot's SMEM tiles."""
+    keys = pl.ds(i * TILE, TILE)
+    for c in range(lat_smem.shape[0]):
+        plgpu.copy_gmem_to_smem(lat_ref.at[bi, keys, block, pl.ds(c * CHUNK, CHUNK)], lat_smem.at[c], barrier)
+    for c in range(kr_smem.shape[0]):
+        plgpu.copy_gmem_to_smem(kr_ref.at[bi, keys, pl.ds(c * CHUNK, CHUNK)], kr_smem.at[c], barrier)
+
+
 def _transforms(dtype) -> tuple:
     if jnp.dtype(dtype).itemsize == 2:
         return (plgpu.TilingTransform((8, CHUNK)), plgpu.SwizzleTransform(128))
@@ -198,12 +267,16 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning:
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
     kv_tiles = t // (COMPUTE_WGS * TILE)
     size = jnp.dtype(dtype).itemsize
-    stages = _stages(COMPUTE_WGS * TILE * (r + dr) * size, TILE * ((2 * r + dr) * size + 8), tuning.dkv_stages)
+    # dS tiles on their way out, 2 a warpgroup (counted as bf16: float32 runs only in interpret mode)
+    staging = COMPUTE_WGS * 2 * TILE * TILE * min(size, 2) if tuning.stored_ds else 0
+    resident = COMPUTE_WGS * TILE * (r + dr) * size + staging
+    stages = _stages(resident, TILE * ((2 * r + dr) * size + 8), tuning.dkv_stages)
     scale_log2, transforms = scale * LOG2E, _transforms(dtype)
     shape = (TILE, TILE)
 
-    def kernel(ql_ref, qr_ref, lat_ref, kr_ref, do_ref, lse_ref, delta_ref, dlat_ref, dkr_ref, scoped):
-        (klat_smem, kkr_smem, ql_smem, qr_smem, do_smem, lse_smem, delta_smem), barriers = scoped
+    def kernel(ql_ref, qr_ref, lat_ref, kr_ref, do_ref, lse_ref, delta_ref, dlat_ref, dkr_ref, *rest):
+        *ds_out, scoped = rest
+        (klat_smem, kkr_smem, ql_smem, qr_smem, do_smem, lse_smem, delta_smem, *ds_smem), barriers = scoped
         k_barriers, q_barriers, consumed = barriers
         j, bi, wg = lax.axis_index("block"), lax.axis_index("batch"), lax.axis_index("wg")
         branch, first_head = j // groups, lax.rem(j, groups) * h  # block c G + g: branch c of heads g H ..
@@ -260,11 +333,20 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning:
                 plgpu.barrier_wait(q_barriers.at[lax.rem(i, jnp.int32(stages))])
                 release(i)
 
+            def store(i, local, ds16):  # dS^T of query tile qt and key tile kt into its place in the causal half
+                qt, kt, buffer = first + local, kv_tile * COMPUTE_WGS + wg, lax.rem(i, 2)
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the buffer's last store has read it
+                ds_smem[0].at[wg, buffer][...] = ds16
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(ds_smem[0].at[wg, buffer], ds_out[0].at[bi, j, lax.rem(i, h), packed(qt, kt)])
+
             def step(i, local, carry, masked):
                 slot = lax.rem(i, jnp.int32(stages))
                 plgpu.barrier_wait(q_barriers.at[slot])
                 s_t, dp_t = _mma((_zeros(shape, interpret),) * 2, lambda: scores(slot), interpret)
                 p16, ds16 = probabilities(s_t, dp_t, local, slot, masked)
+                if tuning.stored_ds:
+                    store(i, local, ds16)
                 carry = _mma(carry, lambda: grads(slot, _Reg(p16), _Reg(ds16)), interpret)
                 release(i)
                 return carry
@@ -354,6 +436,8 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning:
             plgpu.SMEM((stages, TILE), jnp.float32),
             plgpu.SMEM((stages, TILE), jnp.float32),
         )
+        if tuning.stored_ds:
+            smem += (plgpu.SMEM((COMPUTE_WGS, 2, TILE, TILE), dtype, transforms=transforms),)
         barriers = (
             plgpu.Barrier(num_arrivals=lat_chunks + rope_chunks, num_barriers=COMPUTE_WGS),
             plgpu.Barrier(num_arrivals=2 * lat_chunks + rope_chunks + 2, num_barriers=stages),
@@ -361,9 +445,12 @@ def _dkv(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning:
         )
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
 
+    out_type = [jax.ShapeDtypeStruct(lat.shape, dtype), jax.ShapeDtypeStruct((b, n * groups, t, dr), dtype)]
+    if tuning.stored_ds:  # dS^T per block and head, the causal half's tiles (packed) of 64 keys by 64 queries
+        out_type.append(jax.ShapeDtypeStruct((b, n * groups, h, packed(t // TILE, 0), TILE, TILE), dtype))
     return plgpu.kernel(
         entry,
-        out_type=[jax.ShapeDtypeStruct(lat.shape, dtype), jax.ShapeDtypeStruct((b, n * groups, t, dr), dtype)],
+        out_type=out_type,
         grid=(n * groups, kv_tiles, b),
         grid_names=("block", "kv_tile", "batch"),
         num_threads=COMPUTE_WGS + 1,
@@ -453,40 +540,15 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning: 
             accs = (_zeros((TILE, CHUNK), interpret),) * (lat_chunks + rope_chunks)
             accs = lax.fori_loop(0, steps - 1, functools.partial(step, masked=False), accs)
             accs = step(steps - 1, accs, masked=True)
-
-            @pl.loop(steps, max_steps)
-            def _skipped(i):  # the first warpgroup's tile past its diagonal: observed and released
-                slot = lax.rem(i, jnp.int32(stages))
-                plgpu.barrier_wait(kv_barriers.at[slot])
-                pl.when(i + stages < max_steps)(lambda: plgpu.barrier_arrive(consumed.at[slot]))
-
-            for c in range(lat_chunks):
-                ql_smem.at[wg, c][...] = accs[c].astype(dtype)
-            for c in range(rope_chunks):
-                qr_smem.at[wg, c][...] = accs[lat_chunks + c].astype(dtype)
-            plgpu.commit_smem()
-            for c in range(lat_chunks):
-                plgpu.copy_smem_to_gmem(ql_smem.at[wg, c], dql_ref.at[hi, bi, rows, j, pl.ds(c * CHUNK, CHUNK)])
-            for c in range(rope_chunks):
-                plgpu.copy_smem_to_gmem(qr_smem.at[wg, c], dqr_ref.at[bi, j, rows, hi, pl.ds(c * CHUNK, CHUNK)])
-            plgpu.wait_smem_to_gmem(0)
+            _skip_past_diagonal(kv_barriers, consumed, stages, steps, max_steps)
+            _write_dq(accs, ql_smem.at[wg], qr_smem.at[wg], dql_ref, dqr_ref, (hi, bi, rows, j), dtype)
 
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
             def fetch(i, slot):
-                keys = pl.ds(i * TILE, TILE)
-                for c in range(lat_chunks):
-                    plgpu.copy_gmem_to_smem(
-                        lat_ref.at[bi, keys, block, pl.ds(c * CHUNK, CHUNK)],
-                        lat_smem.at[slot, c],
-                        kv_barriers.at[slot],
-                    )
-                for c in range(rope_chunks):
-                    plgpu.copy_gmem_to_smem(
-                        kr_ref.at[bi, keys, pl.ds(c * CHUNK, CHUNK)], kr_smem.at[slot, c], kv_barriers.at[slot]
-                    )
+                _fetch_keys(lat_ref, kr_ref, lat_smem.at[slot], kr_smem.at[slot], kv_barriers.at[slot], bi, i, block)
 
             stream_tiles(fetch, consumed, stages, min(stages, t // TILE), max_steps)  # (statically in bounds)
 
@@ -517,6 +579,96 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning: 
         compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params(interpret),
     )(ql, qr, lat, kr, do, lse2, delta)
+
+
+def _dq_stored(ds_t, lat, kr, heads: int, *, groups: int, tuning: BackwardTuning, interpret: bool):
+    """d q_latent [G H, B, T, n, R] and the per-branch d q_rope [B, n, T, G H, Dr] from the dK/dV kernel's dS^T tiles
+    (tuning.stored_ds): a CTA takes one (latent block, query head, 128 queries, sequence) as _dq does, and per key
+    tile up to the diagonal adds dS [latent || k_rope] (dS the stored tile, read transposed)."""
+    b, t, blocks, r = lat.shape
+    n, h = blocks // groups, heads // groups
+    dr, dtype = kr.shape[-1], lat.dtype
+    rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
+    q_tiles = t // (COMPUTE_WGS * TILE)
+    size = jnp.dtype(dtype).itemsize
+    resident = COMPUTE_WGS * TILE * (r + dr) * size  # the outputs on their way out
+    stages = _stages(resident, TILE * (r + dr) * size + COMPUTE_WGS * TILE * TILE * size, tuning.dq_stages)
+    transforms = _transforms(dtype)
+
+    def kernel(ds_ref, lat_ref, kr_ref, dql_ref, dqr_ref, scoped):
+        (out_lat_smem, out_rope_smem, ds_smem, lat_smem, kr_smem), (kv_barriers, consumed) = scoped
+        head, bi, wg = lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("wg")
+        j, hi = head // heads, lax.rem(head, heads)  # branch c of head hi (group hi // H) reads block c G + hi // H
+        block, within = j * groups + hi // h, lax.rem(hi, h)
+        q_tile = q_tiles - 1 - lax.axis_index("q_tile")  # the longest rows first
+        max_steps = (q_tile + 1) * COMPUTE_WGS  # key tiles of the CTA's last rows
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            q0 = q_tile * (COMPUTE_WGS * TILE) + wg * TILE
+            steps = q0 // TILE + 1  # key tiles these rows read: the last on the diagonal
+
+            def grads(slot):  # dS latent onto d q_latent, dS k_rope onto d q_rope
+                ds = _Transposed(ds_smem.at[slot, wg])
+                return [(c, ds, lat_smem.at[slot, c], False) for c in range(lat_chunks)] + [
+                    (lat_chunks + c, ds, kr_smem.at[slot, c], False) for c in range(rope_chunks)
+                ]
+
+            def step(i, carry):
+                slot = lax.rem(i, jnp.int32(stages))
+                plgpu.barrier_wait(kv_barriers.at[slot])
+                carry = _mma(carry, lambda: grads(slot), interpret)
+                pl.when(i + stages < max_steps)(lambda: plgpu.barrier_arrive(consumed.at[slot]))
+                return carry
+
+            accs = lax.fori_loop(0, steps, step, (_zeros((TILE, CHUNK), interpret),) * (lat_chunks + rope_chunks))
+            _skip_past_diagonal(kv_barriers, consumed, stages, steps, max_steps)
+            at = (hi, bi, pl.ds(q0, TILE), j)
+            _write_dq(accs, out_lat_smem.at[wg], out_rope_smem.at[wg], dql_ref, dqr_ref, at, dtype)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def fetch(i, slot):
+                _fetch_keys(lat_ref, kr_ref, lat_smem.at[slot], kr_smem.at[slot], kv_barriers.at[slot], bi, i, block)
+                last = q_tile * COMPUTE_WGS + COMPUTE_WGS - 1  # the second warpgroup's query tile
+                for w in range(COMPUTE_WGS):  # (the first's tile past its diagonal: the second's, unread)
+                    qt = jnp.where(i <= last - (COMPUTE_WGS - 1 - w), last - (COMPUTE_WGS - 1 - w), last)
+                    plgpu.copy_gmem_to_smem(
+                        ds_ref.at[bi, block, within, packed(qt, i)], ds_smem.at[slot, w], kv_barriers.at[slot]
+                    )
+
+            stream_tiles(fetch, consumed, stages, min(stages, t // TILE), max_steps)  # (statically in bounds)
+
+    def entry(*refs):
+        smem = (
+            plgpu.SMEM((COMPUTE_WGS, lat_chunks, TILE, CHUNK), dtype, transforms=transforms),
+            plgpu.SMEM((COMPUTE_WGS, rope_chunks, TILE, CHUNK), dtype, transforms=transforms),
+            plgpu.SMEM((stages, COMPUTE_WGS, TILE, TILE), dtype, transforms=transforms),
+            plgpu.SMEM((stages, lat_chunks, TILE, CHUNK), dtype, transforms=transforms),
+            plgpu.SMEM((stages, rope_chunks, TILE, CHUNK), dtype, transforms=transforms),
+        )
+        barriers = (
+            plgpu.Barrier(num_arrivals=lat_chunks + rope_chunks + COMPUTE_WGS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+        )
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
+
+    return plgpu.kernel(
+        entry,
+        out_type=[
+            jax.ShapeDtypeStruct((heads, b, t, n, r), dtype),
+            jax.ShapeDtypeStruct((b, n, t, heads, dr), dtype),
+        ],
+        grid=(n * heads, q_tiles, b),
+        grid_names=("head", "q_tile", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
+        interpret=interpret_params(interpret),
+    )(ds_t, lat, kr)
 
 
 def check_backward_shapes(
@@ -566,6 +718,7 @@ def mlra_attention_backward(
     [G H, B, T, n, R]. tuning: the kernels' schedules (BackwardTuning; the defaults: the fastest measured).
     Constraints (ValueError outside them): T == S a multiple of 128, R and Dr multiples of 64, R + Dr <= 192."""
     check_backward_shapes(q_latent, q_rope, latent, k_rope, interpret, groups)
+    tuning.check()
     f32 = jnp.float32
     d_out = d_out.astype(latent.dtype)
     delta = jnp.einsum("hbtnr,hbtnr->bnht", out.astype(f32), d_out.astype(f32))
@@ -576,8 +729,13 @@ def mlra_attention_backward(
     else:
         dkv_extra = dq_extra = (lse2, delta)
     options = dict(scale=scale, groups=groups, tuning=tuning, interpret=interpret)
-    d_latent, d_k_rope = _dkv(*args, *dkv_extra, **options)
-    d_q_latent, d_q_rope = _dq(*args, *dq_extra, **options)
+    if tuning.stored_ds:
+        d_latent, d_k_rope, ds_t = _dkv(*args, *dkv_extra, **options)
+        stored = dict(groups=groups, tuning=tuning, interpret=interpret)
+        d_q_latent, d_q_rope = _dq_stored(ds_t, latent, k_rope, q_latent.shape[0], **stored)
+    else:
+        d_latent, d_k_rope = _dkv(*args, *dkv_extra, **options)
+        d_q_latent, d_q_rope = _dq(*args, *dq_extra, **options)
     d_q_rope = d_q_rope.astype(f32).sum(axis=1).astype(q_rope.dtype)
     d_k_rope = d_k_rope.astype(f32).sum(axis=1).astype(k_rope.dtype)
     # The sums as arrays of their own: fused into the RoPE backward's loop fusion, each sum was recomputed once per

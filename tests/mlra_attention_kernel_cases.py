@@ -118,10 +118,13 @@ def test_float32_two_head_groups(branches):
     check((1, 128, 2, 2, 64, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5), branches, groups=2)
 
 
-def test_backward_float32_two_head_groups():
+@pytest.mark.parametrize("spec", ["default", "recomputed_ds"])
+def test_backward_float32_two_head_groups(spec):
     """The backward with two head groups: each block's dK/dV CTA takes its own group's heads only, each dQ CTA its
-    head's blocks; d k_rope sums over all four blocks, d q_rope over each head's two branches."""
-    check_backward((1, 128, 2, 2, 64, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5), seed=9, groups=2)
+    head's blocks (reading the stored dS of its block and head, or recomputing it); d k_rope sums over all four
+    blocks, d q_rope over each head's two branches."""
+    tuning = BackwardTuning.parse(spec)
+    check_backward((1, 128, 2, 2, 64, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5), seed=9, groups=2, tuning=tuning)
 
 
 @pytest.mark.slow
@@ -160,8 +163,9 @@ def test_backward_float32_one_branch():
 @pytest.mark.parametrize(
     "spec",
     [
-        "noskip+noprescale",  # the two diagonal query tiles masked for both dK/dV warpgroups
-        "nolockstep",  # the dK/dV kernel's older walk: each head's tiles from the diagonal on
+        "recomputed_ds",  # the dQ kernel recomputes S, P, dP and dS
+        "noskip+noprescale",  # the two diagonal query tiles masked for both dK/dV warpgroups (dS recomputed)
+        "nolockstep",  # the dK/dV kernel's older walk: each head's tiles from the diagonal on (dS recomputed)
         "stages2",  # two slots in both kernels (every slot refilled)
     ],
 )
@@ -174,14 +178,18 @@ def test_backward_float32_tunings(spec):
 def test_backward_tunings_parse_and_name_their_limits():
     assert BackwardTuning() == BackwardTuning(skip_masked=True, prescale=True)
     assert BackwardTuning.parse("default") == BackwardTuning.parse("skip+prescale") == BackwardTuning()
-    assert BackwardTuning.parse("noskip+dq_stages5") == BackwardTuning(dq_stages=5, skip_masked=False)
+    assert BackwardTuning.parse("noskip+dq_stages5") == BackwardTuning(dq_stages=5, skip_masked=False, stored_ds=False)
     assert BackwardTuning.parse("stages3+noprescale") == BackwardTuning(dkv_stages=3, dq_stages=3, prescale=False)
-    assert BackwardTuning.parse("nolockstep") == BackwardTuning(lockstep=False) != BackwardTuning.parse("lockstep")
+    assert BackwardTuning.parse("nolockstep") == BackwardTuning(lockstep=False, stored_ds=False)
+    assert BackwardTuning.parse("recomputed_ds") == BackwardTuning(stored_ds=False) != BackwardTuning.parse("stored_ds")
+    with pytest.raises(ValueError, match="stored_ds takes lockstep and skip_masked"):
+        BackwardTuning.parse("nolockstep+stored_ds")
     with pytest.raises(ValueError, match="'pingpong' is none of"):
         BackwardTuning.parse("noskip+pingpong")
     args = inputs(1, 128, 1, 1, 64, 64, jnp.float32)
     rest = (args[0], jnp.zeros((1, 1, 1, 128)), args[0])
-    for spec, message in (("dq_stages4", "2 to 3 slots"), ("dkv_stages1", "stages=1: ")):
+    limits = (("recomputed_ds+dq_stages4", "2 to 3 slots"), ("dq_stages3", "2 to 2 slots"), ("dkv_stages1", "=1: "))
+    for spec, message in limits:
         with pytest.raises(ValueError, match=message):
             mlra_attention_backward(*args, *rest, scale=1.0, tuning=BackwardTuning.parse(spec), interpret=True)
 
@@ -218,7 +226,7 @@ def test_the_backward_lowers_for_the_gpu():
 
 # the backward tunings checked on the GPU (the default, the older schedules, the dQ kernel's most slots), and the
 # rest lowered on the CPU: the other switches' combinations with the fewest stages
-GPU_TUNINGS = ("default", "nolockstep", "nolockstep+noskip+noprescale", "dq_stages5")
+GPU_TUNINGS = ("default", "recomputed_ds", "nolockstep", "nolockstep+noskip+noprescale", "recomputed_ds+dq_stages5")
 LOWERED_TUNINGS = (*GPU_TUNINGS, "noskip+noprescale+stages2", "nolockstep+noskip+stages3", "noprescale+stages3")
 
 
@@ -447,14 +455,15 @@ def kernel_and_xla(cfg, tokens):
 def test_the_model_trains_through_the_kernel(monkeypatch, variant, heads):
     """attention_impl="mlra_kernel" (the kernel in interpret mode standing in for the GPU's): a one-layer model's
     float32 loss and gradients equal the XLA attention's. MLRA-4 passes its tensors as they are (one head group);
-    MLRA-2's two head groups are the kernel's `groups`, each with its two branches."""
+    MLRA-2's two head groups are the kernel's `groups`, each with its two branches. The backward is the model's
+    `mlra_backward` (MLRA-4 the default, stored dS; MLRA-2 recomputed)."""
     from mlra_jax.attention import mlra_kernel
 
     calls = []
 
-    def interpreted(*args, scale, groups):
-        calls.append((groups, *(x.shape for x in args)))
-        return mlra_attention(*args, scale=scale, groups=groups, interpret=True)
+    def interpreted(*args, scale, groups, tuning):
+        calls.append((groups, tuning, *(x.shape for x in args)))
+        return mlra_attention(*args, scale=scale, groups=groups, tuning=tuning, interpret=True)
 
     monkeypatch.setattr(mlra_kernel, "kernel", lambda: interpreted)
     monkeypatch.setattr(mlra_kernel, "device_problem", lambda dtype: None)
@@ -468,12 +477,14 @@ def test_the_model_trains_through_the_kernel(monkeypatch, variant, heads):
         latent_form="absorbed",
         output_init="normal",
         scan_layers=False,
+        mlra_backward="recomputed_ds" if variant == "mlra2" else "stored_ds",
     )
     tokens = jax.random.randint(jax.random.key(2), (1, 129), 0, 128)
     chosen, (loss, grads), (want_loss, want_grads) = kernel_and_xla(cfg, tokens)
     groups = 2 if variant == "mlra2" else 1
     assert chosen == {"mlra_kernel": 1}
-    assert calls == [(groups, (groups, 1, 128, 4 // groups, 64), (1, 128, groups, 64), (1, 128, 4, 64), (1, 128, 64))]
+    shapes = ((groups, 1, 128, 4 // groups, 64), (1, 128, groups, 64), (1, 128, 4, 64), (1, 128, 64))
+    assert calls == [(groups, cfg.mlra_backward, *shapes)]
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
         scale = float(jnp.abs(want).max())

@@ -112,13 +112,27 @@ def kernel_stand_in(monkeypatch, chosen_shapes=None):
     mlra_attention_kernel_cases.py)."""
     from mlra_jax.pallas_kernels.mlra_attention_gpu import mlra_attention_reference
 
-    def reference(*args, scale, groups):
+    def reference(*args, scale, groups, tuning):
+        assert tuning in ("stored_ds", "recomputed_ds")  # ModelConfig.mlra_backward
         if chosen_shapes is not None:
             chosen_shapes.append((groups, *(x.shape for x in args)))
         return mlra_attention_reference(*args, scale=scale, groups=groups)[0]
 
     monkeypatch.setattr(mlra_kernel, "kernel", lambda: reference)
     monkeypatch.setattr(mlra_kernel, "device_problem", lambda dtype: None)
+
+
+def test_the_kernels_backward_stores_ds_where_a_layers_tiles_take_at_most_8_gib():
+    """mlra_backward="auto": dS stored for MLRA-4's 96 query heads and branches at 2,048 tokens up to 20 sequences a
+    device and at 8,192 one; recomputed beyond; the explicit choices as given."""
+    bf16 = jnp.bfloat16
+    assert mlra_kernel.stored_ds_bytes(8, 96, 2048, bf16) == 8 * 96 * (32 * 33 // 2) * 64 * 64 * 2  # 3.3 GB
+    assert mlra_kernel.backward_tuning("auto", mlra_kernel.stored_ds_bytes(20, 96, 2048, bf16)) == "stored_ds"
+    assert mlra_kernel.backward_tuning("auto", mlra_kernel.stored_ds_bytes(21, 96, 2048, bf16)) == "recomputed_ds"
+    assert mlra_kernel.backward_tuning("auto", mlra_kernel.stored_ds_bytes(1, 96, 8192, bf16)) == "stored_ds"
+    assert mlra_kernel.backward_tuning("auto", mlra_kernel.stored_ds_bytes(2, 96, 8192, bf16)) == "recomputed_ds"
+    assert mlra_kernel.backward_tuning("recomputed_ds", 0) == "recomputed_ds"
+    assert mlra_kernel.backward_tuning("stored_ds", 1 << 40) == "stored_ds"
 
 
 def chosen_kernels(cfg, tokens):

@@ -89,6 +89,7 @@ class LatentAttention(Attention):
         # the latent scales (its logits show it).
         self.branch_scale = branch_scale(cfg)
         self.absorbed_training = cfg.trains_absorbed  # training attention absorbed (ModelConfig.latent_form)
+        self.mlra_backward = cfg.mlra_backward
         self.auto_form = cfg.latent_form == "auto" and not cfg.trains_absorbed  # absorbed where the kernel runs
         self.product_keys = cfg.latent_keys == "product" or (
             cfg.latent_keys == "auto" and self.block_rank <= self.PRODUCT_KEYS_MAX_RANK
@@ -424,7 +425,9 @@ class LatentAttention(Attention):
         if kernel:
             # our MLRA kernel: each group's RoPE queries shared by its branches, never copied per block
             z = mlra_kernel_attention(
-                *(x.astype(self.dtype) for x in (q_latent, q_rope, latent, k_rope[:, :, 0])), scale=self.softmax_scale
+                *(x.astype(self.dtype) for x in (q_latent, q_rope, latent, k_rope[:, :, 0])),
+                scale=self.softmax_scale,
+                backward=self.mlra_backward,
             )
         else:
             q_rope = jnp.broadcast_to(q_rope[:, :, None], (b, t, branches, groups, heads, rope))

@@ -119,21 +119,46 @@ def tensor_parallel_error() -> KernelUnavailable:
     )
 
 
+STORED_DS_BYTES = 8 << 30  # mlra_backward="auto": dS stored where a layer's tiles take at most this on a device
+
+
+def stored_ds_bytes(batch: int, heads: int, tokens: int, dtype: jnp.dtype) -> int:
+    """The bytes of the dS tiles that the stored-dS backward holds for one layer: the causal half's 64 x 64 tiles
+    (the diagonal's whole) for every sequence and query head of every branch."""
+    tiles = -(-tokens // 64)
+    return batch * heads * tiles * (tiles + 1) // 2 * 64 * 64 * jnp.dtype(dtype).itemsize
+
+
+def backward_tuning(choice: str, ds_bytes: int) -> str:
+    """The kernel's backward tuning for ModelConfig.mlra_backward: "auto" stores dS where it takes at most
+    STORED_DS_BYTES."""
+    if choice == "auto":
+        return "stored_ds" if ds_bytes <= STORED_DS_BYTES else "recomputed_ds"
+    return choice
+
+
 def mlra_kernel_attention(
-    q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, *, scale: float
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    latent: jax.Array,
+    k_rope: jax.Array,
+    *,
+    scale: float,
+    backward: str = "auto",
 ) -> jax.Array:
     """The absorbed training attention on the kernel: q_latent [G, H, B, T, C, R] (G head groups, C branches,
     block c G + g; head-major, as the kernel takes it), q_rope [B, T, G, H, Dr] (each group's), latent
-    [B, S, C G, R], k_rope [B, S, Dr] -> [G, H, B, T, C, R]. Where mesh axes are still automatic, one shard_map
-    makes all of them manual (GSPMD cannot partition a kernel): the batch splits over the data axes where it
-    divides, other axes compute redundantly."""
+    [B, S, C G, R], k_rope [B, S, Dr] -> [G, H, B, T, C, R]; backward: ModelConfig.mlra_backward. Where mesh axes
+    are still automatic, one shard_map makes all of them manual (GSPMD cannot partition a kernel): the batch splits
+    over the data axes where it divides, other axes compute redundantly."""
     attend = kernel()
     record(MLRA_KERNEL)
 
     def run(q_latent, q_rope, latent, k_rope):
         g, h, b, t, c, r = q_latent.shape
         heads_first = q_latent.reshape(g * h, b, t, c, r)  # (free: G and H are adjacent and outermost)
-        out = attend(heads_first, q_rope.reshape(b, t, g * h, -1), latent, k_rope, scale=scale, groups=g)
+        tuning = backward_tuning(backward, stored_ds_bytes(b, g * h * c, t, latent.dtype))
+        out = attend(heads_first, q_rope.reshape(b, t, g * h, -1), latent, k_rope, scale=scale, groups=g, tuning=tuning)
         return out.reshape(q_latent.shape)
 
     auto = automatic_axes()
