@@ -218,6 +218,15 @@ def packed(query_tile, key_tile):
     return query_tile * (query_tile + 1) // 2 + key_tile
 
 
+def _dq_cta(heads: int, groups: int, q_tiles: int) -> tuple:
+    """A dQ CTA's (sequence, warpgroup, branch, query head, latent block, query tile, key tiles of its last rows):
+    branch c of head hi (group hi // H) reads block c G + hi // H; the longest rows first."""
+    head, bi, wg = lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("wg")
+    j, hi = head // heads, lax.rem(head, heads)
+    q_tile = q_tiles - 1 - lax.axis_index("q_tile")
+    return bi, wg, j, hi, j * groups + hi // (heads // groups), q_tile, (q_tile + 1) * COMPUTE_WGS
+
+
 def _skip_past_diagonal(kv_barriers, consumed, stages: int, steps, max_steps) -> None:
     """The dQ kernels' first warpgroup: the key tiles past its diagonal (steps .. max_steps), observed and released."""
 
@@ -464,7 +473,6 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning: 
     """d q_latent [G H, B, T, n, R] and the per-branch d q_rope [B, n, T, G H, Dr] (to be summed over n). lse2: the
     log2-domain logsumexp, less log2(scale) under tuning.prescale."""
     heads, b, t, n, r = ql.shape
-    h = heads // groups  # the query heads of each block
     dr, dtype = kr.shape[-1], lat.dtype
     rope_chunks, lat_chunks = dr // CHUNK, r // CHUNK
     q_tiles = t // (COMPUTE_WGS * TILE)
@@ -476,11 +484,7 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning: 
     def kernel(ql_ref, qr_ref, lat_ref, kr_ref, do_ref, lse_ref, delta_ref, dql_ref, dqr_ref, scoped):
         (ql_smem, qr_smem, do_smem, lse_smem, delta_smem, lat_smem, kr_smem), barriers = scoped
         q_barriers, kv_barriers, consumed = barriers
-        head, bi, wg = lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("wg")
-        j, hi = head // heads, lax.rem(head, heads)  # branch c of head hi (group hi // H) reads block c G + hi // H
-        block = j * groups + hi // h
-        q_tile = q_tiles - 1 - lax.axis_index("q_tile")  # the longest rows first
-        max_steps = (q_tile + 1) * COMPUTE_WGS  # key tiles of the CTA's last rows
+        bi, wg, j, hi, block, q_tile, max_steps = _dq_cta(heads, groups, q_tiles)
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
@@ -597,11 +601,8 @@ def _dq_stored(ds_t, lat, kr, heads: int, *, groups: int, tuning: BackwardTuning
 
     def kernel(ds_ref, lat_ref, kr_ref, dql_ref, dqr_ref, scoped):
         (out_lat_smem, out_rope_smem, ds_smem, lat_smem, kr_smem), (kv_barriers, consumed) = scoped
-        head, bi, wg = lax.axis_index("head"), lax.axis_index("batch"), lax.axis_index("wg")
-        j, hi = head // heads, lax.rem(head, heads)  # branch c of head hi (group hi // H) reads block c G + hi // H
-        block, within = j * groups + hi // h, lax.rem(hi, h)
-        q_tile = q_tiles - 1 - lax.axis_index("q_tile")  # the longest rows first
-        max_steps = (q_tile + 1) * COMPUTE_WGS  # key tiles of the CTA's last rows
+        bi, wg, j, hi, block, q_tile, max_steps = _dq_cta(heads, groups, q_tiles)
+        within = lax.rem(hi, h)  # the head's place among its block's
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
