@@ -153,10 +153,11 @@ def check_backward(shape, dtype, tolerance, seed=0, tuning=BackwardTuning(), gro
 
 
 def test_backward_float32_one_branch():
-    """The default schedule (lockstep, skip_masked, prescale), two query heads: two CTAs of 128 keys (dK/dV: the
-    first walks query tiles 3 and 2 for both heads, then its two diagonal tiles; the second starts at its
+    """The default schedule (lockstep, skip_masked, prescale, stored_ds), two query heads: two CTAs of 128 keys (dK/dV:
+    the first walks query tiles 3 and 2 for both heads, then its two diagonal tiles; the second starts at its
     diagonal, skipping the first query tiles; each head's first tile only observed by the second warpgroup) and of
-    128 queries (dQ: four key tiles through three stages, one slot refilled; the first warpgroup's skipped tile)."""
+    128 queries (dQ, reading the stored dS: four key tiles through two stages, two slots refilled; the first
+    warpgroup's skipped tile)."""
     check_backward((1, 256, 1, 2, 64, 64), jnp.float32, dict(rtol=1e-5, atol=1e-5))
 
 
