@@ -161,9 +161,11 @@ def latent_decode_gpu(
     return combine_gpu(out, lse, latent.dtype, heads, sms=sm_count(), interpret=interpret)
 
 
-def combine_heads(heads: int, row_ctas: int, sms: int) -> int:
-    """Heads per CTA of the split-KV merge, where `row_ctas` CTAs would take one head's row each: the largest power
-    of two up to COMBINE_HEADS that divides `heads` and leaves at least one CTA per SM (at batch 1 a CTA per row)."""
+def combine_heads(partial_shape: tuple[int, ...], heads: int, sms: int) -> int:
+    """Heads per CTA of the split-KV merge of partials [B, N, P, H', R] into `heads` heads: the largest power of two
+    up to COMBINE_HEADS that divides `heads` and leaves at least one CTA per SM (at batch 1 a CTA per row)."""
+    b, n, _, _, r = partial_shape
+    row_ctas = heads * (r // COMBINE_COLUMNS) * b * n  # a CTA per head's row of COMBINE_COLUMNS values
     rows = COMBINE_HEADS
     while rows > 1 and (heads % rows or row_ctas // rows < sms):
         rows //= 2
@@ -186,7 +188,7 @@ def combine_gpu(
     splits (on `sms` SMs), every load issued first: the weights are scalars, the rows 128-wide vectors (one value
     per thread). interpret=True runs it in GPU interpret mode (on CPU, for the tests)."""
     b, n, p, _, r = partial_out.shape
-    rows = heads_per_cta or combine_heads(heads, heads * (r // COMBINE_COLUMNS) * b * n, sms)
+    rows = heads_per_cta or combine_heads(partial_out.shape, heads, sms)
     if heads % rows:
         raise ValueError(f"heads_per_cta={rows} does not divide the {heads} heads")
 

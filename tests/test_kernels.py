@@ -105,9 +105,10 @@ def test_the_combines_heads_per_cta():
     128-wide columns), MLRA-4's 128 at batch 64; at batch 1 (24 heads) a row each; 12 heads take 4."""
     from mlra_jax.pallas_kernels.latent_decode_gpu import combine_heads
 
-    assert combine_heads(128, 128 * 4 * 32, 132) == 8 and combine_heads(128, 128 * 64, 132) == 8
-    assert combine_heads(24, 24 * 4, 132) == 1 and combine_heads(12, 96, 1) == 4 and combine_heads(12, 96, 24) == 4
-    assert combine_heads(128, 128 * 4, 132) == 2
+    assert combine_heads((32, 1, 2, 128, 512), 128, 132) == 8 and combine_heads((64, 1, 2, 128, 128), 128, 132) == 8
+    assert combine_heads((1, 4, 32, 64, 128), 24, 132) == 1  # 96 rows of 128 values
+    assert combine_heads((2, 2, 5, 16, 256), 12, 1) == 4 and combine_heads((2, 2, 5, 16, 256), 12, 24) == 4
+    assert combine_heads((1, 1, 2, 128, 512), 128, 132) == 2
 
 
 def test_mosaic_gpu_combine_in_interpret_mode():

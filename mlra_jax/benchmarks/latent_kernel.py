@@ -34,7 +34,6 @@ from mlra_jax.benchmarks.common import device_time, profiled_time, save
 from mlra_jax.experiments import get_experiment
 from mlra_jax.pallas_kernels.latent_decode_common import combine
 from mlra_jax.pallas_kernels.latent_decode_gpu import (
-    COMBINE_COLUMNS,
     combine_gpu,
     combine_heads,
     latent_decode_gpu,
@@ -234,7 +233,7 @@ MERGE_SHAPES = (
 def merge(out: Path) -> None:
     """The split-KV merge kernel (combine_gpu) per MERGE_SHAPES row with 1, 2, 4 and 8 heads a CTA (and the
     kernel's own choice), against its floor: the partials' and the output's bytes at the measured copy bandwidth."""
-    ceilings = roofline.measured_ceilings()
+    ceilings, sms = roofline.measured_ceilings(), sm_count()
     results = []
     for name, batch, blocks, splits, padded, heads_n, rank in MERGE_SHAPES:
         keys = jax.random.split(jax.random.key(0), 2)
@@ -245,9 +244,7 @@ def merge(out: Path) -> None:
         for rows in (None, 1, 2, 4, 8):
             if rows and heads_n % rows:
                 continue
-            fn = jax.jit(
-                functools.partial(combine_gpu, dtype=jnp.bfloat16, heads=heads_n, sms=sm_count(), heads_per_cta=rows)
-            )
+            fn = jax.jit(functools.partial(combine_gpu, dtype=jnp.bfloat16, heads=heads_n, sms=sms, heads_per_cta=rows))
             error = float(jnp.abs(fn(partial_out, lse).astype(jnp.float32) - want).max())
             timing = profiled_time(lambda: fn(partial_out, lse), 20)  # one kernel a call: its span
             row = {
@@ -258,7 +255,7 @@ def merge(out: Path) -> None:
                 "heads": heads_n,
                 "latent": rank,
                 "heads_per_cta": rows,
-                "chosen": combine_heads(heads_n, heads_n * (rank // COMBINE_COLUMNS) * batch * blocks, sm_count()),
+                "chosen": combine_heads(partial_out.shape, heads_n, sms),
                 "max_abs_error": error,
                 "time_s": timing["time_s"],
                 "method": "profiler span of one call, median of 20",
@@ -290,8 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     if jax.default_backend() != "gpu":
         parser.error("the Mosaic GPU kernel runs on Hopper GPUs (the tests check its merge in interpret mode)")
     out = args.out or Path(f"experiments/results/latent_kernel_{args.mode}.json")
-    modes = {"check": check, "tune": tune, "bound": lambda: bound(out), "heads": lambda: heads(out)}
-    modes["merge"] = lambda: merge(out)
+    modes = {
+        "check": check,
+        "tune": tune,
+        "bound": lambda: bound(out),
+        "heads": lambda: heads(out),
+        "merge": lambda: merge(out),
+    }
     modes[args.mode]()
     return 0
 
