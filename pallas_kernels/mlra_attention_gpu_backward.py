@@ -730,12 +730,11 @@ def mlra_attention_backward(
     else:
         dkv_extra = dq_extra = (lse2, delta)
     options = dict(scale=scale, groups=groups, tuning=tuning, interpret=interpret)
+    d_latent, d_k_rope, *ds_t = _dkv(*args, *dkv_extra, **options)  # ds_t: [dS^T tiles] under stored_ds
     if tuning.stored_ds:
-        d_latent, d_k_rope, ds_t = _dkv(*args, *dkv_extra, **options)
         stored = dict(groups=groups, tuning=tuning, interpret=interpret)
-        d_q_latent, d_q_rope = _dq_stored(ds_t, latent, k_rope, q_latent.shape[0], **stored)
+        d_q_latent, d_q_rope = _dq_stored(*ds_t, latent, k_rope, q_latent.shape[0], **stored)
     else:
-        d_latent, d_k_rope = _dkv(*args, *dkv_extra, **options)
         d_q_latent, d_q_rope = _dq(*args, *dq_extra, **options)
     d_q_rope = d_q_rope.astype(f32).sum(axis=1).astype(q_rope.dtype)
     d_k_rope = d_k_rope.astype(f32).sum(axis=1).astype(k_rope.dtype)
