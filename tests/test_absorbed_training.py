@@ -2,6 +2,7 @@
 gradients, alone and under tensor parallelism: the absorbed attention (which runs as grouped-query attention over
 the latent blocks) and the keys built in one product (test_latent_keys)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -133,6 +134,33 @@ def test_the_kernels_backward_stores_ds_where_a_layers_tiles_take_at_most_8_gib(
     assert mlra_kernel.backward_tuning("auto", mlra_kernel.stored_ds_bytes(2, 96, 8192, bf16)) == "recomputed_ds"
     assert mlra_kernel.backward_tuning("recomputed_ds", 0) == "recomputed_ds"
     assert mlra_kernel.backward_tuning("stored_ds", 1 << 40) == "stored_ds"
+
+
+def test_remat_auto_counts_one_layers_stored_ds_tiles(monkeypatch):
+    """remat="auto"'s estimate holds one block's stored dS tiles beside the layers' saved activations (the kernel's
+    reference standing in, as on a Hopper GPU); nothing where dS is recomputed or the kernel does not run."""
+    from mlra_jax.training import remat_choice
+
+    experiment = get_experiment("mlra4_tiny")
+    cfg = kernel_sized("mlra4")
+    recomputed = dataclasses.replace(cfg, mlra_backward="recomputed_ds")
+    with_model = lambda model: dataclasses.replace(
+        experiment, model=model, train=dataclasses.replace(experiment.train, seq_len=256)
+    )
+    remat_choice._traced_layer.cache_clear()  # its traces depend on the device the kernel sees
+    try:
+        assert remat_choice.backward_workspace_bytes(cfg, 3, 256) == 0  # the CPU: no kernel
+        kernel_stand_in(monkeypatch)
+        remat_choice._traced_layer.cache_clear()
+        tiles = mlra_kernel.stored_ds_bytes(3, cfg.n_head * 4, 256, cfg.dtype)
+        assert tiles == 3 * 8 * (4 * 5 // 2) * 64 * 64 * 4  # 2 heads x 4 branches, four 64-token tiles a side
+        assert remat_choice.backward_workspace_bytes(cfg, 3, 256) == tiles
+        assert remat_choice.backward_workspace_bytes(recomputed, 3, 256) == 0
+        for remat in ("none", "dots", "full"):
+            stored_step = remat_choice.step_bytes(with_model(cfg), 0, 3, remat)
+            assert stored_step == remat_choice.step_bytes(with_model(recomputed), 0, 3, remat) + tiles
+    finally:
+        remat_choice._traced_layer.cache_clear()
 
 
 def chosen_kernels(cfg, tokens):

@@ -304,6 +304,20 @@ def test_train_benchmark_settings(tmp_path, tiny_vocabulary):
     assert fsdp["warmup_steps"] >= 1  # --warmup=0: steps ran to fill --warmup_s
 
 
+def test_train_benchmark_profile_sums_kernel_families_and_lists_the_longest():
+    kernels = {"nvjet_sm90_tst": 3.0, "loop_add_fusion": 1.0, "entry_mosaic_gpu_kernel": 2.0, "ncclAllReduce": 0.5}
+    profile = train.top_kernels({**kernels, "Memset": 0.25}, 2)
+    assert profile["longest_s"] == {"nvjet_sm90_tst": 3.0, "entry_mosaic_gpu_kernel": 2.0}
+    assert profile["by_family_s"] == {
+        "matmul": 3.0,
+        "other (fusions)": 1.0,
+        "attention": 2.0,  # our MLRA kernel
+        "collective": 0.5,
+        "copy": 0.25,
+    }
+    assert train.build_parser().parse_args(["--profile", "--profile_kernels=400"]).profile_kernels == 400
+
+
 def test_train_benchmark_that_measures_nothing_exits_non_zero_and_writes_beside_the_user(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # not a checkout: no experiments/results/ here
     argv = ["--experiments=mlra4_tiny", "--n_layer=1", "--seq_len=16", "--steps=1", "--override=--train.seed=-1"]

@@ -23,8 +23,10 @@ form on cuDNN's attention, MLRA-2's 2%; docs/performance.md).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +131,22 @@ def stored_ds_bytes(batch: int, heads: int, tokens: int, dtype: jnp.dtype) -> in
     return batch * heads * tiles * (tiles + 1) // 2 * 64 * 64 * jnp.dtype(dtype).itemsize
 
 
+_WORKSPACES: contextvars.ContextVar[tuple[list[int], ...]] = contextvars.ContextVar("mlra_workspaces", default=())
+
+
+@contextlib.contextmanager
+def backward_workspaces() -> Iterator[list[int]]:
+    """Inside: the bytes that the backward of each kernel call traced here holds for the duration of one layer's
+    backward beyond its operands (the stored dS tiles; 0 where it recomputes dS), a list entry per call, per device
+    (remat="auto" counts them)."""
+    spaces: list[int] = []
+    token = _WORKSPACES.set((*_WORKSPACES.get(), spaces))
+    try:
+        yield spaces
+    finally:
+        _WORKSPACES.reset(token)
+
+
 def backward_tuning(choice: str, ds_bytes: int) -> str:
     """The kernel's backward tuning for ModelConfig.mlra_backward: "auto" stores dS where it takes at most
     STORED_DS_BYTES."""
@@ -157,7 +175,10 @@ def mlra_kernel_attention(
     def run(q_latent, q_rope, latent, k_rope):
         g, h, b, t, c, r = q_latent.shape
         heads_first = q_latent.reshape(g * h, b, t, c, r)  # (free: G and H are adjacent and outermost)
-        tuning = backward_tuning(backward, stored_ds_bytes(b, g * h * c, t, latent.dtype))
+        ds_bytes = stored_ds_bytes(b, g * h * c, t, latent.dtype)
+        tuning = backward_tuning(backward, ds_bytes)
+        for spaces in _WORKSPACES.get():
+            spaces.append(ds_bytes if tuning == "stored_ds" else 0)
         out = attend(heads_first, q_rope.reshape(b, t, g * h, -1), latent, k_rope, scale=scale, groups=g, tuning=tuning)
         return out.reshape(q_latent.shape)
 

@@ -18,7 +18,7 @@ training_flops_per_token = 3 x (2 x matmul parameters + layers x attention), the
 core counting 2 (d_qk + d_v) FLOPs per head per visible key, (seq_len + 1) / 2 keys on
 average under the causal mask (`mlra_jax.metrics`). Memory: XLA's compiled-step accounting
 (arguments + temporaries) and, on GPUs, the allocator's peak so far in this process;
---profile adds the GPU time of one step by kernel family and the longest kernels. With
+--profile adds the GPU time of one step by kernel family and the longest kernels (--profile_kernels). With
 --reference, each result records the official code's best batch for the same variant and
 layer count and our tokens/s over it (`reference`; benchmarks.reference). On NVIDIA GPUs each result
 records the SM clock, power draw and temperature during its timed steps (`gpu_clocks`,
@@ -94,9 +94,10 @@ def random_tokens(setup: Any) -> Any:
 
 
 def top_kernels(kernels_s: dict[str, float], count: int = 25) -> dict[str, Any]:
-    """The step's GPU time by kernel family (matmuls, attention, fusions, ...) and its `count` longest kernels."""
+    """The step's GPU time by kernel family (matmuls, attention, fusions, ...) and its `count` longest kernels. The
+    training step's Mosaic GPU kernels are our MLRA attention's (forward, dK/dV and dQ)."""
     families = {
-        "attention": ("sdpa", "fmha", "flash", "cudnn"),
+        "attention": ("sdpa", "fmha", "flash", "cudnn", "mosaic_gpu"),
         "matmul": ("gemm", "xmma", "cutlass", "matmul", "nvjet"),
         "collective": ("nccl", "all_gather", "reduce_scatter", "all_reduce"),
         "copy": ("memcpy", "memset"),
@@ -117,10 +118,11 @@ def gemm_calls(hlo_text: str) -> dict[str, int]:
 
 
 def measure(
-    name: str, overrides: list[str], steps: int, profile: bool = False, warmup: int = 2, warmup_s: float = 0.0
+    name: str, overrides: list[str], steps: int, profile: int = 0, warmup: int = 2, warmup_s: float = 0.0
 ) -> dict[str, Any]:
     """One setting's result: `warmup` untimed steps, more until `warmup_s` seconds have passed since the first,
-    then the median of `steps` timed steps."""
+    then the median of `steps` timed steps; with `profile` > 0, one profiled step's GPU time by kernel family and
+    its `profile` longest kernels."""
     import jax
 
     from mlra_jax.attention import fused
@@ -155,7 +157,7 @@ def measure(
             warmed += 1
         with ClockSampler() as clocks:
             seconds = median_time(run, repeats=steps, warmup=0)
-        kernels = top_kernels(profiled_time(run, repeats=1)["kernels_s"]) if profile else None
+        kernels = top_kernels(profiled_time(run, repeats=1)["kernels_s"], profile) if profile else None
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
     tokens_per_s = train.global_batch_size * train.seq_len / seconds
@@ -275,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--profile", action="store_true", help="also record GPU time by kernel (one profiled step)")
     parser.add_argument(
+        "--profile_kernels", type=int, default=25, help="with --profile: how many of the longest kernels it lists"
+    )
+    parser.add_argument(
         "--override",
         action="append",
         default=[],
@@ -366,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                             name,
                             setting_overrides(args, jax.device_count(), tp, remat, per_device),
                             args.steps,
-                            args.profile,
+                            args.profile_kernels if args.profile else 0,
                             args.warmup,
                             args.warmup_s,
                         )

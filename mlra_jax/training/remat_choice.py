@@ -9,6 +9,7 @@ per-device peak fits `MEMORY_FRACTION` of the device's memory:
 
     state (weights, AdamW moments, gradients, their running sum, the compute-dtype weights; training.state)
     + layers x (the activations one layer saves for its backward + its input)
+    + one layer's backward workspace (the MLRA attention kernel's stored dS tiles, where it stores them)
     + the cross-entropy's working set (one chunk's logits, its cotangent, the embedding's gradient)
 
 A layer's saved activations are traced, not guessed: JAX lists the residuals of one block under each policy
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mlra_jax.attention.mlra_kernel import backward_workspaces
 from mlra_jax.config import Experiment, ModelConfig
 from mlra_jax.model import REMAT_POLICIES, Block, default_positions
 from mlra_jax.params import compute_params
@@ -70,8 +72,20 @@ def saved_activation_bytes(cfg: ModelConfig, batch: int, seq_len: int, remat: st
     )
 
 
-@functools.cache
 def _residual_bytes(cfg: ModelConfig, batch: int, seq_len: int, remat: str) -> int:
+    return _traced_layer(cfg, batch, seq_len, remat)[0]
+
+
+def backward_workspace_bytes(cfg: ModelConfig, batch: int, seq_len: int) -> int:
+    """Bytes that one block's backward holds beyond its saved activations at `batch` sequences of `seq_len`, for the
+    duration of that block's backward only: the MLRA attention kernel's stored dS tiles, where it stores them
+    (attention.mlra_kernel.backward_workspaces); the same under every remat policy."""
+    return _traced_layer(cfg, batch, seq_len, "none")[1]
+
+
+@functools.cache
+def _traced_layer(cfg: ModelConfig, batch: int, seq_len: int, remat: str) -> tuple[int, int]:
+    """(the residuals' bytes, the backward's largest workspace) of one block traced under a remat policy."""
     from jax._src.ad_checkpoint import saved_residuals  # what jax.ad_checkpoint.print_saved_residuals prints
 
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
@@ -86,11 +100,14 @@ def _residual_bytes(cfg: ModelConfig, batch: int, seq_len: int, remat: str) -> i
 
     if remat != "none":
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
-    return sum(
+    with backward_workspaces() as workspaces:
+        residuals = saved_residuals(layer, params, x)
+    saved = sum(
         math.prod(aval.shape) * aval.dtype.itemsize
-        for aval, source in saved_residuals(layer, params, x)
+        for aval, source in residuals
         if materialized(source, aval.dtype, cfg.dtype)
     )
+    return saved, max(workspaces, default=0)
 
 
 # Elementwise results that XLA fuses into the backward's consumers (recomputed from what they were made of)
@@ -137,13 +154,14 @@ def materialized(source: str, dtype: jnp.dtype, compute_dtype: jnp.dtype) -> boo
 
 def step_bytes(experiment: Experiment, fixed_bytes: int, batch: int, remat: str) -> int:
     """The estimated per-device peak of a train step: `fixed_bytes` of state, the layers' saved activations and
-    inputs at `batch` sequences per device, and the cross-entropy's working set."""
+    inputs at `batch` sequences per device, one block's backward workspace, and the cross-entropy's working set."""
     cfg, train = experiment.model, experiment.train
     layer_input = batch * train.seq_len * cfg.n_embd * 4
     chunk = train.loss_chunk if 0 < train.loss_chunk < train.seq_len else train.seq_len
     loss = 3 * batch * chunk * cfg.vocab_size * 4 + 2 * cfg.vocab_size * cfg.n_embd * 4 + layer_input
     per_layer = saved_activation_bytes(cfg, batch, train.seq_len, remat) + layer_input
-    return fixed_bytes + cfg.n_layer * per_layer + loss
+    workspace = backward_workspace_bytes(cfg, batch, train.seq_len)  # one block's backward at a time
+    return fixed_bytes + cfg.n_layer * per_layer + workspace + loss
 
 
 def device_memory(device: jax.Device) -> int | None:
