@@ -237,6 +237,22 @@ def _skip_past_diagonal(kv_barriers, consumed, stages: int, steps, max_steps) ->
         pl.when(i + stages < max_steps)(lambda: plgpu.barrier_arrive(consumed.at[slot]))
 
 
+def _dq_launch(entry, q_shape: tuple[int, ...], dr: int, dtype, interpret: bool):
+    """Either dQ kernel's launch: a CTA per (latent block and query head, 128 queries, sequence) of q_latent's shape
+    [G H, B, T, n, R], writing d q_latent in that shape and the per-branch d q_rope [B, n, T, G H, Dr]."""
+    heads, b, t, n, _ = q_shape
+    return plgpu.kernel(
+        entry,
+        out_type=[jax.ShapeDtypeStruct(q_shape, dtype), jax.ShapeDtypeStruct((b, n, t, heads, dr), dtype)],
+        grid=(n * heads, t // (COMPUTE_WGS * TILE), b),
+        grid_names=("head", "q_tile", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
+        interpret=interpret_params(interpret),
+    )
+
+
 def _write_dq(accs, lat_smem, rope_smem, dql_ref, dqr_ref, at: tuple, dtype) -> None:
     """A warpgroup's d q_latent and d q_rope accumulators out through its SMEM tiles (lat_smem, rope_smem: its
     chunks); at = (head, sequence, rows, branch)."""
@@ -573,16 +589,7 @@ def _dq(ql, qr, lat, kr, do, lse2, delta, *, scale: float, groups: int, tuning: 
         )
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
 
-    return plgpu.kernel(
-        entry,
-        out_type=[jax.ShapeDtypeStruct(ql.shape, dtype), jax.ShapeDtypeStruct((b, n, t, heads, dr), dtype)],
-        grid=(n * heads, q_tiles, b),
-        grid_names=("head", "q_tile", "batch"),
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
-        interpret=interpret_params(interpret),
-    )(ql, qr, lat, kr, do, lse2, delta)
+    return _dq_launch(entry, ql.shape, dr, dtype, interpret)(ql, qr, lat, kr, do, lse2, delta)
 
 
 def _dq_stored(ds_t, lat, kr, heads: int, *, groups: int, tuning: BackwardTuning, interpret: bool):
@@ -657,19 +664,7 @@ def _dq_stored(ds_t, lat, kr, heads: int, *, groups: int, tuning: BackwardTuning
         )
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
 
-    return plgpu.kernel(
-        entry,
-        out_type=[
-            jax.ShapeDtypeStruct((heads, b, t, n, r), dtype),
-            jax.ShapeDtypeStruct((b, n, t, heads, dr), dtype),
-        ],
-        grid=(n * heads, q_tiles, b),
-        grid_names=("head", "q_tile", "batch"),
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
-        interpret=interpret_params(interpret),
-    )(ds_t, lat, kr)
+    return _dq_launch(entry, (heads, b, t, n, r), dr, dtype, interpret)(ds_t, lat, kr)
 
 
 def check_backward_shapes(
