@@ -344,6 +344,7 @@ def test_train_benchmark_auto_batch_leaves_the_micro_batch_to_the_trainer():
     [
         (["--batch_per_device=auto"], "--batch_per_device=auto needs --global_batch"),
         (["--batch_per_device=4,x"], "is not a list of integers and 'auto'"),
+        (["--profile", "--profile_kernels=0"], "--profile_kernels=0 lists no kernel; give 1 or more"),
         (["--experiments=mlra4_tiny,nope", "--global_batch=8"], "unknown experiment 'nope'; valid experiments: "),
     ],
 )

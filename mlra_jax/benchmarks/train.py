@@ -330,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--batch_per_device={args.batch_per_device!r} is not a list of integers and 'auto'")
     if 0 in batches and not args.global_batch:
         parser.error("--batch_per_device=auto needs --global_batch (the trainer splits it into micro-batches)")
+    if args.profile_kernels < 1:
+        parser.error(f"--profile_kernels={args.profile_kernels} lists no kernel; give 1 or more (25 by default)")
     xla_defaults = False if args.no_xla_defaults else apply_gpu_defaults()  # before JAX starts a backend
     logging.basicConfig(level=logging.WARNING)
 
